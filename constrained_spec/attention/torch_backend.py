@@ -1,0 +1,58 @@
+"""Reference attention in plain torch: pads the batch, gathers each context from the slot pool,
+and calls SDPA with an explicit mask. Runs on CPU and GPU; the other backends are tested against it."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, layer, kv: KVCache, meta: AttentionMetadata, scale):
+        kv.store(layer, meta.out_slots, k, v)
+        T, H, D = q.shape
+        B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
+        token_batch, token_pos = _token_coords(meta, T)
+
+        qp = q.new_zeros(B, Q, H, D)
+        qp[token_batch, token_pos] = q
+        slots = meta.slot_table[:, :K]
+        kp = kv.k[layer][slots]  # [B, K, KVH, D]
+        vp = kv.v[layer][slots]
+        mask = _attention_mask(meta, Q, K, q.device)  # [B, Q, K]
+
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+            attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True,
+        )  # [B, H, Q, D]
+        return out.transpose(1, 2)[token_batch, token_pos]
+
+
+def _token_coords(meta: AttentionMetadata, T: int):
+    """(sequence index, index within the sequence's new tokens) of every flat token."""
+    B = meta.batch_size
+    token_batch = torch.repeat_interleave(
+        torch.arange(B, device=meta.q_lens.device), meta.q_lens.long(), output_size=T)
+    token_pos = torch.arange(T, device=meta.q_lens.device) - meta.q_starts[:-1].long()[token_batch]
+    return token_batch, token_pos
+
+
+def _attention_mask(meta: AttentionMetadata, Q: int, K: int, device) -> torch.Tensor:
+    prefix = (meta.kv_lens - meta.q_lens).long().view(-1, 1, 1)  # cached context before the new tokens
+    qi = torch.arange(Q, device=device).view(1, Q, 1)
+    kj = torch.arange(K, device=device).view(1, 1, K)
+    in_query = qi < meta.q_lens.long().view(-1, 1, 1)
+    in_context = kj < meta.kv_lens.long().view(-1, 1, 1)
+    if meta.mode is ForwardMode.VERIFY and meta.tree_mask is not None:
+        rel = (kj - prefix).clamp(min=0, max=Q - 1).expand(meta.batch_size, Q, K)
+        tree = torch.gather(meta.tree_mask, 2, rel)
+        visible = (kj < prefix) | tree
+    else:
+        visible = kj <= prefix + qi
+    mask = visible & in_context & in_query
+    # Padding query rows see nothing; give them one key so softmax stays finite.
+    mask[..., 0] |= ~in_query[..., 0]
+    return mask

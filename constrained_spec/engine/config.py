@@ -1,0 +1,23 @@
+"""Engine settings. CLI flags map one to one onto these fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    device: str = "auto"  # auto: cuda when available
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 40% of free memory on CUDA
+    max_running_requests: int = 128
+    max_model_len: int | None = None  # None: the model's max position (capped at 8192)
+    max_prefill_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
+    max_queued_requests: int = 1024
+    disable_overlap: bool = False
+    disable_cuda_graph: bool = False
+    jump_forward: bool = False  # emit grammar-forced strings without sampling
+    grammar_threads: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    seed: int = 0  # base for requests that do not give their own seed

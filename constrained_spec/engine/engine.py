@@ -1,0 +1,384 @@
+"""The engine: a background thread that runs the scheduler/model-runner loop, and the
+thread-safe entry points (`add_request`, `generate`, `stream`, `astream`, `abort`) on top.
+
+Step timeline (design notes, "Overlap"): launch batch N on the device; while it runs, read batch
+N-1's tokens, accept them into the grammar matchers, finish and stream requests; then fill batch
+N's bitmask rows and sample. With `disable_overlap`, batch N's results are processed right after
+its own sampling instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterator
+
+import torch
+
+from ..grammar import GrammarBackend, GrammarError, GrammarSpec
+from ..models import load_model
+from ..sampling_params import SamplingParams
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, StepResult
+from .request import FinishReason, Request, RequestOutput, Status
+from .scheduler import Scheduler
+from .stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses up front (too long, bad grammar, queue full)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    logprobs: list[dict] | None = None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = config or EngineConfig()
+        for k, v in overrides.items():
+            if not hasattr(config, k):
+                raise TypeError(f"unknown engine option {k!r}")
+            setattr(config, k, v)
+        self.config = config
+        self.device = resolve_device(config.device)
+        loaded = load_model(config.model, dtype=config.dtype, device=str(self.device))
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        dtype = next(loaded.model.parameters()).dtype
+        self.runner = ModelRunner(loaded, config, self.device, dtype)
+        self.max_context = self.runner.max_context
+        self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, max_threads=config.grammar_threads,
+                                      compile_timeout_s=config.grammar_compile_timeout_s)
+        self.scheduler = Scheduler(self.runner, config)
+        self.stats = EngineStats()
+        self._bitmask = self.grammar.allocate_bitmask(config.max_running_requests)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._compiling: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self._stopped = False
+        self._launched = None  # the batch whose forward is on the device now
+        self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
+        self._thread.start()
+        log.info("engine ready: model %s on %s (%s), %d KV slots, max context %d", self.model_name, self.device,
+                 dtype, self.runner.pool.capacity, self.max_context)
+
+    # -- public API ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    grammar: GrammarSpec | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queues a request; `on_output` is called from the engine thread with each update."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        self._check_length(ids, params)
+        if self.num_queued() >= self.config.max_queued_requests:
+            raise RequestError("the engine's queue is full; retry later", code="queue_full")
+        req = Request(ids, params, on_output or (lambda out: None))
+        if request_id:
+            req.request_id = request_id
+        req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
+        req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        if grammar is not None:
+            req.grammar_future = self.grammar.compile_async(grammar)
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def compile_grammar(self, grammar: GrammarSpec):
+        """Compiles (or fetches from cache) synchronously; raises GrammarError. Lets a server
+        refuse a bad schema before it queues anything."""
+        return self.grammar.compile(grammar)
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None,
+                 grammar: GrammarSpec | list[GrammarSpec | None] | None = None) -> list[GenerationOutput]:
+        """Blocking batch generation; all prompts run concurrently."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        plist = [prompts] if single else list(prompts)
+        grammars = grammar if isinstance(grammar, list) else [grammar] * len(plist)
+        collectors = [_Collector() for _ in plist]
+        reqs = [self.add_request(p, params, g, c) for p, g, c in zip(plist, grammars, collectors)]
+        return [c.result(r) for c, r in zip(collectors, reqs)]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               grammar: GrammarSpec | None = None) -> Iterator[RequestOutput]:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        req = self.add_request(prompt, params, grammar, q.put)
+        try:
+            while True:
+                out = q.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.request_id)
+
+    async def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      grammar: GrammarSpec | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req = self.add_request(prompt, params, grammar, lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+                               request_id=request_id)
+        try:
+            while True:
+                out = await q.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.finished:  # the consumer went away (client disconnect): free its KV now
+                self.abort(req.request_id)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def num_queued(self) -> int:
+        return len(self._by_id)
+
+    def kv_usage(self) -> float:
+        pool = self.runner.pool
+        return 1.0 - pool.num_free / pool.capacity
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.grammar.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context holds {self.max_context}",
+                               param="messages", code="context_length_exceeded")
+        if len(ids) + 1 > self.runner.pool.capacity:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the KV cache holds {self.runner.pool.capacity}",
+                               param="messages", code="context_length_exceeded")
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        inflight: StepResult | None = None
+        while not self._stopped:
+            try:
+                self._drain_inbox()
+                self._check_compiles()
+                batch = self.scheduler.schedule(can_retract=inflight is None)
+                if batch is None and inflight is not None:
+                    self._process(inflight)
+                    inflight = None
+                    continue
+                if batch is None:
+                    self._idle_wait()
+                    continue
+                t0 = time.perf_counter()
+                logits = self.runner.forward(batch)
+                self._launched = batch
+                if inflight is not None:
+                    self._process(inflight)
+                    inflight = None
+                bitmask = self._fill_bitmask(batch)
+                result = self.runner.sample(batch, logits, bitmask, self.grammar.apply_bitmask)
+                if self.config.disable_overlap or self.device.type != "cuda":
+                    self._launched = None
+                    self._process(result)
+                else:
+                    inflight = result
+                self.stats.on_step(batch, time.perf_counter() - t0)
+            except Exception:  # keep serving: fail the requests of this step, not the engine
+                log.exception("engine step failed")
+                inflight = None
+                self._fail_running("internal error in the engine step; see the server log")
+
+    def _idle_wait(self) -> None:
+        self._wake.wait(timeout=0.05 if self._compiling else 1.0)
+        self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._by_id[item.request_id] = item
+                if item.grammar_future is not None:
+                    item.status = Status.COMPILING
+                    self._compiling.append(item)
+                else:
+                    self.scheduler.add(item)
+            elif kind == "abort":
+                req = self._by_id.get(item)
+                if req is not None and not req.finished:
+                    req.aborted = True
+                    self._finish(req, FinishReason.ABORT)
+
+    def _check_compiles(self) -> None:
+        still = []
+        for req in self._compiling:
+            if req.finished:
+                continue
+            fut = req.grammar_future
+            if not fut.done():
+                still.append(req)
+                continue
+            try:
+                req.matcher = self.grammar.matcher(fut.result())
+            except GrammarError as e:
+                self._finish(req, FinishReason.ERROR, error=str(e))
+                continue
+            self.scheduler.add(req)
+        self._compiling = still
+
+    def _fill_bitmask(self, batch):
+        reqs = batch.sampling_requests()
+        if not any(r.matcher is not None for r in reqs):
+            return None
+        bitmask = self._bitmask[:len(reqs)]
+        bitmask.fill_(-1)
+        t0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            if r.matcher is not None and not r.finished:
+                r.matcher.fill_bitmask(bitmask, i)
+        self.stats.grammar_mask_seconds += time.perf_counter() - t0
+        return bitmask
+
+    def _process(self, result: StepResult) -> None:
+        tokens, logprobs = result.wait()
+        for i, req in enumerate(result.batch.sampling_requests()):
+            if req.finished:
+                continue  # finished while this step was in flight; its sample is moot
+            if req.discard_inflight:
+                req.discard_inflight = False
+                continue
+            self._append_token(req, tokens[i], None if logprobs is None else logprobs[i])
+
+    def _append_token(self, req: Request, token: int, logprob: dict | None) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+            self.stats.on_first_token(req)
+        params = req.params
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            self._finish(req, FinishReason.ERROR, error=f"internal error: token {token} violates the grammar")
+            return
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            req.output_ids.append(token)
+            self._finish(req, FinishReason.STOP, matched=token, new_ids=[token], logprobs=[logprob] if logprob else None)
+            return
+        new_ids = [token]
+        req.output_ids.append(token)
+        forced = self._jump_forward(req)
+        new_ids += forced
+        stop = req.detok.add(new_ids)
+        lps = [logprob] if logprob else None
+        if stop is not None:
+            self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
+        elif req.matcher is not None and req.matcher.is_terminated():
+            self._finish(req, FinishReason.STOP, new_ids=new_ids, logprobs=lps)
+        elif len(req.output_ids) >= params.max_tokens or req.total_len >= self.max_context:
+            self._finish(req, FinishReason.LENGTH, new_ids=new_ids, logprobs=lps)
+        else:
+            self._emit(req, new_ids, lps, finished=False)
+
+    def _jump_forward(self, req: Request) -> list[int]:
+        if not self.config.jump_forward or req.matcher is None:
+            return []
+        room = min(req.params.max_tokens - len(req.output_ids), self.max_context - req.total_len)
+        forced = req.matcher.jump_forward_tokens(self.tokenizer)[:max(room - 1, 0)]
+        for tok in forced:
+            req.matcher.accept_token(tok)
+        if forced:
+            req.output_ids.extend(forced)
+            req.num_forced_tokens += len(forced)
+            self.stats.forced_tokens += len(forced)
+            req.needs_extend = True
+            req.discard_inflight = req.status is Status.RUNNING and self._in_flight(req)
+        return forced
+
+    def _in_flight(self, req: Request) -> bool:
+        # In overlap mode the next batch was launched before this result was processed.
+        launched = self._launched
+        return launched is not None and launched.mode.value == "decode" and req in launched.requests
+
+    def _emit(self, req: Request, new_ids: list[int], logprobs, finished: bool,
+              reason: FinishReason | None = None, matched=None) -> None:
+        text = req.detok.take(final=finished) if req.detok else ""
+        req.on_output(RequestOutput(
+            request_id=req.request_id, new_text=text, new_token_ids=new_ids, finished=finished,
+            finish_reason=reason, error=req.error, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids), logprobs=logprobs, matched_stop=matched))
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None, matched=None,
+                new_ids: list[int] | None = None, logprobs=None) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        self.scheduler.remove(req)
+        self._by_id.pop(req.request_id, None)
+        self.stats.on_finish(req)
+        self._emit(req, new_ids or [], logprobs, finished=True, reason=reason, matched=matched)
+
+    def _fail_running(self, message: str) -> None:
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(req, FinishReason.ERROR, error=message)
+
+
+class _Collector:
+    """Gathers a request's updates into one GenerationOutput."""
+
+    def __init__(self):
+        self.text, self.ids, self.lps = [], [], []
+        self.done = threading.Event()
+        self.final: RequestOutput | None = None
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.ids.extend(out.new_token_ids)
+        if out.logprobs:
+            self.lps.extend(out.logprobs)
+        if out.finished:
+            self.final = out
+            self.done.set()
+
+    def result(self, req: Request) -> GenerationOutput:
+        self.done.wait()
+        f = self.final
+        return GenerationOutput(req.request_id, "".join(self.text), self.ids, f.finish_reason, f.prompt_tokens,
+                                f.completion_tokens, f.error, self.lps or None)

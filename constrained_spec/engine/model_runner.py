@@ -1,0 +1,213 @@
+"""Runs one step on the device: builds the inputs, runs the model, masks and samples.
+
+The step is split in two so the engine can overlap CPU grammar work with the GPU:
+`forward()` launches the model and returns at once (on CUDA); `sample()` applies the grammar
+bitmask and samples, leaving the tokens in a pinned host buffer behind a CUDA event. Nothing here
+reads a device value back except `StepResult.wait()`, the one sync per step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
+from .batch import ScheduledBatch
+from .config import EngineConfig
+from .kv_cache import RequestSlotTable, SlotPool
+from .sampler import SamplingBatch, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    batch: ScheduledBatch
+    tokens_host: torch.Tensor  # [n_sampling] int64, pinned on CUDA
+    logprobs_host: tuple[torch.Tensor, ...] | None
+    event: torch.cuda.Event | None
+
+    def wait(self) -> tuple[list[int], list[dict] | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.tokens_host.tolist()
+        if self.logprobs_host is None:
+            return tokens, None
+        chosen, top_ids, top_vals = (t.tolist() for t in self.logprobs_host)
+        return tokens, [
+            {"logprob": chosen[i], "top": list(zip(top_ids[i], top_vals[i]))} for i in range(len(tokens))
+        ]
+
+
+class ModelRunner:
+    def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.model = loaded.model
+        self.mcfg = loaded.config
+        self.device, self.dtype = device, dtype
+        self.vocab_size = self.mcfg.vocab_size
+        self.backend = get_attention_backend(config.attention_backend, str(device))
+        self.max_context = min(config.max_model_len or self.mcfg.max_position, self.mcfg.max_position)
+        num_slots = self._num_kv_slots(config)
+        self.kv = KVCache(self.mcfg.num_layers, num_slots, self.mcfg.num_kv_heads, self.mcfg.head_dim, dtype, device)
+        self.pool = SlotPool(num_slots)
+        self.table = RequestSlotTable(config.max_running_requests, self.max_context, device)
+        self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=device)
+        self.token_counts: torch.Tensor | None = None  # [rows, V], allocated when penalties appear
+        self.pinned = device.type == "cuda"
+        log.info("KV cache: %d token slots (%.2f GiB), attention backend %s", num_slots,
+                 num_slots * KVCache.bytes_per_slot(self.mcfg.num_layers, self.mcfg.num_kv_heads,
+                                                    self.mcfg.head_dim, dtype) / 2**30, self.backend.name)
+
+    def _num_kv_slots(self, config: EngineConfig) -> int:
+        per_slot = KVCache.bytes_per_slot(self.mcfg.num_layers, self.mcfg.num_kv_heads, self.mcfg.head_dim, self.dtype)
+        if config.kv_cache_memory_gb is not None:
+            budget = config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = 0.4 * free
+        else:
+            budget = 2**30
+        slots = int(budget // per_slot)
+        if slots < 64:
+            raise ValueError(f"KV cache budget of {budget / 2**20:.1f} MiB holds only {slots} tokens; raise it")
+        return slots
+
+    # -- host → device ---------------------------------------------------------------------------
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.pinned:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Allocates KV slots for the new tokens and builds the model inputs."""
+        B = batch.size
+        rows = np.empty(B, dtype=np.int64)
+        q_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        kv_lens = np.empty(B, dtype=np.int64)
+        host_ids: list[int] = []
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if req.row < 0:
+                req.row = self.table.take_row()
+                self._reset_row_state(req)
+            rows[i] = req.row
+            self.table.append(req.row, self.pool.alloc(n))
+            if batch.mode is ForwardMode.EXTEND:
+                host_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
+            req.num_cached += n
+            kv_lens[i] = req.num_cached
+        T = int(q_lens.sum())
+        q_starts = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=q_starts[1:])
+        token_rows = np.repeat(rows, q_lens)
+        positions = np.arange(T, dtype=np.int64) - np.repeat(q_starts[:-1], q_lens) + np.repeat(kv_lens - q_lens, q_lens)
+        out_slots = self.table.host[token_rows, positions]
+
+        packed = self._to_device(np.concatenate([rows, q_lens, kv_lens, q_starts, positions, out_slots, token_rows]))
+        rows_d, q_lens_d, kv_lens_d, q_starts_d, pos_d, slots_d, token_rows_d = torch.split(
+            packed, [B, B, B, B + 1, T, T, T])
+        self.table.write_device(token_rows_d, pos_d, slots_d)
+        if batch.mode is ForwardMode.DECODE:
+            input_ids = self.last_token[rows_d]
+        else:
+            input_ids = self._to_device(np.asarray(host_ids, dtype=np.int64))
+        max_kv = int(kv_lens.max())
+        meta = AttentionMetadata(
+            mode=batch.mode, out_slots=slots_d, q_starts=q_starts_d.to(torch.int32), q_lens=q_lens_d.to(torch.int32),
+            kv_lens=kv_lens_d.to(torch.int32), slot_table=self.table.device_table[rows_d, :max_kv],
+            max_q_len=int(q_lens.max()), max_kv_len=max_kv,
+        )
+        batch.sample_index = [i for i, s in enumerate(batch.samples) if s]
+        self._rows_d, self._q_ends_d = rows_d, q_starts_d[1:] - 1
+        return input_ids, pos_d, meta
+
+    def _reset_row_state(self, req) -> None:
+        if self.token_counts is not None:
+            self.token_counts[req.row].zero_()
+            self._count_outputs(req)
+
+    def _count_outputs(self, req) -> None:
+        if req.output_ids:
+            ids = torch.as_tensor(req.output_ids, device=self.device)
+            self.token_counts[req.row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    # -- the step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Launches the model; returns logits [n_sampling, V] (float32) for the rows that sample."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+        idx = self._q_ends_d[torch.as_tensor(batch.sample_index, dtype=torch.int64).to(self.device, non_blocking=True)] \
+            if len(batch.sample_index) != batch.size else self._q_ends_d
+        return self.model.compute_logits(hidden[idx]).float()
+
+    @torch.inference_mode()
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor, bitmask: torch.Tensor | None,
+               apply_bitmask) -> StepResult:
+        reqs = batch.sampling_requests()
+        rows_d = self._rows_d[torch.as_tensor(batch.sample_index).to(self.device)] if len(reqs) != batch.size else self._rows_d
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
+        sb = self._sampling_batch(reqs, rows_d)
+        tokens = sample(logits, sb) if reqs else torch.empty(0, dtype=torch.int64, device=self.device)
+        self.last_token[rows_d] = tokens
+        if self.token_counts is not None:
+            self.token_counts[rows_d, tokens] += 1
+        logprobs = self._logprobs(reqs, logits, tokens)
+        return self._to_host(batch, tokens, logprobs)
+
+    def _to_host(self, batch, tokens, logprobs) -> StepResult:
+        def host(t):
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
+            out.copy_(t, non_blocking=True)
+            return out
+        lp_host = None if logprobs is None else tuple(host(t) for t in logprobs)
+        event = None
+        tokens_host = host(tokens)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StepResult(batch, tokens_host, lp_host, event)
+
+    def _logprobs(self, reqs, logits, tokens):
+        k = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
+        if k is None:
+            return None
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+        return chosen, top_ids, top_vals
+
+    def _sampling_batch(self, reqs, rows_d) -> SamplingBatch:
+        n = len(reqs)
+        f = np.empty((6, n), dtype=np.float64)
+        for i, r in enumerate(reqs):
+            p = r.params
+            f[:, i] = (p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else self.vocab_size,
+                       p.frequency_penalty, p.presence_penalty)
+        ints = np.array([[r.seed for r in reqs], [r.num_cached - len(r.prompt_ids) for r in reqs]], dtype=np.int64)
+        fd = self._to_device(f.astype(np.float32))
+        idev = self._to_device(ints)
+        greedy = bool((f[0] <= 1e-5).all())
+        penalties = bool((f[4] != 0).any() or (f[5] != 0).any())
+        if penalties and self.token_counts is None:
+            self.token_counts = torch.zeros(self.last_token.shape[0], self.vocab_size, dtype=torch.int32, device=self.device)
+            for r in reqs:  # first use: seed the counts from outputs so far
+                self._count_outputs(r)
+        return SamplingBatch(
+            temperature=fd[0], top_p=fd[1], min_p=fd[2], top_k=fd[3].long(), seeds=idev[0], steps=idev[1],
+            frequency_penalty=fd[4] if penalties else None, presence_penalty=fd[5] if penalties else None,
+            token_counts=self.token_counts[rows_d] if penalties else None,
+            all_greedy=greedy,
+            needs_filter=bool((f[1] < 1).any() or (f[2] > 0).any() or (f[3] < self.vocab_size).any()),
+        )
+
+    # -- KV release ------------------------------------------------------------------------------
+    def release(self, req) -> None:
+        """Returns all of a request's KV slots and its table row."""
+        if req.row >= 0:
+            self.pool.free(self.table.release_row(req.row))
+            req.row = -1
+        req.num_cached = 0

@@ -1,0 +1,78 @@
+"""A request's life inside the engine: tokens, grammar matcher, KV row, and where its output goes."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+from ..sampling_params import SamplingParams
+
+
+class Status(Enum):
+    COMPILING = "compiling"  # waiting for its grammar to compile
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, stop string, stop token id, or grammar end
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class RequestOutput:
+    """One update for a caller: the text and tokens added since the last update."""
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": [(id, logprob)]}
+    matched_stop: str | int | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    grammar_future: Any = None  # Future[CompiledGrammar] while compiling
+    matcher: Any = None  # RequestMatcher once compiled
+    seed: int = 0
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1  # row in the RequestSlotTable while it holds KV
+    num_cached: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
+    needs_extend: bool = True  # host-known tokens past num_cached must go through an EXTEND step
+    discard_inflight: bool = False  # ignore the sample of the step in flight (jump-forward replaced it)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_forced_tokens: int = 0  # jump-forward tokens emitted without sampling
+    detok: Any = None
+    aborted: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

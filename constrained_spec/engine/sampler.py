@@ -1,0 +1,80 @@
+"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded draws.
+
+Randomness is counter-based: the noise for (seed, step, token) is a hash of the three, so a
+request samples the same tokens alone or in any batch, with no per-request generator objects and
+no host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as device tensors, built once per step by the runner."""
+    temperature: torch.Tensor  # [B] float; 0 means greedy
+    top_k: torch.Tensor  # [B] int64; vocab size means off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: output position, so each draw gets fresh noise
+    frequency_penalty: torch.Tensor | None = None  # [B] float, None when no row uses penalties
+    presence_penalty: torch.Tensor | None = None
+    token_counts: torch.Tensor | None = None  # [B, V] counts of each token in the output so far
+    all_greedy: bool = False
+    needs_filter: bool = False  # any row with top-k/top-p/min-p
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) of shape [B, vocab], a pure function of (seed, step, token index)."""
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64).unsqueeze(0)
+    x = (seeds.unsqueeze(1) * 0x9E3779B1 + steps.unsqueeze(1) * 0x85EBCA77 + idx * 0xC2B2AE3D) & _MASK32
+    for mul in (0x7FEB352D, 0x846CA68B):  # lowbias32 finalizer
+        x = x ^ (x >> 16)
+        x = (x * mul) & _MASK32
+    x = x ^ (x >> 16)
+    return (x.to(torch.float32) + 0.5) / 4294967296.0
+
+
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    if sb.token_counts is None:
+        return logits
+    counts = sb.token_counts.to(logits.dtype)
+    logits = logits - sb.frequency_penalty.unsqueeze(1) * counts
+    return logits - sb.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def filter_probs(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Zeroes tokens outside top-k / top-p / min-p; rows stay unnormalized."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    keep = rank < sb.top_k.unsqueeze(1)
+    cum_before = sorted_p.cumsum(-1) - sorted_p
+    keep &= cum_before < sb.top_p.unsqueeze(1)
+    keep &= sorted_p >= sb.min_p.unsqueeze(1) * sorted_p[:, :1]
+    keep[:, 0] = True
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+
+
+def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from (temperature and filters applied), float32."""
+    temp = sb.temperature.clamp(min=1e-5).unsqueeze(1)
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    return filter_probs(probs, sb) if sb.needs_filter else probs
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] (grammar mask already applied) -> token ids [B] int64, on the device."""
+    logits = apply_penalties(logits, sb)
+    greedy = logits.argmax(-1)
+    if sb.all_greedy:
+        return greedy
+    probs = target_probs(logits, sb)
+    # Exponential race: argmax p / E with E ~ Exp(1) draws from p exactly.
+    race = probs / -torch.log(uniform_noise(sb.seeds, sb.steps, probs.shape[-1]))
+    drawn = race.argmax(-1)
+    return torch.where(sb.temperature <= 1e-5, greedy, drawn)

@@ -1,0 +1,45 @@
+"""Counters the engine keeps for /metrics and benchmarks (read from other threads: plain numbers)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forced_tokens: int = 0
+    finished: dict = field(default_factory=dict)  # finish reason -> count
+    grammar_mask_seconds: float = 0.0
+    step_seconds: float = 0.0
+    ttft: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-to-first-token samples
+    tpot: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-per-output-token samples
+    listeners: list = field(default_factory=list)  # callables(event, request) for /metrics
+
+    def on_step(self, batch, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+        if batch.mode.value == "decode":
+            self.decode_steps += 1
+        else:
+            self.extend_steps += 1
+
+    def on_first_token(self, req) -> None:
+        self.ttft.append(req.first_token_time - req.arrival)
+        for fn in self.listeners:
+            fn("first_token", req)
+
+    def on_finish(self, req) -> None:
+        reason = req.finish_reason.value
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        self.prompt_tokens += len(req.prompt_ids)
+        self.generated_tokens += len(req.output_ids)
+        if req.first_token_time is not None and len(req.output_ids) > 1:
+            self.tpot.append((time.monotonic() - req.first_token_time) / (len(req.output_ids) - 1))
+        for fn in self.listeners:
+            fn("finish", req)
