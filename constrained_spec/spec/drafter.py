@@ -1,0 +1,57 @@
+"""The drafter interface the engine talks to.
+
+Protocol per request (the engine's side):
+  1. ``add_request(rid, prompt_tokens)`` once, before the first ``propose``;
+  2. each step: ``propose(DraftBatch)`` -> :class:`DraftTrees` (node 0 of request b = the last
+     verified token, i.e. the last token of its stream); verify; then
+     ``observe(rid, emitted_tokens)`` with the tokens the step emitted (accepted drafts + bonus), so
+     the drafter's stream is always prompt + every emitted token, in order;
+  3. ``finish(rid)`` when the request ends (any reason).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from .tree import DraftTrees
+
+__all__ = ["DraftBatch", "Drafter"]
+
+
+@dataclass
+class DraftBatch:
+    """What ``propose`` needs: the requests, in batch order.
+
+    contexts: None (the drafter uses the streams it was given through add_request/observe), or one
+    token sequence per request whose last token is node 0 (only the tail is read, e.g. the last
+    ``max_ngram`` tokens for the n-gram drafter).
+    """
+    request_ids: list[Hashable]
+    contexts: list[Sequence[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+class Drafter(ABC):
+    #: tree width N, root included: every returned tree has at most N nodes and the batch is padded
+    #: to [B, N] (the static verify width for CUDA graphs).
+    num_draft_tokens: int
+
+    def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
+        """Register a request and its prompt."""
+
+    @abstractmethod
+    def propose(self, batch: DraftBatch) -> DraftTrees:
+        """Draft one tree per request: DraftTrees of [B, N] int64 CPU tensors."""
+
+    def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:
+        """Append the tokens emitted by the last verify step (accepted drafts + bonus)."""
+
+    def observe_batch(self, request_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> None:
+        for rid, toks in zip(request_ids, token_lists):
+            self.observe(rid, toks)
+
+    def finish(self, request_id: Hashable) -> None:
+        """Drop the request's state."""

@@ -1,0 +1,230 @@
+"""Draft trees in xgrammar's layout, batched, with the derived structure verification needs.
+
+A request's draft tree is a flat list of nodes (design notes):
+  * ``tokens[i]``: the token of node i; node 0 is the last verified token (its KV is computed in the
+    verify pass together with the drafts);
+  * ``next_token[i]``: the first child of i, or -1;
+  * ``next_sibling[i]``: the next sibling of i, or -1.
+Children are tried in sibling order (best first). A batch pads every tree to ``N`` nodes (padding:
+token 0, links -1) and ``num_nodes[b]`` says how many are real; nothing links to a padded node.
+
+Derived (vectorized over the batch; cheap for N <= 64; all on the trees' device):
+  * ``parents [B, N]`` (-1 for the root and padding),
+  * ``depth [B, N]`` = position offset from node 0 (0 for padding),
+  * ``mask [B, N, N]`` bool, ``mask[b, i, j]`` = node j is i or an ancestor of i: exactly the
+    attention backend's ``tree_mask`` convention. Padded rows see only themselves.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["DraftTrees", "allowed_from_bitmask"]
+
+
+def _doubling_steps(n: int) -> int:
+    return max(1, math.ceil(math.log2(max(n, 2))))
+
+
+@dataclass
+class DraftTrees:
+    tokens: torch.Tensor  # [B, N] int64
+    next_token: torch.Tensor  # [B, N] int64
+    next_sibling: torch.Tensor  # [B, N] int64
+    num_nodes: torch.Tensor  # [B] int64
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_arrays(cls, tokens, next_token, next_sibling, num_nodes=None,
+                    device: torch.device | str | None = None) -> "DraftTrees":
+        """From [B, N] numpy arrays / tensors (any int dtype), e.g. ``NgramTrie.propose_batch``."""
+        def t(x):
+            x = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+            return x.to(device=device, dtype=torch.int64)
+        tok, nxt, sib = t(tokens), t(next_token), t(next_sibling)
+        if tok.dim() == 1:
+            tok, nxt, sib = tok[None], nxt[None], sib[None]
+        if num_nodes is None:
+            num_nodes = torch.full((tok.shape[0],), tok.shape[1], dtype=torch.int64)
+        return cls(tok, nxt, sib, t(num_nodes).reshape(-1))
+
+    @classmethod
+    def from_lists(cls, trees: Sequence[tuple], width: int | None = None,
+                   device: torch.device | str | None = None) -> "DraftTrees":
+        """From per-request ``(tokens, next_token, next_sibling)`` sequences; pads to ``width``."""
+        counts = [len(t[0]) for t in trees]
+        n = max(width or 0, max(counts, default=1), 1)
+        b = len(trees)
+        tok = np.zeros((b, n), np.int64)
+        nxt = np.full((b, n), -1, np.int64)
+        sib = np.full((b, n), -1, np.int64)
+        for i, (t, x, s) in enumerate(trees):
+            tok[i, :len(t)] = t
+            nxt[i, :len(x)] = x
+            sib[i, :len(s)] = s
+        return cls.from_arrays(tok, nxt, sib, np.asarray(counts, np.int64), device=device)
+
+    @classmethod
+    def chains(cls, root_tokens, drafts, device=None) -> "DraftTrees":
+        """Chains: node 0 = root token, then the draft tokens in order. drafts: [B, K] (or lists)."""
+        trees = []
+        for r, d in zip(root_tokens, drafts):
+            d = list(d)
+            n = len(d) + 1
+            trees.append(([int(r)] + [int(v) for v in d], list(range(1, n)) + [-1], [-1] * n))
+        return cls.from_lists(trees, device=device)
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device, non_blocking: bool = False) -> "DraftTrees":
+        return DraftTrees(*(x.to(device, non_blocking=non_blocking) for x in
+                            (self.tokens, self.next_token, self.next_sibling, self.num_nodes)))
+
+    def layout(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Request b's unpadded (next_token, next_sibling, tokens) as 1-D int64 CPU tensors, in
+        the argument order of ``GrammarMatcher.traverse_draft_tree`` (host side; syncs)."""
+        n = int(self.num_nodes[b])
+        return (self.next_token[b, :n].cpu(), self.next_sibling[b, :n].cpu(),
+                self.tokens[b, :n].cpu())
+
+    # ------------------------------------------------------------------ derived structure
+    @property
+    def valid(self) -> torch.Tensor:
+        """[B, N] bool: node is real (not padding)."""
+        if "valid" not in self._cache:
+            idx = torch.arange(self.width, device=self.device)
+            self._cache["valid"] = idx[None, :] < self.num_nodes[:, None]
+        return self._cache["valid"]
+
+    @property
+    def parents(self) -> torch.Tensor:
+        """[B, N] int64: parent node index, -1 for the root and padding."""
+        if "parents" not in self._cache:
+            self._cache["parents"] = _parents(self.next_token, self.next_sibling, self.valid)
+        return self._cache["parents"]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, N, N] bool: mask[b, i, j] = j is i or an ancestor of i."""
+        if "mask" not in self._cache:
+            self._cache["mask"] = _ancestor_mask(self.parents)
+        return self._cache["mask"]
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """[B, N] int64: depth of each node (root 0) = position offset from node 0."""
+        if "depth" not in self._cache:
+            self._cache["depth"] = self.mask.sum(-1) - 1
+        return self._cache["depth"]
+
+    positions = depth  # alias: position offsets relative to node 0
+
+    # ------------------------------------------------------------------ pruning
+    def prune(self, allowed: torch.Tensor) -> tuple["DraftTrees", torch.Tensor]:
+        """Drop every node whose ``allowed`` is False together with its subtree and re-pack.
+
+        allowed: [B, N] bool (node 0 is always kept). Kept nodes keep their relative order, so the
+        packed layout still has parents before children and siblings in order. Returns
+        ``(pruned, old_index)``, old_index [B, N] int64 = the old node index of each new node
+        (-1 for padding): gather logits, bitmask rows or draft probabilities with it.
+        """
+        b, n = self.tokens.shape
+        dev = self.device
+        idx = torch.arange(n, device=dev)
+        allowed = allowed.to(dev, torch.bool) | (idx == 0)[None, :]
+        allowed = allowed & self.valid
+        keep = ~(self.mask & ~allowed[:, None, :]).any(-1) & self.valid  # all ancestors allowed
+        new_index = torch.where(keep, keep.cumsum(-1) - 1, torch.full_like(idx, -1)[None, :])
+
+        # g[j] = first kept node on the sibling chain starting at j (index n = none).
+        sib_ext = torch.cat([torch.where(self.next_sibling >= 0, self.next_sibling, n),
+                             torch.full((b, 1), n, device=dev, dtype=torch.int64)], 1)
+        keep_ext = torch.cat([keep, torch.ones((b, 1), device=dev, dtype=torch.bool)], 1)
+        idx_ext = torch.arange(n + 1, device=dev).expand(b, n + 1)
+        g = torch.where(keep_ext, idx_ext, sib_ext)
+        for _ in range(_doubling_steps(n + 1)):
+            g = g.gather(1, g)
+        remap = torch.cat([new_index, torch.full((b, 1), -1, device=dev, dtype=torch.int64)], 1)
+
+        def relink(links):
+            first = g.gather(1, torch.where(links >= 0, links, n))
+            return remap.gather(1, first)
+
+        nt, ns = relink(self.next_token), relink(self.next_sibling)
+        old_ext = torch.full((b, n + 1), -1, device=dev, dtype=torch.int64)
+        old_ext.scatter_(1, torch.where(keep, new_index, n), idx.expand(b, n).contiguous())
+        old_index = old_ext[:, :n]
+        live = old_index >= 0
+        src = old_index.clamp(min=0)
+        pruned = DraftTrees(
+            torch.where(live, self.tokens.gather(1, src), 0),
+            torch.where(live, nt.gather(1, src), -1),
+            torch.where(live, ns.gather(1, src), -1),
+            keep.sum(-1),
+        )
+        return pruned, old_index
+
+
+def allowed_from_bitmask(trees: DraftTrees, bitmask: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: node j's token is allowed by the bitmask row of its parent.
+
+    bitmask: [B, N, ceil(V/32)] int32, row i = the grammar's allowed next tokens after node i (as
+    filled by ``GrammarMatcher.traverse_draft_tree``). The root is always allowed.
+    """
+    bitmask = bitmask.to(trees.device)
+    parent = trees.parents.clamp(min=0)
+    tok = trees.tokens
+    rows = bitmask.gather(1, parent[:, :, None].expand(-1, -1, bitmask.shape[2]))  # [B, N, W]
+    words = rows.gather(2, (tok >> 5)[:, :, None]).squeeze(2)
+    bits = (words >> (tok & 31).to(words.dtype)) & 1
+    return ((bits != 0) | (trees.parents < 0)) & trees.valid
+
+
+# ---------------------------------------------------------------------- internals
+def _parents(next_token: torch.Tensor, next_sibling: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    b, n = next_token.shape
+    dev = next_token.device
+    idx = torch.arange(n, device=dev).expand(b, n).contiguous()
+    nt = torch.where(valid & (next_token >= 0), next_token, n)
+    ns = torch.where(valid & (next_sibling >= 0), next_sibling, n)
+    first_parent = torch.full((b, n + 1), -1, device=dev, dtype=torch.int64)
+    first_parent.scatter_(1, nt, idx)  # column n collects the "no child" writes
+    prev = torch.full((b, n + 1), -1, device=dev, dtype=torch.int64)
+    prev.scatter_(1, ns, idx)
+    first_parent, prev = first_parent[:, :n], prev[:, :n]
+    # head[j] = the first sibling of j's chain (pointer doubling along prev links).
+    head = torch.where(prev >= 0, prev, idx)
+    for _ in range(_doubling_steps(n)):
+        head = head.gather(1, head)
+    parents = first_parent.gather(1, head)
+    return torch.where(valid, parents, -1)
+
+
+def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    b, n = parents.shape
+    dev = parents.device
+    eye = torch.eye(n, device=dev, dtype=torch.bool).expand(b, n, n)
+    step = torch.zeros((b, n, n + 1), device=dev, dtype=torch.bool)
+    step.scatter_(2, torch.where(parents >= 0, parents, n)[:, :, None], True)
+    m = eye | step[:, :, :n]
+    # transitive closure by repeated squaring: after k rounds, paths of length < 2^k are covered
+    mf = m.to(torch.float32)
+    for _ in range(_doubling_steps(n)):
+        mf = (mf + torch.bmm(mf, mf)).clamp_(max=1.0)
+    return mf > 0

@@ -1,0 +1,160 @@
+// pybind11 bindings: constrained_spec._native.NgramTrie. Token inputs accept lists or numpy arrays
+// (converted to int32); outputs are numpy int32 arrays. The GIL is released around trie work.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "ngram_trie.h"
+
+namespace py = pybind11;
+using cspec::NgramConfig;
+using cspec::NgramTrie;
+using IntArr = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using I64Arr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+static py::dict config_dict(const NgramConfig& c) {
+  py::dict d;
+  d["max_ngram"] = c.max_ngram;
+  d["min_ngram"] = c.min_ngram;
+  d["num_draft_tokens"] = c.num_draft_tokens;
+  d["branches"] = c.branches;
+  d["capacity"] = c.capacity;
+  d["request_capacity"] = c.request_capacity;
+  d["window"] = c.effective_window();
+  return d;
+}
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "constrained-spec native parts: the n-gram lookahead trie (see native/ngram_trie.h)";
+
+  py::class_<NgramTrie>(m, "NgramTrie", R"doc(
+Shared n-gram trie with per-request tries; drafts trees in xgrammar's layout.
+
+NgramTrie(max_ngram=8, min_ngram=1, num_draft_tokens=8, branches=1, capacity=2**19,
+          request_capacity=2**16, window=0)
+  num_draft_tokens counts the root (node 0 = the last context token); window=0 means
+  max_ngram + num_draft_tokens - 1 tokens are stored per position. Eviction: LRU leaves.
+)doc")
+      .def(py::init([](int max_ngram, int min_ngram, int num_draft_tokens, int branches,
+                       int64_t capacity, int64_t request_capacity, int window) {
+             NgramConfig c;
+             c.max_ngram = max_ngram;
+             c.min_ngram = min_ngram;
+             c.num_draft_tokens = num_draft_tokens;
+             c.branches = branches;
+             c.capacity = capacity;
+             c.request_capacity = request_capacity;
+             c.window = window;
+             return new NgramTrie(c);  // validates (raises ValueError)
+           }),
+           py::arg("max_ngram") = 8, py::arg("min_ngram") = 1, py::arg("num_draft_tokens") = 8,
+           py::arg("branches") = 1, py::arg("capacity") = int64_t(1) << 19,
+           py::arg("request_capacity") = int64_t(1) << 16, py::arg("window") = 0)
+      .def_property_readonly("config", [](const NgramTrie& t) { return config_dict(t.config()); })
+      .def(
+          "insert",
+          [](NgramTrie& t, int64_t request_id, IntArr tokens) {
+            const int32_t* p = tokens.data();
+            const int64_t n = tokens.size();
+            py::gil_scoped_release nogil;
+            t.insert(request_id, p, n);
+          },
+          py::arg("request_id"), py::arg("tokens"),
+          "Append tokens to the request's stream (request_id < 0: standalone corpus, shared only).")
+      .def(
+          "insert_batch",
+          [](NgramTrie& t, I64Arr request_ids, std::vector<IntArr> token_lists) {
+            if ((size_t)request_ids.size() != token_lists.size())
+              throw py::value_error("insert_batch: request_ids and token_lists differ in length");
+            const int64_t* ids = request_ids.data();
+            py::gil_scoped_release nogil;
+            for (size_t b = 0; b < token_lists.size(); ++b)
+              t.insert(ids[b], token_lists[b].data(), token_lists[b].size());
+          },
+          py::arg("request_ids"), py::arg("token_lists"))
+      .def(
+          "propose",
+          [](NgramTrie& t, int64_t request_id, std::optional<IntArr> context, int num_draft_tokens,
+             int branches, int max_ngram, int min_ngram) {
+            const int n = num_draft_tokens > 0 ? num_draft_tokens : t.config().num_draft_tokens;
+            std::vector<int32_t> tok(n), nxt(n), sib(n);
+            const int32_t* ctx = context ? context->data() : nullptr;
+            const int64_t len = context ? context->size() : 0;
+            int count;
+            {
+              py::gil_scoped_release nogil;
+              count = t.propose(request_id, ctx, len, tok.data(), nxt.data(), sib.data(), n,
+                                branches, max_ngram, min_ngram);
+            }
+            auto mk = [count](const std::vector<int32_t>& v) {
+              IntArr a(count);
+              std::copy(v.begin(), v.begin() + count, a.mutable_data());
+              return a;
+            };
+            return py::make_tuple(mk(tok), mk(nxt), mk(sib));
+          },
+          py::arg("request_id"), py::arg("context") = py::none(), py::arg("num_draft_tokens") = 0,
+          py::arg("branches") = 0, py::arg("max_ngram") = 0, py::arg("min_ngram") = 0,
+          R"doc(Draft tree for one request -> (draft_tokens, retrieve_next_token,
+retrieve_next_sibling), int32 arrays of the tree's node count (0 if the context is empty).
+context=None uses the request's stored stream; overrides <= 0 use the config.)doc")
+      .def(
+          "propose_batch",
+          [](NgramTrie& t, I64Arr request_ids, std::optional<std::vector<std::optional<IntArr>>> contexts,
+             int num_draft_tokens, int branches, int max_ngram, int min_ngram) {
+            const int64_t B = request_ids.size();
+            const int n = num_draft_tokens > 0 ? num_draft_tokens : t.config().num_draft_tokens;
+            std::vector<const int32_t*> ptrs;
+            std::vector<int64_t> lens;
+            if (contexts) {
+              if ((int64_t)contexts->size() != B)
+                throw py::value_error("propose_batch: contexts and request_ids differ in length");
+              for (auto& c : *contexts) {
+                ptrs.push_back(c ? c->data() : nullptr);
+                lens.push_back(c ? c->size() : 0);
+              }
+            }
+            IntArr tok({B, (int64_t)n}), nxt({B, (int64_t)n}), sib({B, (int64_t)n}), counts(B);
+            int32_t *pt = tok.mutable_data(), *pn = nxt.mutable_data(), *ps = sib.mutable_data(),
+                    *pc = counts.mutable_data();
+            const int64_t* ids = request_ids.data();
+            {
+              py::gil_scoped_release nogil;
+              t.propose_batch(ids, B, contexts ? ptrs.data() : nullptr,
+                              contexts ? lens.data() : nullptr, pt, pn, ps, pc, n, branches,
+                              max_ngram, min_ngram);
+            }
+            return py::make_tuple(tok, nxt, sib, counts);
+          },
+          py::arg("request_ids"), py::arg("contexts") = py::none(), py::arg("num_draft_tokens") = 0,
+          py::arg("branches") = 0, py::arg("max_ngram") = 0, py::arg("min_ngram") = 0,
+          R"doc(Draft trees for a batch -> (draft_tokens [B, N], retrieve_next_token [B, N],
+retrieve_next_sibling [B, N], counts [B]), int32; N = num_draft_tokens; padding: token 0, links -1.
+contexts: None (stored streams) or a list whose items are token lists/arrays or None.)doc")
+      .def("remove_request", &NgramTrie::remove_request, py::arg("request_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("has_request", &NgramTrie::has_request, py::arg("request_id"))
+      .def("num_nodes", &NgramTrie::num_nodes, "Nodes in the shared trie (root excluded).")
+      .def("request_num_nodes", &NgramTrie::request_num_nodes, py::arg("request_id"),
+           "Nodes in the request's own trie, -1 if the request is unknown.")
+      .def("num_requests", &NgramTrie::num_requests)
+      .def(
+          "frequency",
+          [](const NgramTrie& t, IntArr ngram, int64_t request_id) {
+            return t.frequency(request_id, ngram.data(), (int)ngram.size());
+          },
+          py::arg("ngram"), py::arg("request_id") = -1,
+          "Occurrences of an n-gram in the shared trie (request_id < 0) or the request's own trie.")
+      .def(
+          "request_history",
+          [](const NgramTrie& t, int64_t request_id) {
+            auto h = t.request_history(request_id);
+            IntArr a((int64_t)h.size());
+            std::copy(h.begin(), h.end(), a.mutable_data());
+            return a;
+          },
+          py::arg("request_id"), "The stored tail of the request's token stream.")
+      .def("clear", &NgramTrie::clear, py::call_guard<py::gil_scoped_release>());
+}
