@@ -11,6 +11,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 40% of free memory on CUDA
+    kv_cache_slots: int | None = None  # exact token capacity; overrides kv_cache_memory_gb
     max_running_requests: int = 128
     max_model_len: int | None = None  # None: the model's max position (capped at 8192)
     max_prefill_tokens: int = 2048  # per step; longer prompts are prefilled in chunks

@@ -16,10 +16,24 @@ import torch
 from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
 from .batch import ScheduledBatch
 from .config import EngineConfig
+from .cuda_graph import CudaGraphRunner
 from .kv_cache import RequestSlotTable, SlotPool
 from .sampler import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    rows: torch.Tensor
+    max_q_len: int
+    max_kv_len: int
 
 
 @dataclass
@@ -56,11 +70,25 @@ class ModelRunner:
         self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=device)
         self.token_counts: torch.Tensor | None = None  # [rows, V], allocated when penalties appear
         self.pinned = device.type == "cuda"
+        self.graphs = self._capture_graphs(config)
         log.info("KV cache: %d token slots (%.2f GiB), attention backend %s", num_slots,
                  num_slots * KVCache.bytes_per_slot(self.mcfg.num_layers, self.mcfg.num_kv_heads,
                                                     self.mcfg.head_dim, dtype) / 2**30, self.backend.name)
 
+    def _capture_graphs(self, config: EngineConfig) -> CudaGraphRunner | None:
+        if self.device.type != "cuda" or config.disable_cuda_graph:
+            return None
+        if self.backend.name == "torch":
+            log.warning("CUDA graphs need the triton attention backend; running the torch backend eagerly")
+            return None
+        graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.max_context, self.device,
+                                 max_batch=config.max_running_requests)
+        graphs.capture(ForwardMode.DECODE)
+        return graphs
+
     def _num_kv_slots(self, config: EngineConfig) -> int:
+        if config.kv_cache_slots is not None:
+            return config.kv_cache_slots + 1  # slot 0 is reserved padding
         per_slot = KVCache.bytes_per_slot(self.mcfg.num_layers, self.mcfg.num_kv_heads, self.mcfg.head_dim, self.dtype)
         if config.kv_cache_memory_gb is not None:
             budget = config.kv_cache_memory_gb * 2**30
@@ -81,7 +109,7 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: ScheduledBatch) -> "_StepInputs":
         """Allocates KV slots for the new tokens and builds the model inputs."""
         B = batch.size
         rows = np.empty(B, dtype=np.int64)
@@ -113,15 +141,10 @@ class ModelRunner:
             input_ids = self.last_token[rows_d]
         else:
             input_ids = self._to_device(np.asarray(host_ids, dtype=np.int64))
-        max_kv = int(kv_lens.max())
-        meta = AttentionMetadata(
-            mode=batch.mode, out_slots=slots_d, q_starts=q_starts_d.to(torch.int32), q_lens=q_lens_d.to(torch.int32),
-            kv_lens=kv_lens_d.to(torch.int32), slot_table=self.table.device_table[rows_d, :max_kv],
-            max_q_len=int(q_lens.max()), max_kv_len=max_kv,
-        )
         batch.sample_index = [i for i, s in enumerate(batch.samples) if s]
         self._rows_d, self._q_ends_d = rows_d, q_starts_d[1:] - 1
-        return input_ids, pos_d, meta
+        return _StepInputs(input_ids, pos_d, slots_d, q_starts_d.to(torch.int32), q_lens_d.to(torch.int32),
+                           kv_lens_d.to(torch.int32), rows_d, int(q_lens.max()), int(kv_lens.max()))
 
     def _reset_row_state(self, req) -> None:
         if self.token_counts is not None:
@@ -137,17 +160,30 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Launches the model; returns logits [n_sampling, V] (float32) for the rows that sample."""
-        input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
-        idx = self._q_ends_d[torch.as_tensor(batch.sample_index, dtype=torch.int64).to(self.device, non_blocking=True)] \
-            if len(batch.sample_index) != batch.size else self._q_ends_d
-        return self.model.compute_logits(hidden[idx]).float()
+        x = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(batch.mode, batch.size):
+            slot_rows = self.table.device_table[x.rows]
+            return self.graphs.replay(batch.mode, batch.size, x.input_ids, x.positions, x.out_slots, x.kv_lens,
+                                      slot_rows)
+        meta = AttentionMetadata(
+            mode=batch.mode, out_slots=x.out_slots, q_starts=x.q_starts, q_lens=x.q_lens, kv_lens=x.kv_lens,
+            slot_table=self.table.device_table[x.rows, :x.max_kv_len], max_q_len=x.max_q_len,
+            max_kv_len=x.max_kv_len)
+        hidden = self.model(x.input_ids, x.positions, self.kv, meta, self.backend)
+        if len(batch.sample_index) != batch.size:
+            hidden = hidden[self._q_ends_d[self._index(batch.sample_index)]]
+        elif batch.mode is not ForwardMode.DECODE:
+            hidden = hidden[self._q_ends_d]
+        return self.model.compute_logits(hidden).float()
+
+    def _index(self, positions: list[int]) -> torch.Tensor:
+        return self._to_device(np.asarray(positions, dtype=np.int64))
 
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor, bitmask: torch.Tensor | None,
                apply_bitmask) -> StepResult:
         reqs = batch.sampling_requests()
-        rows_d = self._rows_d[torch.as_tensor(batch.sample_index).to(self.device)] if len(reqs) != batch.size else self._rows_d
+        rows_d = self._rows_d[self._index(batch.sample_index)] if len(reqs) != batch.size else self._rows_d
         if bitmask is not None:
             apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
         sb = self._sampling_batch(reqs, rows_d)

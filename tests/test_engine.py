@@ -1,0 +1,151 @@
+"""Engine behaviour on the real SmolLM2 (CPU): batching, seeds, stops, abort, pool exhaustion."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from constrained_spec import SamplingParams
+from constrained_spec.engine import Engine, FinishReason, RequestError
+
+TOPICS = ["the sea", "a red fox", "bread", "winter in Oslo", "prime numbers", "a violin", "trains", "the moon"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    eng = Engine(model=smollm2_dir, device="cpu", max_running_requests=32)
+    yield eng
+    eng.shutdown()
+
+
+def chat(engine, text):
+    return engine.chat_prompt([{"role": "user", "content": text}])
+
+
+def prompts_mixed(engine):
+    """8 prompts of clearly different lengths."""
+    return [chat(engine, f"Tell me about {t}." + " Please be detailed and precise." * (i % 4)) for i, t in enumerate(TOPICS)]
+
+
+def test_batch_invariance_greedy(engine):
+    prompts = prompts_mixed(engine)
+    assert len({len(p) for p in prompts}) >= 4
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = [engine.generate([p], sp)[0].token_ids for p in prompts]
+    batched = [o.token_ids for o in engine.generate(prompts, sp)]
+    assert batched == alone
+
+
+def test_seeds(engine):
+    p = chat(engine, "Invent a name for a cat.")
+    sp = lambda seed: SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
+    a = engine.generate([p], sp(1))[0]
+    b = engine.generate([p, chat(engine, "hello"), p], sp(1))
+    assert a.token_ids == b[0].token_ids == b[2].token_ids  # same seed, alone or batched
+    assert a.text == b[0].text
+    c = engine.generate([p], sp(2))[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_sampling_filters_and_penalties_run(engine):
+    p = chat(engine, "List some fruits.")
+    for sp in (SamplingParams(max_tokens=16, temperature=0.7, top_k=5, seed=3),
+               SamplingParams(max_tokens=16, temperature=0.7, min_p=0.2, seed=3),
+               SamplingParams(max_tokens=16, temperature=0, frequency_penalty=1.5, presence_penalty=1.0)):
+        out = engine.generate([p], sp)[0]
+        assert out.completion_tokens >= 1 and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    # top_k=1 is greedy whatever the temperature
+    g = engine.generate([p], SamplingParams(max_tokens=16, temperature=0))[0]
+    k1 = engine.generate([p], SamplingParams(max_tokens=16, temperature=1.3, top_k=1, seed=9))[0]
+    assert g.token_ids == k1.token_ids
+    # a strong repetition penalty changes a greedy continuation that repeats itself
+    rep = engine.generate([p], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0]
+    pen = engine.generate([p], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, frequency_penalty=2.0))[0]
+    assert len(set(pen.token_ids)) >= len(set(rep.token_ids))
+
+
+def test_stop_conditions(engine):
+    p = chat(engine, "Count from 1 to 20 separated by commas.")
+    full = engine.generate([p], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert full.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    # a stop string that occurs in the greedy text cuts it there, excluded
+    stop = full.text[10:13]
+    cut = engine.generate([p], SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason is FinishReason.STOP and cut.text == full.text[:full.text.find(stop)]
+    # a stop token id
+    tok = full.token_ids[5]
+    st = engine.generate([p], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tok]))[0]
+    assert st.token_ids[-1] == tok and st.finish_reason is FinishReason.STOP
+    ln = engine.generate([p], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert ln.finish_reason is FinishReason.LENGTH and ln.completion_tokens == 7
+    # EOS ends a chat answer: the model stops by itself on a short question
+    eos = engine.generate([chat(engine, "Say just: hi")], SamplingParams(max_tokens=64, temperature=0))[0]
+    assert eos.finish_reason is FinishReason.STOP
+
+
+def test_streaming_matches_generate(engine):
+    p = chat(engine, "Describe a sunset in one sentence.")
+    sp = SamplingParams(max_tokens=32, temperature=0.8, seed=5)
+    whole = engine.generate([p], sp)[0]
+    parts = list(engine.stream(p, sp))
+    assert parts[-1].finished
+    assert "".join(o.new_text for o in parts) == whole.text
+    assert sum(len(o.new_token_ids) for o in parts) == whole.completion_tokens
+
+
+def test_abort_frees_slots(engine):
+    pool = engine.runner.pool
+    p = chat(engine, "Write a long story about a dragon.")
+    got, done = [], threading.Event()
+
+    def on_out(out):
+        got.append(out)
+        if out.finished:
+            done.set()
+    req = engine.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True), on_output=on_out)
+    deadline = time.time() + 60
+    while len(got) < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    assert pool.num_free < pool.capacity  # it holds KV mid-decode
+    engine.abort(req.request_id)
+    assert done.wait(30)
+    assert got[-1].finish_reason is FinishReason.ABORT
+    _wait_pool_full(engine)
+    # aborting a queued request that never ran, and an unknown id, are harmless
+    engine.abort("no-such-request")
+
+
+def test_rejects_too_long_prompt(engine):
+    with pytest.raises(RequestError) as e:
+        engine.add_request(list(range(100)) * (engine.max_context // 100 + 1), SamplingParams(max_tokens=4))
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+
+
+def _wait_pool_full(engine, timeout=30):
+    pool = engine.runner.pool
+    deadline = time.time() + timeout
+    while pool.num_free != pool.capacity and time.time() < deadline:
+        time.sleep(0.01)
+    assert pool.num_free == pool.capacity
+    assert engine.runner.table.num_free_rows == engine.config.max_running_requests
+
+
+def test_exhaustion_64_requests_small_pool(smollm2_dir, engine):
+    prompts = [chat(engine, f"Name a color number {i}.") for i in range(64)]
+    per_req = max(len(p) for p in prompts) + 16
+    small = Engine(model=smollm2_dir, device="cpu", kv_cache_slots=8 * per_req, max_running_requests=64)
+    try:
+        sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        outs = small.generate(prompts, sp)
+        assert all(o.finish_reason is FinishReason.LENGTH and o.completion_tokens == 16 for o in outs)
+        # same tokens as an unconstrained engine (retraction and re-prefill are exact)
+        ref = engine.generate(prompts[:4], sp)
+        assert [o.token_ids for o in outs[:4]] == [o.token_ids for o in ref]
+        _wait_pool_full(small)
+        assert small.scheduler.num_retractions > 0 or small.runner.pool.capacity >= 64 * per_req
+    finally:
+        small.shutdown()
+    _wait_pool_full(engine)
