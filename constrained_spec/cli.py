@@ -1,0 +1,384 @@
+"""The `constrained-spec` command: `serve` an OpenAI-compatible API, or `generate` from the shell.
+
+    constrained-spec serve [--model PATH] [--port 8000] [--api-key KEY] ...
+    constrained-spec generate "Name three colors" --schema colors.json
+
+Engine flags map one to one onto `EngineConfig` fields (`--max-running-requests` sets
+`max_running_requests`); fields added to EngineConfig later get a flag automatically.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("constrained_spec.cli")
+
+API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
+DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct"
+
+_DESCRIPTION = """\
+constrained-spec: structured-output LLM serving. Every token follows the request's grammar
+(JSON schema, regex, EBNF or a choice list); speculative decoding makes it fast.
+
+commands:
+  serve      serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)
+  generate   generate once from the shell, optionally constrained by a JSON schema
+
+run `constrained-spec <command> --help` for a command's flags."""
+
+_EPILOG_SERVE = """\
+examples:
+  constrained-spec serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:8000
+  constrained-spec serve --model ./Qwen2.5-0.5B-Instruct --port 9000 --api-key secret
+  CONSTRAINED_SPEC_API_KEY=secret constrained-spec serve --host 0.0.0.0
+
+then:
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
+    "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Describe a cat"}],
+    "response_format": {"type": "json_schema", "json_schema": {"name": "cat",
+      "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}'"""
+
+_EPILOG_GENERATE = """\
+examples:
+  constrained-spec generate "Write a haiku about the sea"
+  constrained-spec generate "Describe a person" --schema person.json
+  constrained-spec generate "Is the sky blue?" --choice yes no
+  constrained-spec generate "Today's date:" --regex '\\d{4}-\\d{2}-\\d{2}' --raw
+  echo "List three fruits as JSON" | constrained-spec generate - --json"""
+
+
+def _engine_config_class():
+    """EngineConfig without importing the engine package (and torch): keeps --help fast."""
+    mod = sys.modules.get("constrained_spec.engine.config")
+    if mod is not None:
+        return mod.EngineConfig
+    path = Path(__file__).parent / "engine" / "config.py"
+    try:
+        spec = importlib.util.spec_from_file_location("_constrained_spec_engine_config", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.EngineConfig
+    except Exception:
+        from .engine.config import EngineConfig
+        return EngineConfig
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _auto_type(default: Any, annotation: str):
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
+    ann = str(annotation)
+    if "float" in ann:
+        return float
+    if "int" in ann:
+        return int
+    return str
+
+
+# Engine flags with hand-written help. Keys are EngineConfig field names.
+_ENGINE_HELP: dict[str, tuple[str, dict]] = {
+    "model": ("model", dict(metavar="PATH", help=f"a Hugging Face model folder (safetensors) or a GGUF file "
+                                                 f"(default: {DEFAULT_MODEL_LABEL}, fetched and cached on first use)")),
+    "device": ("model", dict(metavar="DEV", help="cpu, cuda, cuda:N, or auto: CUDA when available (default: auto)")),
+    "dtype": ("model", dict(choices=["auto", "float32", "float16", "bfloat16"],
+                            help="weights and KV-cache dtype; auto: bfloat16 on CUDA, float32 on CPU (default: auto)")),
+    "attention_backend": ("model", dict(metavar="NAME",
+                                        help="attention kernels: torch, triton, flashinfer, or auto: triton on CUDA, "
+                                             "torch on CPU (default: auto)")),
+    "max_model_len": ("model", dict(metavar="N", help="context length in tokens (prompt + completion); "
+                                                      "default: the model's, capped at 8192")),
+    "kv_cache_memory_gb": ("memory", dict(metavar="GIB",
+                                          help="memory budget of the KV cache in GiB; default: 1 on CPU, 40%% of "
+                                               "free GPU memory on CUDA")),
+    "kv_cache_slots": ("memory", dict(metavar="N", help="exact KV-cache capacity in token slots; overrides "
+                                                        "--kv-cache-memory-gb")),
+    "max_running_requests": ("memory", dict(metavar="N", help="most requests decoded together in one batch "
+                                                              "(default: %(default)s)")),
+    "max_queued_requests": ("memory", dict(metavar="N", help="most requests waiting for a batch slot; past "
+                                                             "running + queued the server answers 503 "
+                                                             "(default: %(default)s)")),
+    "max_prefill_tokens": ("memory", dict(metavar="N", help="prompt tokens prefilled per step; longer prompts "
+                                                            "are chunked (default: %(default)s)")),
+    "grammar_threads": ("grammar", dict(metavar="N", help="threads compiling grammars (default: %(default)s)")),
+    "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="give up compiling a grammar after this "
+                                                                       "long (default: %(default)s)")),
+    "jump_forward": ("grammar", dict(help="emit text the grammar forces (e.g. JSON keys) without sampling it")),
+    "disable_overlap": ("perf", dict(help="process each step's results before launching the next (debugging)")),
+    "disable_cuda_graph": ("perf", dict(help="run decode steps eagerly instead of replaying CUDA graphs")),
+    "seed": ("perf", dict(metavar="N", help="base seed for requests that give none (default: %(default)s)")),
+}
+
+_GROUP_TITLES = {
+    "model": "model",
+    "memory": "memory and batching",
+    "grammar": "grammar (structured output)",
+    "spec": "speculative decoding",
+    "perf": "performance and debugging",
+}
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    EngineConfig = _engine_config_class()
+    groups = {key: parser.add_argument_group(title) for key, title in _GROUP_TITLES.items()}
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+        group_key, extra = _ENGINE_HELP.get(f.name, (None, {}))
+        if group_key is None:
+            group_key = "spec" if any(k in f.name for k in ("spec", "draft", "eagle", "ngram", "tree")) else "perf"
+            extra = dict(help=f"engine option {f.name} (default: {default})")
+            if _auto_type(default, f.type) is not bool:
+                extra["metavar"] = {int: "N", float: "X"}.get(_auto_type(default, f.type), "VALUE")
+        group = groups[group_key]
+        typ = _auto_type(default, f.type)
+        kw: dict[str, Any] = dict(dest=f.name, default=default)
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        else:
+            kw["type"] = typ
+        kw.update(extra)
+        names = [_flag(f.name)]
+        if f.name == "kv_cache_memory_gb":
+            names.append("--memory-budget")
+        group.add_argument(*names, **kw)
+    for key, g in groups.items():  # hide empty groups
+        if not g._group_actions:
+            parser._action_groups.remove(g)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig the parsed flags describe."""
+    from .engine import EngineConfig
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="constrained-spec", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                           description="Serve the OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
+                                       "/v1/models, /health and /metrics.",
+                           epilog=_EPILOG_SERVE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    srv = serve.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind; use 0.0.0.0 to accept other machines (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument("--api-key", metavar="KEY", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    srv.add_argument("--served-model-name", metavar="NAME", default=None,
+                     help="the model id clients send and /v1/models lists (default: the model's name)")
+    srv.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
+                     help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    srv.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
+                     help="most generation requests in flight before 503 + Retry-After "
+                          "(default: max running + max queued)")
+    srv.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                     help="completion limit for chat requests that set none (default: the rest of the context)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="log verbosity (default: %(default)s)")
+    _add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate once from the shell",
+                         description="Load the model, generate one completion for PROMPT and print it to stdout "
+                                     "as it is produced. Logs go to stderr.",
+                         epilog=_EPILOG_GENERATE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("prompt", help="the prompt; '-' reads it from stdin")
+    g = gen.add_argument_group("constraint (at most one)")
+    cons = g.add_mutually_exclusive_group()
+    cons.add_argument("--schema", metavar="FILE", help="a JSON schema file; the output is JSON that validates")
+    cons.add_argument("--json", action="store_true", help="the output is any JSON object")
+    cons.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    cons.add_argument("--ebnf", metavar="FILE", help="an EBNF grammar file (start rule 'root')")
+    cons.add_argument("--choice", nargs="+", metavar="TEXT", help="the output is exactly one of these strings")
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--system", metavar="TEXT", help="a system message")
+    s.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    s.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate "
+                                                                            "(default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default: %(default)s)")
+    s.add_argument("--request-seed", type=int, default=None, metavar="N", dest="request_seed",
+                   help="seed for this generation")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default: %(default)s)")
+    _add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from . import __version__
+        return __version__
+    except Exception:
+        return "0"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("uvicorn", "uvicorn.error"):
+        logging.getLogger(name).setLevel(getattr(logging, level.upper()))
+    logging.getLogger("uvicorn.access").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+
+def describe_engine(engine) -> str:
+    """One line: model, device, dtype, attention, KV capacity, context."""
+    runner = getattr(engine, "runner", None)
+    pool = getattr(runner, "pool", None)
+    cap = getattr(pool, "capacity", None)
+    dtype = getattr(runner, "dtype", None) or getattr(engine.config, "dtype", "?")
+    backend = getattr(runner, "attention_backend", None) or getattr(runner, "backend", None)
+    backend_name = getattr(backend, "name", None) or (backend.__class__.__name__ if backend is not None
+                                                      else engine.config.attention_backend)
+    parts = [f"model {engine.model_name}", f"device {engine.device}", f"dtype {str(dtype).replace('torch.', '')}",
+             f"attention {backend_name}"]
+    if cap is not None:
+        parts.append(f"KV capacity {cap} tokens")
+    parts.append(f"max context {engine.max_context}")
+    return ", ".join(parts)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    from .engine import Engine
+    from .server.app import ServerConfig, create_app
+    from .server.runner import run_server
+
+    config = engine_config_from_args(args)
+    log.info("loading %s on %s ...", config.model or DEFAULT_MODEL_LABEL, config.device)
+    engine = Engine(config)
+    log.info("engine ready: %s", describe_engine(engine))
+    app = create_app(engine, ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
+                                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                                          max_pending_requests=args.max_pending_requests,
+                                          default_max_tokens=args.default_max_tokens), owns_engine=True)
+    host_shown = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host_shown}:{args.port}"
+    served = args.served_model_name or engine.model_name
+    log.info("serving model '%s' at %s/v1 (OpenAI base URL); health %s/health, metrics %s/metrics, docs %s/docs",
+             served, url, url, url, url)
+    if api_key:
+        log.info("API key required on /v1/*: send 'Authorization: Bearer <key>'")
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    try:
+        run_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:
+            pass
+    return 0
+
+
+def _grammar_from_args(args: argparse.Namespace):
+    from .grammar import GrammarSpec
+    if args.schema:
+        try:
+            schema = json.loads(Path(args.schema).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"constrained-spec: cannot read the schema {args.schema}: {e}")
+        return GrammarSpec.json_schema(schema, strict=True), schema
+    if args.json:
+        return GrammarSpec.json_object(), None
+    if args.regex:
+        return GrammarSpec.regex(args.regex), None
+    if args.ebnf:
+        try:
+            return GrammarSpec.ebnf(Path(args.ebnf).read_text()), None
+        except OSError as e:
+            raise SystemExit(f"constrained-spec: cannot read the grammar {args.ebnf}: {e}")
+    if args.choice:
+        return GrammarSpec.choice(list(args.choice)), None
+    return None, None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from .engine import Engine
+    from .grammar import GrammarError
+    from .sampling_params import SamplingParams
+
+    grammar, schema = _grammar_from_args(args)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.request_seed)
+    except ValueError as e:
+        raise SystemExit(f"constrained-spec: {e}")
+    engine = Engine(engine_config_from_args(args))
+    try:
+        log.info("engine ready: %s", describe_engine(engine))
+        if grammar is not None:
+            try:
+                engine.compile_grammar(grammar)
+            except GrammarError as e:
+                print(f"constrained-spec: {e}", file=sys.stderr)
+                return 2
+        if args.raw:
+            ids: str | list[int] = prompt
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}]
+            ids = engine.chat_prompt(messages)
+        pieces = []
+        final = None
+        for out in engine.stream(ids, params, grammar):
+            if out.new_text:
+                pieces.append(out.new_text)
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        reason = getattr(final.finish_reason, "value", final.finish_reason) if final else "?"
+        log.info("finish_reason=%s prompt_tokens=%s completion_tokens=%s", reason,
+                 final.prompt_tokens if final else "?", final.completion_tokens if final else "?")
+        if final is not None and reason == "error":
+            print(f"constrained-spec: generation failed: {final.error}", file=sys.stderr)
+            return 1
+        if schema is not None and reason == "length":
+            print("constrained-spec: stopped at --max-tokens before the JSON was complete", file=sys.stderr)
+            return 3
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,654 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one Engine.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. See docs/api.md for the protocol and its extensions.
+
+Request life: read and size-check the body, validate it (pydantic), resolve the model, build the
+grammar and compile it in a worker thread (a bad schema is a 400 before anything is queued), build
+the prompt and sampling parameters, admit the request (503 + Retry-After past the limit), queue it on
+the engine, then answer in one piece or stream it as server-sent events. If the client goes away,
+the request is aborted and its KV slots return to the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from .constraints import constraint_param, grammar_error, grammar_spec_for
+from .errors import APIError, bad_request, validation_error_to_api
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
+from .tokens import TokenTexts
+
+log = logging.getLogger("constrained_spec.server")
+
+API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    """Server-side settings (the engine has its own EngineConfig)."""
+    api_key: str | None = None  # None: no authentication; else /v1/* needs `Authorization: Bearer <key>`
+    served_model_name: str | None = None  # the model id clients use; default: the engine's model name
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    max_pending_requests: int | None = None  # admitted generation requests (n counts n); None: engine running+queued
+    retry_after_s: int = 1  # Retry-After on 503
+    default_max_tokens: int | None = None  # chat requests without max_tokens; None: up to the context limit
+
+
+class _ServerState:
+    def __init__(self, limit: int):
+        self.pending = 0
+        self.limit = limit
+
+
+# -- ASGI gate: auth, body size, per-status metrics ---------------------------------------------------
+
+_KNOWN = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+class _Gate:
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics | None = None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in _KNOWN else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        status_box = [500]
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+            await send(message)
+
+        try:
+            headers = dict(scope.get("headers") or [])
+            if self.api_key is not None and path.startswith("/v1"):
+                auth = headers.get(b"authorization", b"")
+                scheme, _, token = auth.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                    err = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                    return await err.response()(scope, receive, send_wrapper)
+            length = headers.get(b"content-length")
+            if length is not None:
+                try:
+                    too_big = int(length) > self.max_body_bytes
+                except ValueError:
+                    return await bad_request("invalid Content-Length").response()(scope, receive, send_wrapper)
+                if too_big:
+                    return await _too_large(self.max_body_bytes).response()(scope, receive, send_wrapper)
+            return await self.app(scope, receive, send_wrapper)
+        finally:
+            if self.metrics is not None:
+                self.metrics.requests.labels(endpoint=endpoint, status=str(status_box[0])).inc()
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+def _json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json")
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _parse(model_cls, data: dict):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_api(e.errors(include_url=False))
+
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+def _finish_str(reason) -> str | None:
+    if reason is None:
+        return None
+    return _FINISH.get(getattr(reason, "value", str(reason)), "stop")
+
+
+class _Generation:
+    """n engine requests whose updates arrive, tagged with their choice index, on one asyncio queue."""
+
+    def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str):
+        loop = asyncio.get_running_loop()
+        self.engine = engine
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self.done = [False] * len(prompts)
+        self.closed = False
+
+        def make_cb(i):
+            def cb(out):
+                try:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+                except RuntimeError:  # event loop gone (shutdown): nothing to deliver to
+                    pass
+            return cb
+
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                engine.add_request(prompt, params, grammar, make_cb(i), request_id=rid)
+                self.request_ids.append(rid)
+        except BaseException:
+            self.abort()
+            raise
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
+        while not all(self.done):
+            i, out = await self.queue.get()
+            if out.finished:
+                self.done[i] = True
+            yield i, out
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for i, rid in enumerate(self.request_ids):
+            if not self.done[i]:
+                self.engine.abort(rid)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator and runs `cleanup`, so a client that
+    disconnects (even before the first chunk) aborts its engine requests and frees their KV at once."""
+
+    def __init__(self, content, cleanup, **kw):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+        self.cleanup = cleanup
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self.cleanup()
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+# -- the app ------------------------------------------------------------------------------------------
+
+
+def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool = False) -> FastAPI:
+    """Builds the FastAPI app over `engine`. With `owns_engine`, app shutdown shuts the engine down."""
+    config = config or ServerConfig()
+    if config.api_key is None and os.environ.get(API_KEY_ENV):
+        config.api_key = os.environ[API_KEY_ENV]
+    ecfg = getattr(engine, "config", None)
+    limit = config.max_pending_requests
+    if limit is None:
+        limit = (getattr(ecfg, "max_running_requests", 128) or 128) + (getattr(ecfg, "max_queued_requests", 1024) or 0)
+    state = _ServerState(limit)
+    metrics = ServerMetrics(engine, state)
+    served = config.served_model_name or engine.model_name
+    model_names = {served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
+    texts = TokenTexts(engine.tokenizer)
+    max_context = int(engine.max_context)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        metrics.attach()
+        try:
+            yield
+        finally:
+            metrics.detach()
+            if owns_engine:
+                try:
+                    await run_in_threadpool(engine.shutdown)
+                except Exception:
+                    log.exception("engine shutdown failed")
+
+    app = FastAPI(title="constrained-spec", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible structured-output serving (grammar-constrained + speculative "
+                              "decoding). See docs/api.md.")
+    app.state.engine = engine
+    app.state.server_config = config
+    app.state.metrics = metrics
+    app.state.server_state = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error; see the server log", code="internal_error").response()
+
+    # -- shared steps ---------------------------------------------------------------------------------
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+
+    async def compile_grammar(req: _GenerationRequest):
+        try:
+            spec = grammar_spec_for(req)
+            if spec is None:
+                return None
+            await run_in_threadpool(engine.compile_grammar, spec)
+        except Exception as e:
+            if _is_grammar_error(e):
+                raise grammar_error(e, constraint_param(req))
+            raise
+        return spec
+
+    def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None):
+        from ..sampling_params import SamplingParams
+        kw = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs,
+                  ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []))
+        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=field, code="invalid_value")
+
+    def token_budget(req: _GenerationRequest, prompt_len: int, requested: int | None, param: str) -> int:
+        if prompt_len >= max_context:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context holds {max_context} "
+                                f"tokens (prompt plus completion)", param=param, code="context_length_exceeded")
+        room = max_context - prompt_len
+        if requested is None:
+            requested = config.default_max_tokens or room
+        return max(1, min(requested, room))
+
+    def admit(n: int) -> None:
+        if state.pending + n > state.limit:
+            raise APIError(503, f"the server is at its limit of {state.limit} pending requests; retry later",
+                           code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
+        state.pending += n
+
+    def release(n: int) -> None:
+        state.pending -= n
+
+    def start(prompts, params_list, grammar, base_id) -> _Generation:
+        try:
+            return _Generation(engine, prompts, params_list, grammar, base_id)
+        except Exception as e:
+            code = getattr(e, "code", None)
+            if e.__class__.__name__ == "RequestError":
+                if code == "queue_full":
+                    raise APIError(503, str(e), code="server_busy",
+                                   headers={"Retry-After": str(config.retry_after_s)})
+                raise bad_request(str(e), param=getattr(e, "param", None), code=code or "invalid_request")
+            if _is_grammar_error(e):
+                raise grammar_error(e, None)
+            raise
+
+    def seeds(seed: int | None, n: int) -> list[int | None]:
+        return [None if seed is None else seed + i for i in range(n)]
+
+    async def collect(gen: _Generation, request: Request, n: int):
+        """Runs a generation to the end (non-streaming); aborts it if the client disconnects."""
+        texts_out = [[] for _ in range(n)]
+        lps: list[list] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        finals: list[Any] = [None] * n
+
+        async def run():
+            async for i, out in gen:
+                texts_out[i].append(out.new_text)
+                ids[i].extend(out.new_token_ids)
+                if out.logprobs:
+                    lps[i].append((list(out.new_token_ids), out.logprobs))
+                if out.finished:
+                    finals[i] = out
+
+        runner = asyncio.ensure_future(run())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not runner.done():  # the client left
+                gen.abort()
+                runner.cancel()
+                raise _ClientGone()
+            runner.result()
+        finally:
+            watcher.cancel()
+            if not runner.done():
+                runner.cancel()
+            gen.abort()
+        return ["".join(t) for t in texts_out], ids, lps, finals
+
+    def usage(prompt_tokens: int, finals) -> dict:
+        comp = sum(f.completion_tokens for f in finals if f is not None)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp}
+
+    def raise_engine_errors(finals) -> None:
+        for f in finals:
+            if f is not None and _finish_str(f.finish_reason) == "error":
+                raise APIError(500, f"generation failed: {f.error or 'engine error'}", code="engine_error")
+
+    def chat_logprobs(chunks: list[tuple[list[int], list[dict]]], top_n: int) -> dict:
+        content = []
+        for token_ids, entries in chunks:
+            for tid, lp in zip(token_ids, entries):
+                e = texts.entry(tid, lp["logprob"])
+                e["top_logprobs"] = [texts.entry(t, v) for t, v in (lp.get("top") or [])[:top_n]]
+                content.append(e)
+            for tid in token_ids[len(entries):]:  # grammar-forced tokens (jump-forward): probability 1
+                e = texts.entry(tid, 0.0)
+                e["top_logprobs"] = [texts.entry(tid, 0.0)] if top_n else []
+                content.append(e)
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(chunks, top_n: int, offset0: int = 0) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for token_ids, entries in chunks:
+            for k, tid in enumerate(token_ids):
+                text = texts.text(tid)
+                lp = entries[k] if k < len(entries) else {"logprob": 0.0, "top": [(tid, 0.0)]}
+                tokens.append(text)
+                token_lps.append(float(lp["logprob"]))
+                top = {}
+                for t, v in (lp.get("top") or [])[:top_n]:
+                    top.setdefault(texts.text(t), float(v))
+                tops.append(top)
+                offsets.append(off)
+                off += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- routes ---------------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        pool = engine.runner.pool
+        return _json_response({"status": "ok", "model": served, "kv_free_slots": pool.num_free,
+                               "kv_capacity": pool.capacity, "pending_requests": state.pending})
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": 0, "owned_by": "constrained-spec",
+                "max_model_len": max_context}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return _json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        check_model(model_id)
+        return _json_response(model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+        check_model(req.model)
+        messages = []
+        for m in req.messages:
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": m.text()})
+        try:
+            prompt = await run_in_threadpool(engine.chat_prompt, messages)
+        except Exception as e:
+            raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
+        budget = token_budget(req, len(prompt), req.token_limit(), "messages")
+        grammar = await compile_grammar(req)
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        params_list = [sampling_params(req, budget, top_n if req.logprobs else None, s) for s in seeds(req.seed, req.n)]
+        admit(req.n)
+        admitted = True
+        try:
+            cid = new_id("chatcmpl")
+            gen = start([prompt] * req.n, params_list, grammar, cid)
+            model = served
+            if req.stream:
+                admitted = False  # the stream releases it
+                return _SSEResponse(chat_stream(gen, req, cid, model, len(prompt), top_n),
+                                    cleanup=_once(lambda: (gen.abort(), release(req.n))))
+            try:
+                outs, _ids, lps, finals = await collect(gen, request, req.n)
+            except _ClientGone:
+                return Response(status_code=499)
+            raise_engine_errors(finals)
+            choices = []
+            for i in range(req.n):
+                choice = {"index": i, "message": {"role": "assistant", "content": outs[i], "refusal": None},
+                          "logprobs": chat_logprobs(lps[i], top_n) if req.logprobs else None,
+                          "finish_reason": _finish_str(finals[i].finish_reason)}
+                choices.append(choice)
+            return _json_response({"id": cid, "object": "chat.completion", "created": _now(), "model": model,
+                                   "choices": choices, "usage": usage(len(prompt), finals),
+                                   "system_fingerprint": None})
+        finally:
+            if admitted:
+                release(req.n)
+
+    async def chat_stream(gen: _Generation, req: ChatCompletionRequest, cid: str, model: str, prompt_len: int,
+                          top_n: int):
+        created = _now()
+        include_usage = req.include_usage_in_stream
+        finals: list[Any] = [None] * req.n
+
+        def chunk(choices, usage_=None, with_usage_key=include_usage):
+            d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "system_fingerprint": None, "choices": choices}
+            if with_usage_key:
+                d["usage"] = usage_
+            return _sse(d)
+
+        try:
+            for i in range(req.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for i, out in gen:
+                if out.new_text or (req.logprobs and out.logprobs):
+                    c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
+                         "logprobs": chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
+                         if req.logprobs else None}
+                    yield chunk([c])
+                if out.finished:
+                    finals[i] = out
+                    reason = _finish_str(out.finish_reason)
+                    if reason == "error":
+                        err = APIError(500, f"generation failed: {out.error or 'engine error'}", code="engine_error")
+                        yield _sse(err.body())
+                        continue
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
+            if include_usage:
+                yield chunk([], usage(prompt_len, finals))
+            yield _DONE
+        finally:
+            gen.abort()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = _parse(CompletionRequest, await _read_json(request, config.max_body_bytes))
+        check_model(req.model)
+        prompts: list[list[int]] = []
+        for k, p in enumerate(req.prompts()):
+            if isinstance(p, str):
+                ids = engine.tokenizer.encode(p, add_special_tokens=False) if p else []
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                vocab = len(engine.tokenizer)
+                bad = [t for t in p if t < 0 or t >= max(vocab, getattr(engine.tokenizer, "vocab_size", 0))]
+                if bad:
+                    raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="prompt",
+                                      code="invalid_value")
+                ids = list(p)
+            else:
+                raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                                  "lists of token ids", param="prompt")
+            if not ids:
+                raise bad_request("the prompt is empty", param="prompt")
+            prompts.append(ids)
+        budgets = [token_budget(req, len(p), req.token_limit(), "prompt") for p in prompts]
+        grammar = await compile_grammar(req)
+        n = req.n
+        top_n = req.logprobs or 0
+        all_prompts, params_list = [], []
+        for p, budget in zip(prompts, budgets):
+            for s in seeds(req.seed, n):
+                all_prompts.append(p)
+                params_list.append(sampling_params(req, budget, req.logprobs, s))
+        total = len(all_prompts)
+        admit(total)
+        admitted = True
+        try:
+            cid = new_id("cmpl")
+            gen = start(all_prompts, params_list, grammar, cid)
+            prompt_tokens = sum(len(p) for p in prompts)
+            if req.stream:
+                admitted = False
+                return _SSEResponse(completion_stream(gen, req, cid, total, prompt_tokens, top_n),
+                                    cleanup=_once(lambda: (gen.abort(), release(total))))
+            try:
+                outs, _ids, lps, finals = await collect(gen, request, total)
+            except _ClientGone:
+                return Response(status_code=499)
+            raise_engine_errors(finals)
+            choices = [{"index": i, "text": outs[i],
+                        "logprobs": completion_logprobs(lps[i], top_n) if req.logprobs is not None else None,
+                        "finish_reason": _finish_str(finals[i].finish_reason)} for i in range(total)]
+            return _json_response({"id": cid, "object": "text_completion", "created": _now(), "model": served,
+                                   "choices": choices, "usage": usage(prompt_tokens, finals),
+                                   "system_fingerprint": None})
+        finally:
+            if admitted:
+                release(total)
+
+    async def completion_stream(gen: _Generation, req: CompletionRequest, cid: str, total: int, prompt_tokens: int,
+                                top_n: int):
+        created = _now()
+        include_usage = req.include_usage_in_stream
+        finals: list[Any] = [None] * total
+        offsets = [0] * total
+
+        def chunk(choices, usage_=None):
+            d = {"id": cid, "object": "text_completion", "created": created, "model": served,
+                 "system_fingerprint": None, "choices": choices}
+            if include_usage:
+                d["usage"] = usage_
+            return _sse(d)
+
+        try:
+            async for i, out in gen:
+                reason = _finish_str(out.finish_reason) if out.finished else None
+                if out.finished:
+                    finals[i] = out
+                if reason == "error":
+                    yield _sse(APIError(500, f"generation failed: {out.error or 'engine error'}",
+                                        code="engine_error").body())
+                    continue
+                if out.new_text or out.finished:
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = completion_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n, offsets[i])
+                    offsets[i] += len(out.new_text)
+                    yield chunk([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])
+            if include_usage:
+                yield chunk([], usage(prompt_tokens, finals))
+            yield _DONE
+        finally:
+            gen.abort()
+
+    app.add_middleware(_Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    return app
+
+
+def _once(fn):
+    done = []
+
+    def wrapper():
+        if not done:
+            done.append(True)
+            fn()
+    return wrapper
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _is_grammar_error(e: Exception) -> bool:
+    return any(c.__name__ == "GrammarError" for c in type(e).__mro__)
+
+
+def _now() -> int:
+    import time
+    return int(time.time())
+
+
+def _version() -> str:
+    try:
+        from .. import __version__
+        return __version__
+    except Exception:
+        return "0"

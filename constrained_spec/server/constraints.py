@@ -1,0 +1,126 @@
+"""From a request's constraint fields to one GrammarSpec (or none), and grammar errors to 400s.
+
+A request may carry at most one constraint:
+
+* ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object),
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
+* extensions: ``regex`` (a regular expression the whole output matches), ``ebnf`` or ``grammar``
+  (an EBNF grammar in xgrammar/GBNF syntax, start rule ``root``), ``choice`` (the output is exactly one
+  of the strings); vLLM's ``guided_regex``, ``guided_grammar``, ``guided_choice`` and ``guided_json``
+  are aliases.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from .errors import APIError, bad_request
+from .protocol import ResponseFormatJsonObject, ResponseFormatJsonSchema, _GenerationRequest
+
+MAX_CHOICES = 4096
+
+
+def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
+    """The constraints a request sets, as (kind, request field, value)."""
+    found: list[tuple[str, str, Any]] = []
+    rf = req.response_format
+    if isinstance(rf, ResponseFormatJsonSchema):
+        found.append(("json_schema", "response_format", rf.json_schema))
+    elif isinstance(rf, ResponseFormatJsonObject):
+        found.append(("json_object", "response_format", None))
+    for field, kind in (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("grammar", "ebnf"),
+                        ("guided_grammar", "ebnf"), ("choice", "choice"), ("guided_choice", "choice"),
+                        ("guided_json", "guided_json")):
+        value = getattr(req, field)
+        if value is not None:
+            found.append((kind, field, value))
+    return found
+
+
+def grammar_spec_for(req: _GenerationRequest):
+    """The GrammarSpec this request asks for, or None. Raises APIError(400) on conflicting or empty
+    constraints; schema/grammar *content* errors surface later from compilation (see `grammar_error`)."""
+    found = constraint_fields(req)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(f"'{f}'" for _, f, _ in found)
+        raise bad_request(f"at most one constraint per request; this one sets {names}", param=found[1][1],
+                          code="conflicting_constraints")
+    from ..grammar import GrammarSpec  # deferred: keeps the protocol importable without xgrammar
+
+    kind, field, value = found[0]
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind == "json_schema":
+        schema = value.schema_
+        if schema is None:
+            return GrammarSpec.json_object()
+        strict = True if value.strict is None else bool(value.strict)
+        return GrammarSpec.json_schema(schema, strict=strict)
+    if kind == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError as e:
+                raise bad_request(f"guided_json is not valid JSON: {e}", param=field, code="invalid_schema")
+        if not isinstance(value, dict):
+            raise bad_request("guided_json must be a JSON schema object", param=field, code="invalid_schema")
+        return GrammarSpec.json_schema(value, strict=True)
+    if kind == "regex":
+        if not value:
+            raise bad_request(f"'{field}' must not be empty", param=field)
+        return GrammarSpec.regex(value)
+    if kind == "ebnf":
+        if not value.strip():
+            raise bad_request(f"'{field}' must not be empty", param=field)
+        return GrammarSpec.ebnf(value)
+    if kind == "choice":
+        if not value:
+            raise bad_request(f"'{field}' must list at least one string", param=field)
+        if len(value) > MAX_CHOICES:
+            raise bad_request(f"'{field}' may list at most {MAX_CHOICES} strings", param=field)
+        if any(not s for s in value):
+            raise bad_request(f"'{field}' must not contain empty strings", param=field)
+        return GrammarSpec.choice(list(value))
+    raise AssertionError(kind)
+
+
+def constraint_param(req: _GenerationRequest) -> str | None:
+    """The request field that carries the constraint (for error messages)."""
+    found = constraint_fields(req)
+    if not found:
+        return None
+    kind, field, _ = found[0]
+    if kind == "json_schema":
+        return "response_format.json_schema.schema"
+    return field
+
+
+def grammar_error(err: Exception, param: str | None) -> APIError:
+    """A GrammarError (bad or unsupported schema, regex, grammar) as a 400 naming keyword and path."""
+    keyword = getattr(err, "keyword", None)
+    path = getattr(err, "path", None)
+    message = str(err) or err.__class__.__name__
+    extra = []
+    if keyword and f"'{keyword}'" not in message and f'"{keyword}"' not in message and keyword not in message:
+        extra.append(f"keyword '{keyword}'")
+    if path is not None and str(path) not in message:
+        extra.append(f"at path '{path or '/'}'")
+    if extra:
+        message = f"{message} ({', '.join(extra)})"
+    if param and param.startswith("response_format") or param == "guided_json":
+        prefix, code = "invalid JSON schema: ", "invalid_schema"
+        if keyword and ("unsupported" in message.lower() or "not supported" in message.lower()):
+            code = "unsupported_schema"
+    elif param in ("regex", "guided_regex"):
+        prefix, code = "invalid regex: ", "invalid_regex"
+    elif param in ("choice", "guided_choice"):
+        prefix, code = "invalid choice list: ", "invalid_choice"
+    else:
+        prefix, code = "invalid grammar: ", "invalid_grammar"
+    if message.lower().startswith(prefix.split(":")[0].lower()):
+        prefix = ""
+    # `param` names the request field; the JSON pointer inside the schema is in the message
+    return APIError(400, prefix + message, param=param, code=code)

@@ -1,0 +1,66 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def validation_error_to_api(errors: list[dict[str, Any]], prefix: tuple = ()) -> APIError:
+    """Turns pydantic's error list into a 400 naming the first offending field."""
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [str(x) for x in (*prefix, *first.get("loc", ())) if x not in ("body",)]
+    # drop pydantic's union/discriminator tags (e.g. 'json_schema' for the tagged union member) when they
+    # repeat the discriminator value; keep list indexes
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    kind = first.get("type", "")
+    if kind == "missing":
+        text = f"missing required field '{param}'"
+    elif param:
+        text = f"invalid value for '{param}': {msg}"
+    else:
+        text = msg
+    return bad_request(text, param=param, code="invalid_value" if kind != "missing" else "missing_field")

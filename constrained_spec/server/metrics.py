@@ -1,0 +1,126 @@
+"""Prometheus metrics for /metrics. Each app gets its own registry (several apps may share one engine
+in one process, as the tests do)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "constrained_spec"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    """Reads the engine's live state at scrape time."""
+
+    def __init__(self, engine, server_state):
+        self.engine = engine
+        self.server_state = server_state
+
+    def collect(self):
+        eng = self.engine
+        sched = getattr(eng, "scheduler", None)
+        running = len(getattr(sched, "running", ())) if sched is not None else 0
+        waiting = len(getattr(sched, "waiting", ())) if sched is not None else 0
+        waiting += len(getattr(eng, "_compiling", ()))
+        g = GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests in the running batch")
+        g.add_metric([], running)
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued (waiting for KV or a grammar compile)")
+        g.add_metric([], waiting)
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_http_requests_in_flight", "Generation requests the server has admitted")
+        g.add_metric([], self.server_state.pending)
+        yield g
+        pool = getattr(getattr(eng, "runner", None), "pool", None)
+        if pool is not None:
+            cap, free = pool.capacity, pool.num_free
+            g = GaugeMetricFamily(f"{PREFIX}_kv_slots_total", "KV-cache token slots")
+            g.add_metric([], cap)
+            yield g
+            g = GaugeMetricFamily(f"{PREFIX}_kv_slots_used", "KV-cache token slots in use")
+            g.add_metric([], cap - free)
+            yield g
+            g = GaugeMetricFamily(f"{PREFIX}_kv_usage_ratio", "Fraction of KV-cache slots in use (0..1)")
+            g.add_metric([], (cap - free) / cap if cap else 0.0)
+            yield g
+        gstats = getattr(getattr(eng, "grammar", None), "stats", None)
+        if isinstance(gstats, dict):
+            c = CounterMetricFamily(f"{PREFIX}_grammar_compile_seconds", "Time spent compiling grammars")
+            c.add_metric([], float(gstats.get("compile_seconds_total", 0.0)))
+            yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_compiles", "Grammars compiled (cache misses)")
+            c.add_metric([], float(gstats.get("compile_count", 0)))
+            yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_cache_hits", "Grammar compile-cache hits")
+            c.add_metric([], float(gstats.get("cache_hits", 0)))
+            yield c
+        stats = getattr(eng, "stats", None)
+        if stats is not None:
+            c = CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps (prefill and decode)")
+            c.add_metric([], float(stats.steps))
+            yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
+            c.add_metric([], float(stats.grammar_mask_seconds))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine, server_state):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.finished = Counter(f"{PREFIX}_requests_finished", "Engine requests finished, by finish reason",
+                                ["reason"], registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine, server_state))
+        self.engine = engine
+        self._listening = False
+
+    # engine thread -> metrics
+    def on_engine_event(self, event: str, req) -> None:
+        try:
+            if event == "first_token" and req.first_token_time is not None:
+                self.ttft.observe(max(req.first_token_time - req.arrival, 0.0))
+            elif event == "finish":
+                n_out = len(req.output_ids)
+                self.prompt_tokens.inc(len(req.prompt_ids))
+                self.completion_tokens.inc(n_out)
+                reason = getattr(req.finish_reason, "value", str(req.finish_reason))
+                self.finished.labels(reason=reason).inc()
+                now = time.monotonic()
+                self.e2e.observe(max(now - req.arrival, 0.0))
+                if req.first_token_time is not None and n_out > 1:
+                    self.tpot.observe(max((now - req.first_token_time) / (n_out - 1), 0.0))
+        except Exception:  # never let metrics break the engine loop
+            pass
+
+    def attach(self) -> None:
+        listeners = getattr(getattr(self.engine, "stats", None), "listeners", None)
+        if listeners is not None and not self._listening:
+            listeners.append(self.on_engine_event)
+            self._listening = True
+
+    def detach(self) -> None:
+        listeners = getattr(getattr(self.engine, "stats", None), "listeners", None)
+        if listeners is not None and self._listening:
+            try:
+                listeners.remove(self.on_engine_event)
+            except ValueError:
+                pass
+            self._listening = False
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,60 @@
+"""Running the app under uvicorn: in the foreground (the CLI) or in a background thread (tests,
+notebooks, embedding)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+
+def _uvicorn_config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                          timeout_graceful_shutdown=5, timeout_keep_alive=30, lifespan="on", log_config=None)
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serves `app` in the foreground until Ctrl-C / SIGTERM."""
+    uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    server: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_server_thread(app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
+                        ready_timeout: float = 30.0) -> ServerHandle:
+    """Starts uvicorn in a daemon thread on `port` (a free one by default) and waits until it listens."""
+    port = port or free_port(host)
+    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + ready_timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"uvicorn on {host}:{port} exited during startup")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError(f"uvicorn on {host}:{port} did not start within {ready_timeout}s")
+        time.sleep(0.02)
+    return ServerHandle(server, thread, host, port)

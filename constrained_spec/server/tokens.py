@@ -1,0 +1,51 @@
+"""Token text for logprobs: each token id as OpenAI shows it (text plus its raw UTF-8 bytes)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet (the same table `transformers` uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class TokenTexts:
+    """Maps token ids to (text, bytes); cached, safe to share between requests."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.lookup = lru_cache(maxsize=65536)(self._lookup)
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        tok = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        raw: bytes | None = None
+        if isinstance(tok, str):
+            if tok.startswith("<0x") and tok.endswith(">") and len(tok) == 6:  # sentencepiece byte fallback
+                try:
+                    raw = bytes([int(tok[3:5], 16)])
+                except ValueError:
+                    raw = None
+            elif all(ch in _BYTE_DECODER for ch in tok):
+                raw = bytes(_BYTE_DECODER[ch] for ch in tok)
+        if raw is None:
+            text = self.tokenizer.decode([int(token_id)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            raw = text.encode("utf-8")
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def text(self, token_id: int) -> str:
+        return self.lookup(token_id)[0]
+
+    def entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self.lookup(token_id)
+        return {"token": text, "logprob": float(logprob), "bytes": raw}

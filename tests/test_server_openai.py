@@ -1,0 +1,171 @@
+"""Acceptance 1: the official `openai` package, unchanged, against a real uvicorn server with the real
+SmolLM2: json_schema output validates, streaming reassembles to the non-streaming text, and
+`chat.completions.parse` returns a parsed pydantic object. Plus the other constraint kinds,
+/v1/completions, logprobs, n, finish reasons, usage, /v1/models, /health and /metrics."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from server_fixtures import *  # noqa: F401,F403
+from server_fixtures import MODEL_ID
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["engineer", "doctor", "artist"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+class Pet(BaseModel):
+    name: str
+    species: str
+    legs: int
+
+
+def test_models_health(openai_client, http):
+    models = openai_client.models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    h = http.get("/health").json()
+    assert h["status"] == "ok" and h["kv_capacity"] > 0
+
+
+def test_json_schema_output_validates(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=80,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert r.usage.prompt_tokens > 5 and r.usage.completion_tokens > 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.model == MODEL_ID
+
+
+def test_stream_reassembles_to_non_stream(openai_client):
+    kw = dict(model=MODEL_ID, messages=[{"role": "system", "content": "You are a poet."},
+                                        {"role": "user", "content": [{"type": "text", "text": "A line about rain."}]}],
+              max_tokens=40, temperature=0.8, top_p=0.95, seed=1234)
+    full = openai_client.chat.completions.create(**kw)
+    stream = openai_client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage, roles = [], None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.delta.role)
+            if c.delta.content:
+                pieces.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    assert roles == ["assistant"]
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_parse_returns_pydantic_object(openai_client):
+    r = openai_client.chat.completions.parse(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Describe a pet as JSON with name, species, legs."}],
+        response_format=Pet, max_tokens=80, temperature=0)
+    msg = r.choices[0].message
+    assert isinstance(msg.parsed, Pet), msg.content
+    assert msg.parsed.legs >= 0 or msg.parsed.legs < 0  # an int
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+    ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+    ({"ebnf": 'root ::= "The answer is " ("red" | "blue") "."'}, lambda t: t in ("The answer is red.",
+                                                                                "The answer is blue.")),
+])
+def test_extension_constraints(openai_client, extra, check):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Answer briefly: is the sky blue?"}], max_tokens=24,
+        temperature=0.7, seed=3, extra_body=extra)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert check(text), text
+
+
+def test_json_object(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Give me a JSON object about a city."}], max_tokens=64,
+        temperature=0, response_format={"type": "json_object"})
+    c = r.choices[0]
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
+    else:
+        assert c.finish_reason == "length" and c.message.content.lstrip().startswith("{")
+
+
+def test_finish_reason_length_and_usage(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_completion_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+
+
+def test_stop_string(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Count from 1 to 10 separated by commas."}],
+        max_tokens=48, temperature=0, stop=["5"])
+    assert r.choices[0].finish_reason == "stop"
+    assert "5" not in r.choices[0].message.content
+
+
+def test_n_and_logprobs(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, temperature=1.0,
+        seed=7, n=2, logprobs=True, top_logprobs=3)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        content = c.logprobs.content
+        assert content and all(len(t.top_logprobs) == 3 for t in content)
+        assert all(t.logprob <= 0.0 for t in content)
+        assert "".join(t.token for t in content if t.token not in ("<|im_end|>",)).startswith(
+            c.message.content[:3])
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+
+
+def test_completions_endpoint(openai_client, server_engine):
+    r = openai_client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=5,
+                                         temperature=0, logprobs=2)
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length") and c.text
+    assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == r.usage.completion_tokens
+    ids = server_engine.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    r2 = openai_client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=5, temperature=0)
+    assert r2.choices[0].text == c.text
+    r3 = openai_client.completions.create(model=MODEL_ID, prompt="Answer yes or no:", max_tokens=4,
+                                          extra_body={"choice": ["yes", "no"]})
+    assert r3.choices[0].text in ("yes", "no")
+    pieces = [ch.choices[0].text for ch in openai_client.completions.create(
+        model=MODEL_ID, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if ch.choices]
+    assert "".join(pieces) == c.text
+
+
+def test_metrics(http):
+    text = http.get("/metrics").text
+    for name in ("constrained_spec_http_requests_total", "constrained_spec_prompt_tokens_total",
+                 "constrained_spec_completion_tokens_total", "constrained_spec_time_to_first_token_seconds_bucket",
+                 "constrained_spec_time_per_output_token_seconds_bucket", "constrained_spec_requests_running",
+                 "constrained_spec_requests_waiting", "constrained_spec_kv_usage_ratio",
+                 "constrained_spec_grammar_compile_seconds_total", "constrained_spec_grammar_cache_hits_total"):
+        assert name in text, name
+    assert re.search(r'constrained_spec_http_requests_total\{endpoint="/v1/chat/completions",status="200"\} \d', text)
