@@ -35,33 +35,48 @@ void Trie::clear() {
   size_ = 0;
 }
 
-int32_t Trie::child(int32_t node, int32_t token) const {
-  if (node < 0) return -1;
-  auto it = edges_.find(key(node, token));
-  return it == edges_.end() ? -1 : it->second;
-}
-
 int32_t Trie::walk(const int32_t* tokens, int n) const {
   int32_t cur = 0;
   for (int i = 0; i < n && cur >= 0; ++i) cur = child(cur, tokens[i]);
   return cur;
 }
 
-void Trie::touch(int32_t id, uint64_t tick) {
-  // Invariant: a node carrying `tick` has all its ancestors carrying it too, so stop there.
-  while (id >= 0 && nodes_[id].tick != tick) {
-    nodes_[id].tick = tick;
-    id = nodes_[id].parent;
+void EdgeMap::insert(uint64_t k, int32_t v) {
+  if ((size_ + 1) * 2 > slots_.size()) {  // keep the load factor <= 1/2
+    std::vector<Slot> old;
+    old.swap(slots_);
+    reset(old.size() * 2);
+    for (const Slot& s : old)
+      if (s.key != kEmpty) insert(s.key, s.val);
   }
+  size_t i = slot(k);
+  while (slots_[i].key != kEmpty) i = (i + 1) & mask_;
+  slots_[i] = {k, v};
+  size_++;
+}
+
+void EdgeMap::erase(uint64_t k) {
+  size_t i = slot(k);
+  while (slots_[i].key != k) {
+    if (slots_[i].key == kEmpty) return;
+    i = (i + 1) & mask_;
+  }
+  // backward-shift deletion: pull later entries of the probe run into the hole
+  for (size_t j = (i + 1) & mask_; slots_[j].key != kEmpty; j = (j + 1) & mask_) {
+    const size_t h = slot(slots_[j].key);
+    if (((j - h) & mask_) >= ((j - i) & mask_)) {
+      slots_[i] = slots_[j];
+      i = j;
+    }
+  }
+  slots_[i] = {kEmpty, -1};
+  size_--;
 }
 
 int32_t Trie::add_child(int32_t node, int32_t token, uint64_t tick) {
   const uint64_t k = key(node, token);
-  auto it = edges_.find(k);
-  int32_t id;
-  if (it != edges_.end()) {
-    id = it->second;
-  } else {
+  int32_t id = edges_.find(k);
+  if (id < 0) {
     if (!free_.empty()) {
       id = free_.back();
       free_.pop_back();
@@ -84,7 +99,7 @@ int32_t Trie::add_child(int32_t node, int32_t token, uint64_t tick) {
     c.freq = 0;
     c.tick = 0;
     c.alive = true;
-    edges_.emplace(k, id);
+    edges_.insert(k, id);
     size_++;
   }
   nodes_[id].freq++;
@@ -112,7 +127,7 @@ void Trie::remove_leaf(int32_t id) {
 
 int64_t Trie::maybe_evict() {
   if (size_ <= capacity_) return 0;
-  const int64_t target = capacity_ - capacity_ / 16;
+  const int64_t target = capacity_ - capacity_ / 8;
   const int64_t m = size_ - target;
   struct Key {
     uint64_t tick;
@@ -124,18 +139,58 @@ int64_t Trie::maybe_evict() {
       return id < o.id;
     }
   };
+  // last use of a node = newest tick in its subtree: propagate bottom-up (counting sort by depth)
+  const int32_t n = (int32_t)nodes_.size();
+  int32_t max_depth = 0;
+  for (int32_t i = 1; i < n; ++i)
+    if (nodes_[i].alive) max_depth = std::max(max_depth, nodes_[i].depth);
+  std::vector<int32_t> start(max_depth + 2, 0);
+  for (int32_t i = 1; i < n; ++i)
+    if (nodes_[i].alive) start[nodes_[i].depth + 1]++;
+  for (int32_t d = 0; d <= max_depth; ++d) start[d + 1] += start[d];
+  std::vector<int32_t> by_depth(start[max_depth + 1]);
+  for (int32_t i = 1; i < n; ++i)
+    if (nodes_[i].alive) by_depth[start[nodes_[i].depth]++] = i;  // ascending depth
+  std::vector<uint64_t> last(n, 0);
+  for (int32_t i = 0; i < n; ++i) last[i] = nodes_[i].tick;
+  for (auto it = by_depth.rbegin(); it != by_depth.rend(); ++it) {
+    const int32_t p = nodes_[*it].parent;
+    if (last[p] < last[*it]) last[p] = last[*it];
+  }
   std::vector<Key> keys;
-  keys.reserve(size_);
-  for (int32_t i = 1; i < (int32_t)nodes_.size(); ++i)
-    if (nodes_[i].alive) keys.push_back({nodes_[i].tick, nodes_[i].depth, i});
-  if (m < (int64_t)keys.size()) std::nth_element(keys.begin(), keys.begin() + m, keys.end());
-  const auto end = keys.begin() + std::min<int64_t>(m, keys.size());
-  std::sort(keys.begin(), end);
+  keys.reserve(by_depth.size());
+  for (int32_t i : by_depth) keys.push_back({last[i], nodes_[i].depth, i});
+  // Select the m oldest keys. Large tries: a threshold from a strided sample of the keys
+  // (O(n), no full selection); the selected set may be a little smaller or larger than m but
+  // must bring the count back to the capacity, else fall back to the exact selection.
+  std::vector<char> selected(n, 0);
+  int64_t num_selected = 0;
+  const int64_t total = (int64_t)keys.size();
+  const int64_t need = size_ - capacity_;
+  if (total > 65536) {
+    const int64_t S = 4096;
+    std::vector<Key> sample;
+    sample.reserve(S);
+    for (int64_t s = 0; s < S; ++s) sample.push_back(keys[(s * total) / S]);
+    std::sort(sample.begin(), sample.end());
+    const Key thr = sample[std::min<int64_t>(S - 1, (m * S) / total)];
+    for (const Key& k : keys)
+      if (k < thr) selected[k.id] = 1, num_selected++;
+    if (num_selected < need) {
+      std::fill(selected.begin(), selected.end(), 0);
+      num_selected = 0;
+    }
+  }
+  if (num_selected == 0 && m > 0) {
+    if (m < total) std::nth_element(keys.begin(), keys.begin() + m, keys.end());
+    for (int64_t i = 0; i < std::min<int64_t>(m, total); ++i) selected[keys[i].id] = 1;
+  }
+  // The selected set is closed under descendants (a child's key is always smaller than its
+  // parent's), so removing deepest first removes only leaves.
   int64_t removed = 0;
-  for (auto it = keys.begin(); it != end; ++it) {
-    // Children always precede their parent in this order, so this is a leaf; check anyway.
-    if (nodes_[it->id].alive && nodes_[it->id].first_child < 0) {
-      remove_leaf(it->id);
+  for (auto it = by_depth.rbegin(); it != by_depth.rend(); ++it) {
+    if (selected[*it] && nodes_[*it].alive && nodes_[*it].first_child < 0) {
+      remove_leaf(*it);
       removed++;
     }
   }

@@ -16,11 +16,12 @@
 //   request's own trie rank first (by own frequency), then the others (by shared frequency).
 //
 // Eviction (both levels): least-recently-used leaves. Every operation (an insert call, a propose
-//   call) takes a new tick; a node touched by it gets that tick and so do all its ancestors, hence a
-//   parent's tick is never older than its children's. When the node count exceeds the capacity,
-//   the nodes with the oldest (tick, deepest first) are removed until the count is back to
-//   capacity - capacity/16 (amortizes the O(n) selection); in that order every removed node is a
-//   leaf when it is removed. The node count never exceeds the capacity after a call returns.
+//   call) takes a new tick and stamps the nodes it touches. When the node count exceeds the
+//   capacity, each node's last use is taken as the newest tick in its subtree (one bottom-up pass),
+//   and the nodes with the oldest (last use, deepest first) are removed until the count is back to
+//   capacity - capacity/8 (amortizes the O(n) pass; above 64k nodes the cut is found from a
+//   sample of 4096 keys, so it is approximate); in that order every removed node is a leaf
+//   when it is removed. The node count never exceeds the capacity after an insert returns.
 //
 // Draft trees use xgrammar's layout: flattened nodes, node 0 = the last context token (the last
 //   verified token), `next_token[i]` = first child of i or -1, `next_sibling[i]` = next sibling or
@@ -57,6 +58,42 @@ struct NgramConfig {
   void validate() const;  // throws std::invalid_argument
 };
 
+// Open-addressing hash map uint64 -> int32 (linear probing, backward-shift deletion): the trie's
+// edge table, keyed by (parent id, token).
+class EdgeMap {
+ public:
+  EdgeMap() { reset(1024); }
+  int32_t find(uint64_t k) const {
+    for (size_t i = slot(k);; i = (i + 1) & mask_) {
+      if (slots_[i].key == k) return slots_[i].val;
+      if (slots_[i].key == kEmpty) return -1;
+    }
+  }
+  void insert(uint64_t k, int32_t v);  // k must be absent
+  void erase(uint64_t k);
+  void clear() { reset(1024); }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t(0);
+  struct Slot {
+    uint64_t key;
+    int32_t val;
+  };
+  size_t slot(uint64_t k) const {
+    k ^= k >> 29;
+    k *= 0x9E3779B97F4A7C15ull;
+    return size_t(k >> 17) & mask_;
+  }
+  void reset(size_t cap) {
+    slots_.assign(cap, Slot{kEmpty, -1});
+    mask_ = cap - 1;
+    size_ = 0;
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0, size_ = 0;
+};
+
 // A capacity-bounded frequency trie with LRU-leaf eviction. Node 0 is the root.
 class Trie {
  public:
@@ -76,12 +113,16 @@ class Trie {
 
   explicit Trie(int64_t capacity);
 
-  int32_t child(int32_t node, int32_t token) const;
-  // Finds or creates the child, increments its frequency, touches it (and its ancestors).
+  int32_t child(int32_t node, int32_t token) const {
+    return node < 0 ? -1 : edges_.find(key(node, token));
+  }
+  // Finds or creates the child, increments its frequency, touches it.
   int32_t add_child(int32_t node, int32_t token, uint64_t tick);
   // Follows tokens from the root; -1 when the path does not exist.
   int32_t walk(const int32_t* tokens, int n) const;
-  void touch(int32_t node, uint64_t tick);
+  void touch(int32_t node, uint64_t tick) {
+    if (nodes_[node].tick < tick) nodes_[node].tick = tick;
+  }
   bool valid(int32_t node, uint32_t gen) const {
     return node >= 0 && node < (int32_t)nodes_.size() && nodes_[node].alive && nodes_[node].gen == gen;
   }
@@ -103,7 +144,7 @@ class Trie {
   int64_t size_ = 0;
   std::vector<Node> nodes_;
   std::vector<int32_t> free_;
-  std::unordered_map<uint64_t, int32_t> edges_;
+  EdgeMap edges_;
 };
 
 // Output of one draft tree (flattened, xgrammar layout).

@@ -249,3 +249,20 @@ def test_ngram_drafter_protocol():
     assert trees.tokens[1, :2].tolist() == [2, 3]
     d.finish("a")
     assert not d.trie.has_request(0)
+
+
+def test_eviction_large_trie_sampled_threshold():
+    """Above 64k nodes the eviction cut comes from a sample; the capacity still holds."""
+    cap = 80_000
+    t = NgramTrie(max_ngram=4, num_draft_tokens=5, capacity=cap)
+    rng = np.random.default_rng(0)
+    old = [70_000, 70_001, 70_002]
+    t.insert(-1, old)
+    for _ in range(30):
+        t.insert(-1, rng.integers(0, 5000, 1000))
+        assert t.num_nodes() <= cap
+    assert t.num_nodes() > cap // 2
+    assert t.frequency(old[:1]) == 0
+    recent = rng.integers(0, 5000, 50)
+    t.insert(-1, recent)
+    assert t.frequency(recent[:4]) >= 1
