@@ -1,0 +1,41 @@
+"""Triton attention backend (GPU default): paged flash-decoding, extend over a cached prefix, and
+tree verify, all reading K/V straight from the token-slot pool through `slot_table`.
+
+CUDA graphs: DECODE launches depend only on (B, H, KVH, D, slot_table width, num_splits) and VERIFY
+launches only on (B, H, KVH, D, max_q_len); nothing is read from the device on the host, so both can
+be captured once per batch size and replayed with new `kv_lens`/`slot_table`/`tree_mask` contents.
+Capture after one warm-up call (the first call compiles the kernels).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
+from .triton_kernels import decode_attention, extend_attention
+from .triton_kernels.decode import default_num_splits
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, max_splits: int = 32, num_splits: int | None = None):
+        """`num_splits` fixes the flash-decoding split count; by default it is chosen per launch
+        from static shapes only (batch size, kv heads, slot-table width), capped at `max_splits`."""
+        self.max_splits = max_splits
+        self.num_splits = num_splits
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                kv: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv.store(layer, meta.out_slots, k, v)
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if meta.mode is ForwardMode.DECODE:
+            return decode_attention(q, k_cache, v_cache, meta.slot_table, meta.kv_lens, scale,
+                                    num_splits=self.num_splits, max_splits=self.max_splits)
+        tree = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
+        return extend_attention(q, k_cache, v_cache, meta.slot_table, meta.kv_lens, meta.q_starts,
+                                meta.q_lens, meta.max_q_len, scale, tree_mask=tree)
+
+
+__all__ = ["TritonAttention", "default_num_splits"]

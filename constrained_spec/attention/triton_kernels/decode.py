@@ -1,0 +1,181 @@
+"""Paged decode attention (flash-decoding) over a token-slot pool.
+
+One new query token per sequence. Sequence b's context is `slot_table[b, :kv_lens[b]]`.
+Stage 1: grid (B, KVH, NUM_SPLITS); each program handles all G = H // KVH query heads that share
+one kv head (so every K/V row is read once per kv head) and one contiguous chunk of the context,
+and writes a partial output plus its log-sum-exp. Stage 2: grid (B, H) merges the splits.
+
+CUDA-graph capturable: NUM_SPLITS and all grids depend only on B, H, KVH, D and the slot-table
+width, never on host-side kv lengths. The chunk size per split is computed on the device from
+kv_lens[b]. A sequence with kv_len == 0 gets an all-zero output (no NaN).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# The Triton CPU interpreter computes tl.dot on bf16 wrongly (numpy has no bf16): upcast there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return _INTERPRET and torch.bfloat16 in (q.dtype, k.dtype)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SlotTable, KvLens, MidO, MidLse,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_st,
+    stride_mob, stride_moh, stride_mos,
+    stride_lb, stride_lh,
+    sm_scale_log2,
+    NUM_SPLITS,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_len = tl.load(KvLens + b)
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < G
+    d_mask = offs_d < D
+    heads = kvh * G + offs_h
+
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    st_row = SlotTable + b.to(tl.int64) * stride_st
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        n_mask = cols < end
+        slots = tl.load(st_row + cols, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(K + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [D, N]
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k) * sm_scale_log2  # [H, N], log2 domain
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    nonempty = end > start
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty & (l_i > 0.0), m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+             out, mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    MidO, MidLse, Out,
+    stride_mob, stride_moh, stride_mos,
+    stride_lb, stride_lh,
+    stride_ot, stride_oh,
+    NUM_SPLITS,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < D
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    valid = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(valid, tl.exp2(lse - m), 0.0)
+    o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_splits: int = 32,
+                       target_programs: int = 512, block_n: int = 64) -> int:
+    """A static split count: enough programs to fill the GPU, no more splits than table blocks."""
+    want = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
+    cap = max(1, math.ceil(table_width / block_n))
+    return int(max(1, min(max_splits, want, cap)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None, max_splits: int = 32,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D]; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W]; kv_lens: [B].
+
+    Returns [B, H, D] in q's dtype. All launch parameters depend only on shapes."""
+    B, H, D = q.shape
+    KVH = k_cache.shape[1]
+    assert H % KVH == 0, "query heads must be a multiple of kv heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert slot_table.stride(-1) == 1
+    G = H // KVH
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_H = max(16, triton.next_power_of_2(G))
+    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    if num_splits is None:
+        num_splits = default_num_splits(B, KVH, slot_table.shape[1], max_splits, block_n=BLOCK_N)
+    if out is None:
+        out = torch.empty_like(q)
+    if B == 0:
+        return out
+    mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, KVH, num_splits)](
+        q, k_cache, v_cache, slot_table, kv_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        slot_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        scale * _LOG2E, num_splits,
+        G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        UPCAST=_upcast(q, k_cache),
+        num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(B, H)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), num_splits,
+        D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
+        num_warps=4 if BLOCK_D >= 128 else 2,
+    )
+    return out

@@ -1,0 +1,180 @@
+"""Extend (prefill over a cached prefix) and tree-verify attention over a token-slot pool.
+
+Sequence b has q_lens[b] new tokens (flat rows q_starts[b] .. q_starts[b] + q_lens[b]) which are the
+last q_lens[b] entries of its context `slot_table[b, :kv_lens[b]]`; prefix = kv_lens[b] - q_lens[b]
+cached tokens come before them and are fully visible. Among the new tokens the mask is causal
+(EXTEND) or `tree_mask[b, i, j]` (VERIFY: new token i sees new token j).
+
+GQA packing: a program owns one sequence, one kv head and BLOCK_M "rows", where row r is
+(new token r // G, query head kvh * G + r % G); so the G query heads sharing a kv head share every
+K/V load, and short verify trees still fill the tensor-core tile.
+Grid: (B, KVH, cdiv(max_q_len * G, BLOCK_M)); with a fixed B and max_q_len it is static (capturable).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# The Triton CPU interpreter computes tl.dot on bf16 wrongly (numpy has no bf16): upcast there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return _INTERPRET and torch.bfloat16 in (q.dtype, k.dtype)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, SlotTable, KvLens, QStarts, QLens, TreeMask,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_st,
+    stride_tb, stride_ti, stride_tj,
+    sm_scale_log2,
+    G: tl.constexpr, D: tl.constexpr, IS_TREE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mblk = tl.program_id(2)
+
+    q_len = tl.load(QLens + b)
+    row0 = mblk * BLOCK_M
+    if row0 < q_len * G:
+        q_start = tl.load(QStarts + b).to(tl.int64)
+        kv_len = tl.load(KvLens + b)
+        prefix = kv_len - q_len
+
+        rows = row0 + tl.arange(0, BLOCK_M)
+        tok = rows // G
+        head = kvh * G + rows % G
+        row_mask = tok < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_mask = offs_d < D
+
+        q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        st_row = SlotTable + b.to(tl.int64) * stride_st
+
+        # Phase 1: the cached prefix, visible to every new token.
+        for n0 in range(0, prefix, BLOCK_N):
+            cols = n0 + offs_n
+            n_mask = cols < prefix
+            slots = tl.load(st_row + cols, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(K + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, k) * sm_scale_log2
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        # Phase 2: the new tokens, causal or tree-masked.
+        if IS_TREE:
+            end = kv_len
+        else:
+            last_tok = tl.minimum(q_len - 1, (row0 + BLOCK_M - 1) // G)
+            end = prefix + last_tok + 1
+        for n0 in range(prefix, end, BLOCK_N):
+            cols = n0 + offs_n
+            n_mask = cols < end
+            rel = cols - prefix
+            slots = tl.load(st_row + cols, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(K + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, k) * sm_scale_log2
+            if IS_TREE:
+                tm = tl.load(TreeMask + b * stride_tb + tok[:, None] * stride_ti + rel[None, :] * stride_tj,
+                             mask=row_mask[:, None] & n_mask[None, :], other=0)
+                vis = (tm != 0) & n_mask[None, :]
+            else:
+                vis = (rel[None, :] <= tok[:, None]) & n_mask[None, :]
+            qk = tl.where(vis, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(O + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_table: torch.Tensor, kv_lens: torch.Tensor, q_starts: torch.Tensor,
+                     q_lens: torch.Tensor, max_q_len: int, scale: float,
+                     tree_mask: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None,
+                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] flat new tokens; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W];
+    kv_lens/q_starts[:B]/q_lens: [B]; tree_mask: optional [B, >=max_q_len, >=max_q_len] bool.
+
+    `max_q_len` (host int) sizes the grid; it must be >= every q_lens[b]."""
+    T, H, D = q.shape
+    B = q_lens.shape[0]
+    KVH = k_cache.shape[1]
+    assert H % KVH == 0, "query heads must be a multiple of kv heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert slot_table.stride(-1) == 1
+    G = H // KVH
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0 or B == 0 or max_q_len == 0:
+        return out
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_M = block_m or (64 if BLOCK_D <= 128 else 32)
+    BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
+    is_tree = tree_mask is not None
+    if is_tree:
+        tm = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        tstrides = (tm.stride(0), tm.stride(1), tm.stride(2))
+    else:
+        tm = kv_lens  # unused dummy pointer
+        tstrides = (0, 0, 0)
+    grid = (B, KVH, triton.cdiv(max_q_len * G, BLOCK_M))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, slot_table, kv_lens, q_starts, q_lens, tm,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        slot_table.stride(0),
+        *tstrides,
+        scale * _LOG2E,
+        G=G, D=D, IS_TREE=is_tree, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        UPCAST=_upcast(q, k_cache),
+        num_warps=4, num_stages=2,
+    )
+    return out
