@@ -175,7 +175,7 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-        self.grammar.shutdown()
+        self.grammar.close()
 
     def __enter__(self):
         return self

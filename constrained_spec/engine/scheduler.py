@@ -54,15 +54,16 @@ class Scheduler:
 
     def _schedule_extend(self) -> ScheduledBatch | None:
         budget = self.config.max_prefill_tokens
+        free = self.pool.num_free - sum(1 for r in self.running if not r.needs_extend)  # keep the next decode's slots
         reqs, counts, samples = [], [], []
 
         def take(req: Request) -> bool:
-            nonlocal budget
+            nonlocal budget, free
             remaining = req.total_len - req.num_cached
-            reserve = sum(1 for r in self.running if not r.needs_extend)  # next decode step's slots
-            n = min(remaining, budget, self.pool.num_free - reserve)
+            n = min(remaining, budget, free)
             if n <= 0:
                 return False
+            free -= n
             reqs.append(req)
             counts.append(n)
             last = n == remaining
