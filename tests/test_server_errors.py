@@ -1,0 +1,176 @@
+"""Acceptance 3: every error case answers its status with an OpenAI-shaped body, and the server keeps
+serving; a bad schema does not disturb a concurrent good request. Also auth, body limit and 503."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import jsonschema
+import pytest
+
+from server_fixtures import *  # noqa: F401,F403
+from server_fixtures import API_KEY, MODEL_ID, chat_body, wait_kv_full
+
+pytestmark = pytest.mark.slow
+
+GOOD_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+               "required": ["ok", "n"], "additionalProperties": False}
+
+
+def assert_error(resp: httpx.Response, status: int, param=..., code=None) -> dict:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not ...:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def schema_body(schema) -> dict:
+    return chat_body("Give JSON.", response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                          "schema": schema}})
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'"text"'])
+def test_malformed_json_body(http, content):
+    assert_error(http.post("/v1/chat/completions", content=content,
+                           headers={"content-type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL_ID}, "messages"),
+    ({"model": MODEL_ID, "messages": []}, "messages"),
+    ({"model": MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    (chat_body(temperature=7), "temperature"),
+    (chat_body(max_tokens=0), "max_tokens"),
+    (chat_body(top_logprobs=50, logprobs=True), "top_logprobs"),
+    (chat_body(response_format={"type": "yaml"}), None),
+    (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), None),
+])
+def test_invalid_fields(http, body, param):
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400)
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_unknown_model_404(http):
+    assert_error(http.post("/v1/chat/completions", json=chat_body(model="gpt-17")), 404, param="model",
+                 code="model_not_found")
+    assert_error(http.post("/v1/completions", json={"model": "gpt-17", "prompt": "hi"}), 404, param="model")
+    assert_error(http.get("/v1/models/gpt-17"), 404)
+    assert_error(http.get("/v1/nothing-here"), 404)
+
+
+def test_unsupported_schema_names_keyword_and_path(http):
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}},
+                                                     "if": {"required": ["b"]}, "then": {}}}}
+    err = assert_error(http.post("/v1/chat/completions", json=schema_body(schema)), 400,
+                       param="response_format.json_schema.schema")
+    assert "'if'" in err["message"] and "/properties/a" in err["message"], err
+    assert err["code"] in ("unsupported_schema", "invalid_schema")
+
+
+@pytest.mark.parametrize("schema", [{"type": "strng"}, {"type": "object", "required": "a"},
+                                    {"properties": {"x": {"type": "integer", "minimum": "zero"}}}])
+def test_invalid_schema(http, schema):
+    assert_error(http.post("/v1/chat/completions", json=schema_body(schema)), 400)
+
+
+@pytest.mark.parametrize("extra", [{"regex": "(unclosed"}, {"ebnf": "root ::= undefined_rule"}, {"choice": []},
+                                   {"regex": "a+", "choice": ["a"]}])
+def test_bad_other_constraints(http, extra):
+    assert_error(http.post("/v1/chat/completions", json=chat_body(**extra)), 400)
+
+
+def test_prompt_longer_than_context(http, server_engine):
+    long = "word " * (server_engine.max_context + 100)
+    assert_error(http.post("/v1/chat/completions", json=chat_body(long)), 400, code="context_length_exceeded")
+    assert_error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": long}), 400,
+                 code="context_length_exceeded")
+
+
+def test_bad_schema_does_not_disturb_concurrent_good_request(server, server_engine):
+    result = {}
+
+    def good():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            result["resp"] = c.post("/v1/chat/completions", json={
+                **schema_body(GOOD_SCHEMA), "max_tokens": 48, "temperature": 0})
+
+    t = threading.Thread(target=good)
+    t.start()
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for _ in range(5):
+            assert_error(c.post("/v1/chat/completions", json=schema_body({"type": "object", "if": {}})), 400)
+            assert_error(c.post("/v1/chat/completions", content=b"{oops"), 400)
+    t.join(120)
+    resp = result["resp"]
+    assert resp.status_code == 200, resp.text
+    jsonschema.validate(json.loads(resp.json()["choices"][0]["message"]["content"]), GOOD_SCHEMA)
+    wait_kv_full(server_engine)
+
+
+def test_auth(secured_server):
+    url = secured_server.url
+    assert_error(httpx.post(url + "/v1/chat/completions", json=chat_body()), 401)
+    assert_error(httpx.post(url + "/v1/chat/completions", json=chat_body(),
+                            headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
+    assert_error(httpx.get(url + "/v1/models"), 401)
+    assert httpx.get(url + "/health").status_code == 200  # health stays open for probes
+    ok = httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=4),
+                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_openai_client_auth(secured_server):
+    import openai
+    bad = openai.OpenAI(base_url=secured_server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=secured_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert good.models.list().data[0].id == MODEL_ID
+
+
+def test_body_size_limit(secured_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    big = chat_body("x" * 10_000)
+    assert_error(httpx.post(secured_server.url + "/v1/chat/completions", json=big, headers=headers), 413,
+                 code="request_too_large")
+
+    def chunked():  # no Content-Length: the limit still holds while reading
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 1000):
+            yield data[i:i + 1000]
+    assert_error(httpx.post(secured_server.url + "/v1/chat/completions", content=chunked(),
+                            headers={**headers, "content-type": "application/json"}), 413)
+
+
+def test_busy_503_with_retry_after(busy_server, server_engine):
+    with httpx.Client(base_url=busy_server.url, timeout=60) as c:
+        body = chat_body("Tell me a long story.", max_tokens=400, stream=True, ignore_eos=True)
+        with c.stream("POST", "/v1/chat/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # keep the iterator: dropping it would close the connection
+            next(lines)  # the stream holds the one admission slot now
+            assert c.get("/health").json()["pending_requests"] == 1
+            err = assert_error(c.post("/v1/chat/completions", json=chat_body()), 503, code="server_busy")
+            assert "retry" in err["message"]
+            second = c.post("/v1/chat/completions", json=chat_body())
+            assert second.headers.get("retry-after") == "2"
+        wait_kv_full(server_engine)
+        ok = c.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+        assert ok.status_code == 200, ok.text
+
+
+def test_still_serving_after_errors(http):
+    assert http.get("/health").json()["status"] == "ok"
+    r = http.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
