@@ -296,7 +296,7 @@ def test_gpu_verify_cuda_graph_replay():
     from constrained_spec.attention.triton_backend import TritonAttention
 
     H, KVH, D, B, Q, dtype = 9, 3, 64, 4, 16, torch.bfloat16
-    case = make_case(ForwardMode.VERIFY, [100, 7, 300, 1], [Q] * B, H, KVH, D, dtype, "cuda", seed=5,
+    case = make_case(ForwardMode.VERIFY, [300, 7, 400, 100], [Q] * B, H, KVH, D, dtype, "cuda", seed=5,
                      table_width=512)
     q, k, v, kv, meta, layer, scale = case
     backend = TritonAttention()
@@ -308,8 +308,9 @@ def test_gpu_verify_cuda_graph_replay():
     case2 = make_case(ForwardMode.VERIFY, [400, 50, 3, 0], [Q] * B, H, KVH, D, dtype, "cuda", seed=6,
                       table_width=512)
     q2, k2, v2, kv2, meta2, _, _ = case2
-    kv.k.copy_(kv2.k)
-    kv.v.copy_(kv2.v)
+    assert kv2.num_slots <= kv.num_slots
+    kv.k[:, :kv2.num_slots].copy_(kv2.k)
+    kv.v[:, :kv2.num_slots].copy_(kv2.v)
     for dst, src in ((q, q2), (k, k2), (v, v2), (meta.kv_lens, meta2.kv_lens), (meta.slot_table, meta2.slot_table),
                      (meta.out_slots, meta2.out_slots), (meta.tree_mask, meta2.tree_mask)):
         dst.copy_(src)
