@@ -21,4 +21,12 @@ class EngineConfig:
     jump_forward: bool = False  # emit grammar-forced strings without sampling
     grammar_threads: int = 2
     grammar_compile_timeout_s: float = 30.0
+    speculative_algorithm: str | None = None  # "ngram"; None: plain decoding
+    speculative_num_draft_tokens: int = 8  # draft tree width N, root included
+    speculative_max_batch: int = 32  # larger decode batches run plain (speculation loses there)
+    speculative_min_accept: float = 0.3  # mean accepted drafts below this: fall back to plain for a while
+    ngram_branches: int = 1  # children per draft node: 1 = chain, >1 = tree
+    ngram_max_match: int = 8  # longest context suffix the trie matches
+    ngram_min_match: int = 1
+    ngram_capacity: int = 1 << 17  # shared trie nodes (eviction past this)
     seed: int = 0  # base for requests that do not give their own seed

@@ -58,10 +58,11 @@ class CudaGraphRunner:
             max_kv_len=self.max_context, tree_mask=s["tree_mask"][:bs] if mode is ForwardMode.VERIFY else None)
 
     @torch.inference_mode()
-    def capture(self, mode: ForwardMode = ForwardMode.DECODE, q_len: int = 1) -> None:
+    def capture(self, mode: ForwardMode = ForwardMode.DECODE, q_len: int = 1, max_batch: int | None = None) -> None:
         t0 = time.perf_counter()
         s = self._static(q_len)
-        for bs in reversed(self.batch_sizes):
+        sizes = [b for b in self.batch_sizes if max_batch is None or b <= max_batch]
+        for bs in reversed(sizes):
             meta = self._meta(mode, bs, q_len)
             n = bs * q_len
 
@@ -79,8 +80,8 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[(mode, bs, q_len)] = (graph, out)
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs for %s (batch sizes %s) in %.1f s", len(self.batch_sizes), mode.value,
-                 self.batch_sizes, time.perf_counter() - t0)
+        log.info("captured %d CUDA graphs for %s x%d (batch sizes %s) in %.1f s", len(sizes), mode.value, q_len,
+                 sizes, time.perf_counter() - t0)
 
     def can_run(self, mode: ForwardMode, batch: int, q_len: int = 1) -> bool:
         bs = self.padded_size(batch)
@@ -102,7 +103,7 @@ class CudaGraphRunner:
         if pad:  # padding rows: slot 0, context of one token
             s["out_slots"][n:n + pad].zero_()
             s["positions"][n:n + pad].zero_()
-            s["kv_lens"][batch:bs].fill_(1)
+            s["kv_lens"][batch:bs].fill_(q_len)
         if tree_mask is not None:
             s["tree_mask"][:batch].copy_(tree_mask)
         graph, out = self.graphs[(mode, bs, q_len)]

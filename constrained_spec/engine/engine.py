@@ -26,6 +26,8 @@ from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, StepResult
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
+from .speculative import SpeculativeWorker, make_drafter
+from ..attention import ForwardMode
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,11 @@ class Engine:
         self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, max_threads=config.grammar_threads,
                                       compile_timeout_s=config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.runner, config)
+        drafter = make_drafter(config)
+        self.spec = SpeculativeWorker(self, drafter) if drafter is not None else None
+        if self.spec is not None and self.runner.graphs is not None:
+            self.runner.graphs.capture(ForwardMode.VERIFY, q_len=self.spec.width,
+                                       max_batch=config.speculative_max_batch)
         self.stats = EngineStats()
         self._bitmask = self.grammar.allocate_bitmask(config.max_running_requests)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -209,6 +216,13 @@ class Engine:
                     self._idle_wait()
                     continue
                 t0 = time.perf_counter()
+                if self.spec is not None and batch.mode is ForwardMode.DECODE and self.spec.should_speculate(batch):
+                    if inflight is not None:  # drafting reads the tokens of the step in flight
+                        self._process(inflight)
+                        inflight = None
+                    self.spec.step(batch)
+                    self.stats.on_step(batch, time.perf_counter() - t0)
+                    continue
                 logits = self.runner.forward(batch)
                 self._launched = batch
                 if inflight is not None:
@@ -351,6 +365,8 @@ class Engine:
         req.finish_reason = reason
         req.error = error
         self.scheduler.remove(req)
+        if self.spec is not None:
+            self.spec.forget(req)
         self._by_id.pop(req.request_id, None)
         self.stats.on_finish(req)
         self._emit(req, new_ids or [], logprobs, finished=True, reason=reason, matched=matched)
