@@ -61,7 +61,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, *, loaded=None, **overrides):
+        """`loaded`: an already built `models.LoadedModel` (benchmarks with random weights); by
+        default the model named by `config.model` is loaded."""
         config = config or EngineConfig()
         for k, v in overrides.items():
             if not hasattr(config, k):
@@ -69,7 +71,7 @@ class Engine:
             setattr(config, k, v)
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(config.model, dtype=config.dtype, device=str(self.device))
+        loaded = loaded or load_model(config.model, dtype=config.dtype, device=str(self.device))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)

@@ -1,0 +1,164 @@
+"""GPU fast path, one command, one run (issue: Triton attention, CUDA graphs, overlap).
+
+SmolLM2-135M bf16 (real weights) at batch 1..128, plain vs JSON schema, with CUDA graphs and
+overlap toggled on one engine; transformers.generate + xgrammar (default and static cache) as the
+baseline; random-weight Llama-3-8B shapes at batch 1 against the weight-streaming floor.
+Writes benchmarks/results/gpu.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import PERSON_SCHEMA, RESULTS, bar_plot, chat_prompts, hf_generate, machine, markdown_table, write_results
+
+
+def measure(engine, prompts, max_tokens, grammar, fixed_length):
+    from constrained_spec import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=fixed_length)
+    st = engine.stats
+    steps0, mask0 = st.decode_steps + st.extend_steps, st.grammar_mask_seconds
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp, grammar)
+    dt = time.perf_counter() - t0
+    steps = st.decode_steps + st.extend_steps - steps0
+    tokens = sum(o.completion_tokens for o in outs)
+    return dict(tokens=tokens, seconds=dt, tok_s=tokens / dt, steps=steps, step_ms=1000 * dt / max(steps, 1),
+                mask_ms_per_step=1000 * (st.grammar_mask_seconds - mask0) / max(steps, 1),
+                finish=[o.finish_reason.value for o in outs][:4])
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t0)  # read + write bytes per second
+
+
+def random_llama3_8b(tokenizer):
+    from constrained_spec.models import LoadedModel
+    from constrained_spec.models.config import ModelConfig
+    from constrained_spec.models.loader import build_model
+    cfg = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling=None, max_position=8192, tie_word_embeddings=False, qkv_bias=False,
+                      eos_token_ids=[tokenizer.eos_token_id])
+    model = build_model(cfg, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return LoadedModel(model, cfg, tokenizer, [tokenizer.eos_token_id], "llama-3-8b-shapes (random)", "")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--skip-8b", action="store_true")
+    args = ap.parse_args()
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+    from constrained_spec.engine import Engine
+    from constrained_spec.grammar import GrammarSpec
+    from constrained_spec.models import resolve_model_path
+
+    path = resolve_model_path(None)
+    t0 = time.perf_counter()
+    engine = Engine(model=path, device="cuda")
+    startup = time.perf_counter() - t0
+    tok = engine.tokenizer
+    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
+    graphs = engine.runner.graphs
+    modes = {"graphs+overlap": (graphs, False), "graphs, no overlap": (graphs, True), "no graphs, overlap": (None, False)}
+    records = []
+    for bs in [int(b) for b in args.batches.split(",")]:
+        for kind in ("plain", "json"):
+            prompts = chat_prompts(tok, bs, json_task=True)  # same prompts: only the constraint differs
+            grammar = spec if kind == "json" else None
+            for mode, (g, no_overlap) in modes.items():
+                engine.runner.graphs, engine.config.disable_overlap = g, no_overlap
+                measure(engine, prompts, 8, grammar, False)  # warm-up
+                r = measure(engine, prompts, args.tokens, grammar, kind == "plain")
+                records.append(dict(model="SmolLM2-135M", batch=bs, workload=kind, mode=mode, **r))
+                print(records[-1], flush=True)
+    engine.runner.graphs, engine.config.disable_overlap = graphs, False
+    engine.shutdown()
+
+    hf_records = []
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(PERSON_SCHEMA)
+    for cache in ("dynamic", "static"):
+        kw = {"cache_implementation": "static"} if cache == "static" else {}
+        for bs in (1, 32):
+            for kind in ("plain", "json"):
+                prompts = chat_prompts(tok, bs, json_task=True)
+                g = compiled if kind == "json" else None
+                hf_generate(hf, tok, prompts, 8, g, **kw)
+                hf_generate(hf, tok, prompts, 8, g, **kw)  # warm-up twice (static cache compiles)
+                n, dt = hf_generate(hf, tok, prompts, args.hf_tokens, g, fixed_length=kind == "plain", **kw)
+                hf_records.append(dict(cache=cache, batch=bs, workload=kind, tokens=n, seconds=dt, tok_s=n / dt,
+                                       step_ms=1000 * dt / args.hf_tokens))
+                print(hf_records[-1], flush=True)
+    del hf
+    torch.cuda.empty_cache()
+
+    bw = copy_bandwidth()
+    big = []
+    if not args.skip_8b:
+        loaded = random_llama3_8b(tok)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        eng = Engine(loaded=loaded, device="cuda", max_running_requests=64)
+        prompts = chat_prompts(tok, 32, json_task=True)
+        for bs in (1, 32):
+            for kind in ("plain", "json"):
+                grammar = spec if kind == "json" else None
+                measure(eng, prompts[:bs], 8, grammar, False)
+                r = measure(eng, prompts[:bs], 64, grammar, kind == "plain")
+                floor_ms = 1000 * weight_bytes / bw
+                big.append(dict(model="Llama-3-8B shapes (random)", batch=bs, workload=kind, floor_ms=floor_ms,
+                                vs_floor=r["step_ms"] / floor_ms, weight_gb=weight_bytes / 1e9, **r))
+                print(big[-1], flush=True)
+        eng.shutdown()
+
+    # ----- report
+    def find(bs, kind, mode):
+        return next(r for r in records if r["batch"] == bs and r["workload"] == kind and r["mode"] == mode)
+    rows = []
+    for bs in sorted({r["batch"] for r in records}):
+        p, j = find(bs, "plain", "graphs+overlap"), find(bs, "json", "graphs+overlap")
+        jn, pg = find(bs, "json", "graphs, no overlap"), find(bs, "plain", "no graphs, overlap")
+        rows.append([bs, round(p["tok_s"]), round(j["tok_s"]), round(p["step_ms"], 3), round(j["step_ms"], 3),
+                     round(j["step_ms"] / p["step_ms"], 3), round(jn["step_ms"], 3), round(j["mask_ms_per_step"], 3),
+                     round(pg["step_ms"], 3)])
+    md = ["# GPU: SmolLM2-135M bf16, greedy, CUDA graphs + overlap (default) and ablations\n",
+          f"Startup (load + graph capture): {startup:.1f} s. Copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"SmolLM2 floor {1000 * 269e6 / bw:.3f} ms/step.\n",
+          markdown_table(["batch", "plain tok/s", "json tok/s", "plain ms/step", "json ms/step",
+                          "json/plain step", "json ms/step (no overlap)", "grammar CPU ms/step", "plain ms/step (no graphs)"], rows),
+          "\n## transformers.generate + xgrammar (bf16)\n",
+          markdown_table(["cache", "batch", "workload", "tok/s", "ms/step"],
+                         [[r["cache"], r["batch"], r["workload"], round(r["tok_s"], 1), round(r["step_ms"], 2)] for r in hf_records])]
+    if big:
+        md += ["\n## Llama-3-8B shapes, random bf16 weights\n",
+               markdown_table(["batch", "workload", "tok/s", "ms/step", "floor ms", "x floor"],
+                              [[r["batch"], r["workload"], round(r["tok_s"], 1), round(r["step_ms"], 3),
+                                round(r["floor_ms"], 3), round(r["vs_floor"], 3)] for r in big])]
+    write_results("gpu", {"machine": machine(), "startup_s": startup, "copy_bandwidth": bw, "engine": records,
+                          "hf": hf_records, "llama3_8b_shapes": big}, "".join(md))
+    labels = [f"b{r[0]}" for r in rows]
+    bar_plot(RESULTS / "gpu.png", labels, {"plain": [r[1] for r in rows], "json schema": [r[2] for r in rows]},
+             "tokens/s", "constrained-spec on H100, SmolLM2-135M bf16")
+
+
+if __name__ == "__main__":
+    main()
