@@ -163,6 +163,21 @@ def run_interpreter_checks() -> None:
     o1 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=1)
     assert torch.allclose(o8, o1, atol=1e-5) and (o8[1] == 0).all()
     print("ok empty splits", flush=True)
+    # Split-prefix extend / verify (what short trees over long contexts use on the GPU).
+    from constrained_spec.attention.torch_backend import TorchAttention
+    from constrained_spec.attention.triton_kernels import extend_attention
+    for i, (mode, pre, ql, splits) in enumerate([
+            (ForwardMode.VERIFY, [130, 0, 7], [9, 5, 1], 3), (ForwardMode.EXTEND, [200, 33], [4, 17], 5),
+            (ForwardMode.VERIFY, [64], [64], 2), (ForwardMode.EXTEND, [3], [20], 8)]):
+        q, k, v, kv, meta, layer, scale = make_case(mode, pre, ql, 6, 2, 16, torch.float32, "cpu", seed=50 + i)
+        ref = TorchAttention().forward(q, k, v, layer, clone_kv(kv), meta, scale)
+        kv.store(layer, meta.out_slots, k, v)
+        out = extend_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, meta.q_starts,
+                               meta.q_lens, meta.max_q_len, scale, tree_mask=meta.tree_mask, num_splits=splits,
+                               block_m=16, block_n=16)
+        err = (out - ref).abs().max().item()
+        assert err < 1e-4, (mode, pre, ql, splits, err)
+        print(f"ok split {mode.value} pre={pre} q={ql} splits={splits} err={err:.1e}", flush=True)
     print("ALL OK")
 
 

@@ -8,7 +8,11 @@ cached tokens come before them and are fully visible. Among the new tokens the m
 GQA packing: a program owns one sequence, one kv head and BLOCK_M "rows", where row r is
 (new token r // G, query head kvh * G + r % G); so the G query heads sharing a kv head share every
 K/V load, and short verify trees still fill the tensor-core tile.
-Grid: (B, KVH, cdiv(max_q_len * G, BLOCK_M)); with a fixed B and max_q_len it is static (capturable).
+Grid: (B, KVH, cdiv(max_q_len * G, BLOCK_M) * NUM_SPLITS); with a fixed B and max_q_len it is static
+(capturable). When that grid is too small to fill the GPU (short trees over long contexts), the cached
+prefix is split into NUM_SPLITS chunks (chosen from static shapes: B, KVH, max_q_len, slot-table width),
+each split writes a partial output + log-sum-exp, the last split also covers the new tokens, and the
+decode reduce kernel merges them.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .decode import _decode_reduce_kernel
 
 _LOG2E = 1.4426950408889634
 # The Triton CPU interpreter computes tl.dot on bf16 wrongly (numpy has no bf16): upcast there.
@@ -29,21 +35,27 @@ def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, SlotTable, KvLens, QStarts, QLens, TreeMask,
+    Q, K, V, O, SlotTable, KvLens, QStarts, QLens, TreeMask, MidO, MidLse,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_st,
     stride_tb, stride_ti, stride_tj,
-    sm_scale_log2,
-    G: tl.constexpr, D: tl.constexpr, IS_TREE: tl.constexpr,
+    stride_mot, stride_moh, stride_mos, stride_lt, stride_lh,
+    sm_scale_log2, NUM_SPLITS,
+    G: tl.constexpr, D: tl.constexpr, IS_TREE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    mblk = tl.program_id(2)
+    if SPLIT:
+        mblk = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+    else:
+        mblk = tl.program_id(2)
+        split = 0
 
     q_len = tl.load(QLens + b)
     row0 = mblk * BLOCK_M
@@ -70,10 +82,17 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         st_row = SlotTable + b.to(tl.int64) * stride_st
 
-        # Phase 1: the cached prefix, visible to every new token.
-        for n0 in range(0, prefix, BLOCK_N):
+        # Phase 1: the cached prefix, visible to every new token (one chunk of it per split).
+        if SPLIT:
+            chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            p_start = split * chunk
+            p_end = tl.minimum(p_start + chunk, prefix)
+        else:
+            p_start = 0
+            p_end = prefix
+        for n0 in range(p_start, p_end, BLOCK_N):
             cols = n0 + offs_n
-            n_mask = cols < prefix
+            n_mask = cols < p_end
             slots = tl.load(st_row + cols, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(K + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
@@ -92,12 +111,15 @@ def _extend_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        # Phase 2: the new tokens, causal or tree-masked.
+        # Phase 2: the new tokens, causal or tree-masked (done by the last split).
         if IS_TREE:
             end = kv_len
         else:
             last_tok = tl.minimum(q_len - 1, (row0 + BLOCK_M - 1) // G)
             end = prefix + last_tok + 1
+        if SPLIT:
+            if split != NUM_SPLITS - 1:
+                end = prefix
         for n0 in range(prefix, end, BLOCK_N):
             cols = n0 + offs_n
             n_mask = cols < end
@@ -128,8 +150,15 @@ def _extend_kernel(
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        tl.store(O + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        if SPLIT:
+            t = q_start + tok
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(MidO + t[:, None] * stride_mot + head[:, None] * stride_moh + split * stride_mos
+                     + offs_d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
+            tl.store(MidLse + t * stride_lt + head * stride_lh + split, lse, mask=row_mask)
+        else:
+            tl.store(O + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,7 +166,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      q_lens: torch.Tensor, max_q_len: int, scale: float,
                      tree_mask: torch.Tensor | None = None,
                      out: torch.Tensor | None = None,
-                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int | None = None,
+                     num_splits: int | None = None, max_splits: int = 16) -> torch.Tensor:
     """q: [T, H, D] flat new tokens; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W];
     kv_lens/q_starts[:B]/q_lens: [B]; tree_mask: optional [B, >=max_q_len, >=max_q_len] bool.
 
@@ -163,18 +193,51 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         tm = kv_lens  # unused dummy pointer
         tstrides = (0, 0, 0)
-    grid = (B, KVH, triton.cdiv(max_q_len * G, BLOCK_M))
+    n_mblk = triton.cdiv(max_q_len * G, BLOCK_M)
+    if num_splits is None:
+        num_splits = default_extend_splits(B, KVH, n_mblk, slot_table.shape[1], max_splits)
+    split = num_splits > 1
+    if split:
+        mid_o = torch.empty((T, H, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+        mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    else:
+        mid_o = mid_lse = out  # unused
+        mstrides = (0, 0, 0, 0, 0)
+    grid = (B, KVH, n_mblk * num_splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, slot_table, kv_lens, q_starts, q_lens, tm,
+        q, k_cache, v_cache, out, slot_table, kv_lens, q_starts, q_lens, tm, mid_o, mid_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         slot_table.stride(0),
-        *tstrides,
-        scale * _LOG2E,
-        G=G, D=D, IS_TREE=is_tree, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        *tstrides, *mstrides,
+        scale * _LOG2E, num_splits,
+        G=G, D=D, IS_TREE=is_tree, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         UPCAST=_upcast(q, k_cache),
         num_warps=4, num_stages=2,
     )
+    if split:
+        # Rows of sequences with fewer than max_q_len tokens are all real tokens (T rows in all),
+        # so every (t, h) has been written by every split.
+        _decode_reduce_kernel[(T, H)](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), num_splits,
+            D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
+            num_warps=4 if BLOCK_D >= 128 else 2,
+        )
     return out
+
+
+def default_extend_splits(batch: int, num_kv_heads: int, n_mblk: int, table_width: int,
+                          max_splits: int = 16, target_programs: int = 264, min_chunk: int = 256) -> int:
+    """Static split count of the cached prefix: only when the grid alone cannot fill the GPU."""
+    programs = max(1, batch * num_kv_heads * n_mblk)
+    if programs >= target_programs // 2:
+        return 1
+    want = -(-target_programs // programs)
+    cap = max(1, table_width // min_chunk)
+    return int(max(1, min(max_splits, want, cap)))
