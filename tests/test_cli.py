@@ -1,0 +1,113 @@
+"""The `constrained-spec` command: --help reads well, flags map onto EngineConfig, `generate --schema`
+prints valid JSON, and `serve` (what `make serve` runs) serves: a curl json_schema request returns JSON
+that validates, and the startup log names the model, device, KV capacity and URL."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from constrained_spec.cli import build_parser, engine_config_from_args
+from server_fixtures import *  # noqa: F401,F403
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "constrained_spec.cli"]
+SCHEMA = {"type": "object", "properties": {"animal": {"type": "string", "enum": ["cat", "dog", "owl"]},
+                                           "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+          "required": ["animal", "legs"], "additionalProperties": False}
+
+
+def run_cli(*args, timeout=120, **kw):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def test_help_reads_well():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    assert "serve" in top.stdout and "generate" in top.stdout
+    serve = run_cli("serve", "--help")
+    assert serve.returncode == 0
+    for flag in ("--model", "--host", "--port", "--api-key", "--device", "--dtype", "--attention-backend",
+                 "--kv-cache-memory-gb", "--max-running-requests", "--log-level", "examples:"):
+        assert flag in serve.stdout, flag
+    assert "127.0.0.1" in serve.stdout  # the default bind address is stated
+    gen = run_cli("generate", "--help")
+    assert gen.returncode == 0 and "--schema" in gen.stdout and "--choice" in gen.stdout
+    assert run_cli().returncode == 2  # no command: help, non-zero
+
+
+def test_flags_map_to_engine_config():
+    args = build_parser().parse_args(["serve", "--model", "/m", "--device", "cpu", "--dtype", "float32",
+                                      "--attention-backend", "torch", "--memory-budget", "0.5",
+                                      "--max-running-requests", "7", "--max-queued-requests", "9",
+                                      "--disable-overlap", "--port", "9001"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.attention_backend) == ("/m", "cpu", "float32", "torch")
+    assert cfg.kv_cache_memory_gb == 0.5 and cfg.max_running_requests == 7 and cfg.max_queued_requests == 9
+    assert cfg.disable_overlap is True and args.port == 9001 and args.host == "127.0.0.1"
+    defaults = engine_config_from_args(build_parser().parse_args(["serve"]))
+    from constrained_spec.engine import EngineConfig
+    assert defaults == EngineConfig()
+
+
+@pytest.mark.slow
+def test_generate_with_schema(tmp_path, server_model_path):
+    schema_file = tmp_path / "animal.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    r = run_cli("generate", "Describe an animal as JSON.", "--schema", str(schema_file), "--model",
+                server_model_path, "--device", "cpu", "--max-tokens", "64")
+    assert r.returncode == 0, r.stderr[-2000:]
+    jsonschema.validate(json.loads(r.stdout), SCHEMA)
+    r = run_cli("generate", "Is water wet?", "--choice", "yes", "no", "--model", server_model_path, "--device", "cpu")
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_serve_and_curl(server_model_path):
+    from constrained_spec.server.runner import free_port
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--model", server_model_path, "--device", "cpu", "--port", str(port),
+                             "--served-model-name", "smollm2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = json.dumps({"model": "smollm2", "max_tokens": 64, "temperature": 0,
+                           "messages": [{"role": "user", "content": "Describe an animal as JSON."}],
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "animal", "schema": SCHEMA}}})
+        if shutil.which("curl"):
+            out = subprocess.run(["curl", "-sS", url + "/v1/chat/completions", "-H", "Content-Type: application/json",
+                                  "-d", body], capture_output=True, text=True, timeout=60).stdout
+        else:
+            out = httpx.post(url + "/v1/chat/completions", content=body,
+                             headers={"Content-Type": "application/json"}, timeout=60).text
+        resp = json.loads(out)
+        jsonschema.validate(json.loads(resp["choices"][0]["message"]["content"]), SCHEMA)
+    finally:
+        proc.terminate()
+        try:
+            log, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+    for needle in ("model ", "device cpu", "KV capacity", f"http://127.0.0.1:{port}/v1"):
+        assert needle in log, (needle, log[-3000:])
+    assert proc.returncode in (0, -15), log[-3000:]
