@@ -63,6 +63,7 @@ def _engine_config_class():
     try:
         spec = importlib.util.spec_from_file_location("_constrained_spec_engine_config", path)
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look the module up while processing the class
         spec.loader.exec_module(mod)
         return mod.EngineConfig
     except Exception:
