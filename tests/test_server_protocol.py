@@ -1,0 +1,70 @@
+"""Unit tests of the protocol layer (no model): request validation, constraint selection, error shapes,
+token bytes."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from constrained_spec.server.constraints import grammar_spec_for
+from constrained_spec.server.errors import APIError, validation_error_to_api
+from constrained_spec.server.protocol import ChatCompletionRequest, CompletionRequest
+from constrained_spec.server.tokens import TokenTexts, _BYTE_DECODER
+
+
+def chat(**kw):
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def test_chat_request_fields():
+    r = chat(max_completion_tokens=5, max_tokens=9, stop="x", stream=True, stream_options={"include_usage": True},
+             unknown_field=1)
+    assert r.token_limit() == 5 and r.stop_list() == ["x"] and r.include_usage_in_stream
+    parts = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert parts.messages[0].text() == "ab"
+
+
+@pytest.mark.parametrize("bad, param", [({"temperature": 3}, "temperature"), ({"n": 0}, "n"),
+                                        ({"top_logprobs": 2}, None), ({"tools": [{"type": "function"}]}, None)])
+def test_chat_request_errors(bad, param):
+    with pytest.raises(ValidationError) as e:
+        chat(**bad)
+    err = validation_error_to_api(e.value.errors(include_url=False))
+    assert err.status == 400 and set(err.body()["error"]) == {"message", "type", "param", "code"}
+    if param:
+        assert err.param == param
+
+
+def test_completion_prompts():
+    assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": []})
+
+
+def test_constraint_selection():
+    from constrained_spec.grammar import GrammarSpec
+    assert grammar_spec_for(chat()) is None
+    assert grammar_spec_for(chat(response_format={"type": "text"})) is None
+    assert grammar_spec_for(chat(response_format={"type": "json_object"})) == GrammarSpec.json_object()
+    spec = grammar_spec_for(chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer"}, "strict": False}}))
+    assert spec.kind == "json_schema" and spec.strict is False
+    assert grammar_spec_for(chat(regex="a+")).kind == "regex"
+    assert grammar_spec_for(chat(guided_choice=["a", "b"])).kind == "choice"
+    assert grammar_spec_for(chat(grammar='root ::= "a"')).kind == "ebnf"
+    with pytest.raises(APIError) as e:
+        grammar_spec_for(chat(regex="a", choice=["a"]))
+    assert e.value.code == "conflicting_constraints"
+
+
+def test_token_bytes_byte_level():
+    class Tok:  # a byte-level BPE vocabulary entry for "Ġcaf" + "Ã©" ("é" split in bytes)
+        def convert_ids_to_tokens(self, i):
+            return {1: "Ġcaf", 2: "Ã"}[i]
+
+        def decode(self, ids, **kw):
+            raise AssertionError("not needed for byte-level tokens")
+    t = TokenTexts(Tok())
+    assert t.lookup(1) == (" caf", list(b" caf"))
+    assert t.lookup(2)[1] == [_BYTE_DECODER["Ã"]]
