@@ -20,6 +20,8 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     jump_forward: bool = False  # emit grammar-forced strings without sampling
     grammar_threads: int = 2
+    grammar_max_whitespace: int | None = 16  # whitespace run allowed between JSON tokens; None: unbounded
+    #   (a small model can loop on whitespace forever when it is unbounded)
     grammar_compile_timeout_s: float = 30.0
     speculative_algorithm: str | None = None  # "ngram"; None: plain decoding
     speculative_num_draft_tokens: int = 8  # draft tree width N, root included

@@ -79,7 +79,8 @@ class Engine:
         self.runner = ModelRunner(loaded, config, self.device, dtype)
         self.max_context = self.runner.max_context
         self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, max_threads=config.grammar_threads,
-                                      compile_timeout_s=config.grammar_compile_timeout_s)
+                                      compile_timeout_s=config.grammar_compile_timeout_s,
+                                      max_whitespace_cnt=config.grammar_max_whitespace)
         self.scheduler = Scheduler(self.runner, config)
         drafter = make_drafter(config)
         self.spec = SpeculativeWorker(self, drafter) if drafter is not None else None

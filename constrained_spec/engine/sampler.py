@@ -37,7 +37,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
         x = x ^ (x >> 16)
         x = (x * mul) & _MASK32
     x = x ^ (x >> 16)
-    return (x.to(torch.float32) + 0.5) / 4294967296.0
+    # 23 bits: (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1); with 32 bits the
+    # top values round to 1.0, -log(u) becomes 0 and masked tokens would win with 0/0 = NaN.
+    return ((x >> 9).to(torch.float32) + 0.5) / 8388608.0
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
