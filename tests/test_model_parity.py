@@ -176,13 +176,21 @@ def test_cuda_bf16_matches_transformers(smollm2_dir, tiny_qwen2_dir, name):
     ours_err = (mine - exact).abs().max().item()
     hf_err = (ref - exact).abs().max().item()
     diff = (mine - ref).abs().max().item()
-    print(f"{name} bf16: max |ours-hf| = {diff:.3f}; vs fp32: ours {ours_err:.3f}, hf {hf_err:.3f}")
-    # bf16 has 8 mantissa bits: our error against fp32 is of the order of transformers' own
+    top1 = exact.argmax(-1)
+    ours_agree = (mine.argmax(-1) == top1).float().mean().item()
+    hf_agree = (ref.argmax(-1) == top1).float().mean().item()
+    # bf16 has 8 mantissa bits: our error against fp32 must be of the order of transformers' own
     assert ours_err < 2 * hf_err + 0.1
-    agree = (mine.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree > 0.9
-    # greedy 64 tokens: decode steps match a bf16 re-prefill of the same context (cache correctness)
-    r = Runner(ours.model)
-    toks, _ = r.greedy(ids, 16)
-    again = Runner(ours.model).prefill(ids + toks[:-1])[len(ids) - 1:].argmax(-1).tolist()
-    assert sum(a == b for a, b in zip(toks, again)) >= 14
+    assert ours_agree >= hf_agree - 0.15
+    # decode over the bf16 KV cache agrees with a bf16 re-prefill of the same context
+    toks, steps = Runner(ours.model).greedy(ids, 16)
+    again = Runner(ours.model).prefill(ids + toks[:-1])[len(ids) - 1:]
+    cache_err = (torch.stack(steps) - again).abs().max().item()
+    print(f"{name} bf16: max |ours-hf| {diff:.3f}; vs fp32: ours {ours_err:.3f}, hf {hf_err:.3f}; "
+          f"top-1 vs fp32: ours {ours_agree:.2f}, hf {hf_agree:.2f}; decode vs re-prefill {cache_err:.3f}")
+    assert cache_err < 2 * hf_err + 0.1
+    # fp32 on CUDA: as tight as on CPU
+    ours32 = load_model(path, dtype=torch.float32, device="cuda")
+    err32 = (Runner(ours32.model).prefill(ids) - exact).abs().max().item()
+    print(f"{name} fp32 cuda: max |ours-hf| {err32:.2e}")
+    assert err32 < LOGIT_TOL[name]
