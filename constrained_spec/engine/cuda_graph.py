@@ -1,111 +1,198 @@
-"""CUDA-graph capture and replay of the model forward for a ladder of batch sizes.
+"""CUDA-graph capture and replay for a ladder of batch sizes: one runner, parameterized by mode.
 
-One runner, parameterized by mode: each (mode, batch size, tokens per sequence) gets one graph
-over static input buffers. DECODE uses one token per sequence; a speculative VERIFY uses a fixed
-number of draft nodes per sequence. Batches are padded up to the next captured size; padding rows
-write their K/V to the reserved slot 0 and attend to it alone, so they never touch live data.
-Attention inside a graph must not depend on host values that change per step, which is why
-graphs need a backend whose launch grid depends only on static shapes (triton).
+Graphs exist for
+- the DECODE forward: one H2D copy of a small metadata block (rows, positions, slots, lengths),
+  then one replay that also gathers the input tokens from the device-side `last_token` buffer,
+  records the new slots in the request→slot table and gathers each row's slot list;
+- the decode SAMPLE tail, per (masked, greedy): copies the grammar bitmask from its pinned host
+  buffer, masks, samples, writes `last_token` and copies the tokens to a pinned host buffer — so a
+  constrained step replays too, and a decode step costs two graph launches and two small copies;
+- the speculative VERIFY forward at a fixed tree width.
+Batches are padded up to the next captured size. Padding rows use a spare table row, write their
+K/V to the reserved slot 0 and attend to it alone, so they never touch live data. Attention inside
+a graph must not depend on host values that change per step (the triton backend's contract).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
+from .sampler import SamplingBatch, mask_logits, sample
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
+@dataclass
+class GraphStep:
+    """A launched decode forward: its logits live in the graph's static buffer."""
+    batch_size: int
+    padded: int
+    logits: torch.Tensor  # [batch_size, V] view
+    rows: torch.Tensor  # [batch_size] device view
+
+
 class CudaGraphRunner:
-    def __init__(self, model, kv, backend, max_context: int, device, max_batch: int,
-                 batch_sizes=DEFAULT_BATCH_SIZES):
-        self.model, self.kv, self.backend = model, kv, backend
-        self.device = device
-        self.max_context = max_context
-        self.batch_sizes = [b for b in batch_sizes if b <= max_batch] or [max_batch]
+    def __init__(self, runner, batch_sizes=DEFAULT_BATCH_SIZES):
+        self.r = runner
+        self.device = runner.device
+        self.max_context = runner.max_context
+        self.batch_sizes = [b for b in batch_sizes if b <= runner.max_rows] or [runner.max_rows]
+        B = self.batch_sizes[-1]
+        dev = self.device
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # tokens per sequence -> static inputs
+        self.meta = torch.zeros(B, 4, dtype=torch.int64, device=dev)  # rows, positions, out_slots, kv_lens
+        self.q_starts = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.q_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.bitmask = torch.zeros(B, runner.bitmask_width, dtype=torch.int32, device=dev)
+        self.params_f = torch.zeros(B, 4, dtype=torch.float32, device=dev)  # temperature, top_p, min_p, top_k
+        self.params_i = torch.zeros(B, 2, dtype=torch.int64, device=dev)  # seeds, steps
+        self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
+        self.verify_inputs: dict[int, dict[str, torch.Tensor]] = {}
 
     def padded_size(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, batch)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
-    def _static(self, q_len: int) -> dict[str, torch.Tensor]:
-        if q_len not in self.buffers:
-            B = self.batch_sizes[-1]
-            z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=self.device)
-            self.buffers[q_len] = dict(
-                input_ids=z(B * q_len), positions=z(B * q_len), out_slots=z(B * q_len),
-                kv_lens=torch.ones(B, dtype=torch.int32, device=self.device), slot_table=z(B, self.max_context),
-                tree_mask=torch.ones(B, q_len, q_len, dtype=torch.bool, device=self.device),
-            )
-        return self.buffers[q_len]
-
-    def _meta(self, mode: ForwardMode, bs: int, q_len: int) -> AttentionMetadata:
-        s = self._static(q_len)
-        q_lens = torch.full((bs,), q_len, dtype=torch.int32, device=self.device)
-        q_starts = torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=self.device)
-        return AttentionMetadata(
-            mode=mode, out_slots=s["out_slots"][:bs * q_len], q_starts=q_starts, q_lens=q_lens,
-            kv_lens=s["kv_lens"][:bs], slot_table=s["slot_table"][:bs], max_q_len=q_len,
-            max_kv_len=self.max_context, tree_mask=s["tree_mask"][:bs] if mode is ForwardMode.VERIFY else None)
+    # -- capture ---------------------------------------------------------------------------------
+    def _capture(self, key: tuple, fn) -> torch.Tensor:
+        for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = (graph, out)
+        return out
 
     @torch.inference_mode()
-    def capture(self, mode: ForwardMode = ForwardMode.DECODE, q_len: int = 1, max_batch: int | None = None) -> None:
+    def capture_decode(self, bitmask_host: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
-        s = self._static(q_len)
-        sizes = [b for b in self.batch_sizes if max_batch is None or b <= max_batch]
-        for bs in reversed(sizes):
-            meta = self._meta(mode, bs, q_len)
-            n = bs * q_len
-
-            def step():  # logits at every token: one per sequence (decode) or per draft node (verify)
-                hidden = self.model(s["input_ids"][:n], s["positions"][:n], self.kv, meta, self.backend)
-                return self.model.compute_logits(hidden).float()
-
-            for _ in range(2):  # warm up (Triton autotune/compile) outside the capture
-                step()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = step()
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[(mode, bs, q_len)] = (graph, out)
+        pad = self.r.pad_row
+        self.meta[:, 0].fill_(pad)
+        self.meta[:, 3].fill_(1)
+        for bs in reversed(self.batch_sizes):
+            self._capture(("decode", bs), lambda bs=bs: self._decode_forward(bs))
+            for masked in (False, True):
+                if masked and bitmask_host is None:
+                    continue
+                for greedy in (True, False):
+                    self._capture(("sample", bs, masked, greedy),
+                                  lambda bs=bs, m=masked, g=greedy: self._sample(bs, m, g, bitmask_host))
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs for %s x%d (batch sizes %s) in %.1f s", len(sizes), mode.value, q_len,
-                 sizes, time.perf_counter() - t0)
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.batch_sizes, time.perf_counter() - t0)
 
-    def can_run(self, mode: ForwardMode, batch: int, q_len: int = 1) -> bool:
-        bs = self.padded_size(batch)
-        return bs is not None and (mode, bs, q_len) in self.graphs
+    def _decode_forward(self, bs: int) -> torch.Tensor:
+        r = self.r
+        rows, positions, out_slots, kv_lens = self.meta[:bs].t()
+        r.table.write_device(rows, positions, out_slots)
+        meta = AttentionMetadata(
+            mode=ForwardMode.DECODE, out_slots=out_slots, q_starts=self.q_starts[:bs + 1], q_lens=self.q_lens[:bs],
+            kv_lens=kv_lens.to(torch.int32), slot_table=r.table.device_table[rows], max_q_len=1,
+            max_kv_len=self.max_context)
+        hidden = r.model(r.last_token[rows], positions, r.kv, meta, r.backend)
+        return r.model.compute_logits(hidden).float()
 
-    def replay(self, mode: ForwardMode, batch: int, input_ids: torch.Tensor, positions: torch.Tensor,
-               out_slots: torch.Tensor, kv_lens: torch.Tensor, slot_table: torch.Tensor,
-               tree_mask: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
-        """Inputs are for `batch` real sequences; returns logits [batch * q_len, V] (a view of a
-        static buffer: read or copy it before the next replay)."""
+    def _sample(self, bs: int, masked: bool, greedy: bool, bitmask_host) -> torch.Tensor:
+        logits = self.graphs[("decode", bs)][1]
+        if masked:
+            self.bitmask[:bs].copy_(bitmask_host[:bs], non_blocking=True)
+            logits = mask_logits(logits, self.bitmask[:bs])
+        if greedy:
+            tokens = logits.argmax(-1)
+        else:
+            f, i = self.params_f[:bs].t(), self.params_i[:bs].t()
+            sb = SamplingBatch(temperature=f[0], top_p=f[1], min_p=f[2], top_k=f[3].long(), seeds=i[0], steps=i[1],
+                               needs_filter=True)
+            tokens = sample(logits, sb)
+        self.r.last_token[self.meta[:bs, 0]] = tokens
+        self.tokens_host[:bs].copy_(tokens, non_blocking=True)
+        return tokens
+
+    @torch.inference_mode()
+    def capture_verify(self, q_len: int, max_batch: int) -> None:
+        t0 = time.perf_counter()
+        B = self.batch_sizes[-1]
+        z = lambda *s: torch.zeros(*s, dtype=torch.int64, device=self.device)
+        s = self.verify_inputs[q_len] = dict(
+            input_ids=z(B * q_len), positions=z(B * q_len), out_slots=z(B * q_len),
+            kv_lens=torch.full((B,), q_len, dtype=torch.int32, device=self.device), slot_table=z(B, self.max_context),
+            tree_mask=torch.ones(B, q_len, q_len, dtype=torch.bool, device=self.device),
+            q_starts=torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device=self.device),
+            q_lens=torch.full((B,), q_len, dtype=torch.int32, device=self.device))
+        sizes = [b for b in self.batch_sizes if b <= max_batch]
+        for bs in reversed(sizes):
+            def fn(bs=bs):
+                n = bs * q_len
+                meta = AttentionMetadata(
+                    mode=ForwardMode.VERIFY, out_slots=s["out_slots"][:n], q_starts=s["q_starts"][:bs + 1],
+                    q_lens=s["q_lens"][:bs], kv_lens=s["kv_lens"][:bs], slot_table=s["slot_table"][:bs],
+                    max_q_len=q_len, max_kv_len=self.max_context, tree_mask=s["tree_mask"][:bs])
+                hidden = self.r.model(s["input_ids"][:n], s["positions"][:n], self.r.kv, meta, self.r.backend)
+                return self.r.model.compute_logits(hidden).float()
+            self._capture(("verify", bs, q_len), fn)
+        torch.cuda.synchronize()
+        log.info("captured verify CUDA graphs (width %d, batch sizes %s) in %.1f s", q_len, sizes,
+                 time.perf_counter() - t0)
+
+    # -- replay ----------------------------------------------------------------------------------
+    def can_decode(self, batch: int) -> bool:
         bs = self.padded_size(batch)
-        s = self._static(q_len)
+        return bs is not None and ("decode", bs) in self.graphs
+
+    def launch_decode(self, rows: np.ndarray, positions: np.ndarray, out_slots: np.ndarray,
+                      kv_lens: np.ndarray) -> GraphStep:
+        B = len(rows)
+        bs = self.padded_size(B)
+        host = np.empty((bs, 4), dtype=np.int64)
+        host[B:] = (self.r.pad_row, 0, 0, 1)
+        host[:B, 0], host[:B, 1], host[:B, 2], host[:B, 3] = rows, positions, out_slots, kv_lens
+        self.meta[:bs].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        graph, logits = self.graphs[("decode", bs)]
+        graph.replay()
+        return GraphStep(B, bs, logits[:B], self.meta[:B, 0])
+
+    def can_sample(self, step: GraphStep, masked: bool, greedy: bool) -> bool:
+        return ("sample", step.padded, masked, greedy) in self.graphs
+
+    def launch_sample(self, step: GraphStep, masked: bool, greedy: bool, params: tuple | None) -> torch.Tensor:
+        """Replays the sample tail; the tokens land in `tokens_host[:batch]` (pinned)."""
+        if params is not None:
+            f, i = params  # [B, 4] float32, [B, 2] int64
+            self.params_f[:step.batch_size].copy_(torch.from_numpy(f).pin_memory(), non_blocking=True)
+            self.params_i[:step.batch_size].copy_(torch.from_numpy(i).pin_memory(), non_blocking=True)
+        self.graphs[("sample", step.padded, masked, greedy)][0].replay()
+        return self.tokens_host[:step.batch_size]
+
+    def can_verify(self, batch: int, q_len: int) -> bool:
+        bs = self.padded_size(batch)
+        return bs is not None and ("verify", bs, q_len) in self.graphs
+
+    def replay_verify(self, batch: int, q_len: int, input_ids, positions, out_slots, kv_lens, slot_table,
+                      tree_mask) -> torch.Tensor:
+        bs = self.padded_size(batch)
+        s = self.verify_inputs[q_len]
         n, pad = batch * q_len, (bs - batch) * q_len
         s["input_ids"][:n].copy_(input_ids)
         s["positions"][:n].copy_(positions)
         s["out_slots"][:n].copy_(out_slots)
         s["kv_lens"][:batch].copy_(kv_lens)
         s["slot_table"][:batch].copy_(slot_table)
-        if pad:  # padding rows: slot 0, context of one token
+        s["tree_mask"][:batch].copy_(tree_mask)
+        if pad:  # padding rows: slot 0, a context of just the padded tree
             s["out_slots"][n:n + pad].zero_()
             s["positions"][n:n + pad].zero_()
             s["kv_lens"][batch:bs].fill_(q_len)
-        if tree_mask is not None:
-            s["tree_mask"][:batch].copy_(tree_mask)
-        graph, out = self.graphs[(mode, bs, q_len)]
+        graph, out = self.graphs[("verify", bs, q_len)]
         graph.replay()
         return out[:n]

@@ -85,10 +85,8 @@ class Engine:
         drafter = make_drafter(config)
         self.spec = SpeculativeWorker(self, drafter) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:
-            self.runner.graphs.capture(ForwardMode.VERIFY, q_len=self.spec.width,
-                                       max_batch=config.speculative_max_batch)
+            self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)
         self.stats = EngineStats()
-        self._bitmask = self.grammar.allocate_bitmask(config.max_running_requests)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._compiling: list[Request] = []
@@ -288,7 +286,7 @@ class Engine:
         reqs = batch.sampling_requests()
         if not any(r.matcher is not None for r in reqs):
             return None
-        bitmask = self._bitmask[:len(reqs)]
+        bitmask = self.runner.bitmask_host[:len(reqs)]
         bitmask.fill_(-1)
         t0 = time.perf_counter()
         for i, r in enumerate(reqs):

@@ -52,9 +52,10 @@ class RequestSlotTable:
 
     def __init__(self, max_rows: int, max_context: int, device: torch.device | str):
         self.max_context = max_context
-        self.host = np.zeros((max_rows, max_context), dtype=np.int64)
-        self.device_table = torch.zeros((max_rows, max_context), dtype=torch.int64, device=device)
-        self.lengths = np.zeros(max_rows, dtype=np.int64)
+        self.pad_row = max_rows  # one spare row that padded batch entries may scribble on
+        self.host = np.zeros((max_rows + 1, max_context), dtype=np.int64)
+        self.device_table = torch.zeros((max_rows + 1, max_context), dtype=torch.int64, device=device)
+        self.lengths = np.zeros(max_rows + 1, dtype=np.int64)
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
     @property

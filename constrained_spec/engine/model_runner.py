@@ -16,7 +16,7 @@ import torch
 from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
 from .batch import ScheduledBatch
 from .config import EngineConfig
-from .cuda_graph import CudaGraphRunner
+from .cuda_graph import CudaGraphRunner, GraphStep
 from .kv_cache import RequestSlotTable, SlotPool
 from .sampler import SamplingBatch, sample
 
@@ -24,16 +24,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_slots: torch.Tensor
-    q_starts: torch.Tensor
-    q_lens: torch.Tensor
-    kv_lens: torch.Tensor
-    rows: torch.Tensor
-    max_q_len: int
-    max_kv_len: int
+class _Plan:
+    rows: np.ndarray  # [B]
+    q_lens: np.ndarray  # [B]
+    kv_lens: np.ndarray  # [B]
+    q_starts: np.ndarray  # [B+1]
+    positions: np.ndarray  # [T]
+    out_slots: np.ndarray  # [T]
+    token_rows: np.ndarray  # [T]
+    host_ids: list[int]  # [T] for EXTEND
 
 
 @dataclass
@@ -66,8 +65,14 @@ class ModelRunner:
         num_slots = self._num_kv_slots(config)
         self.kv = KVCache(self.mcfg.num_layers, num_slots, self.mcfg.num_kv_heads, self.mcfg.head_dim, dtype, device)
         self.pool = SlotPool(num_slots)
-        self.table = RequestSlotTable(config.max_running_requests, self.max_context, device)
-        self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=device)
+        self.max_rows = config.max_running_requests
+        self.table = RequestSlotTable(self.max_rows, self.max_context, device)
+        self.pad_row = self.table.pad_row
+        self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=device)
+        self.bitmask_width = (self.vocab_size + 31) // 32
+        # grammar masks are filled here by the CPU and copied by the sample step (a graph on CUDA)
+        self.bitmask_host = torch.zeros(self.max_rows, self.bitmask_width, dtype=torch.int32,
+                                        pin_memory=device.type == "cuda")
         self.token_counts: torch.Tensor | None = None  # [rows, V], allocated when penalties appear
         self.pinned = device.type == "cuda"
         self.graphs = self._capture_graphs(config)
@@ -81,9 +86,8 @@ class ModelRunner:
         if self.backend.name == "torch":
             log.warning("CUDA graphs need the triton attention backend; running the torch backend eagerly")
             return None
-        graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.max_context, self.device,
-                                 max_batch=config.max_running_requests)
-        graphs.capture(ForwardMode.DECODE)
+        graphs = CudaGraphRunner(self)
+        graphs.capture_decode(self.bitmask_host)
         return graphs
 
     def _num_kv_slots(self, config: EngineConfig) -> int:
@@ -109,8 +113,8 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> "_StepInputs":
-        """Allocates KV slots for the new tokens and builds the model inputs."""
+    def plan(self, batch: ScheduledBatch) -> "_Plan":
+        """Host side of a step: allocates KV slots for the new tokens and lays out the inputs."""
         B = batch.size
         rows = np.empty(B, dtype=np.int64)
         q_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
@@ -126,25 +130,40 @@ class ModelRunner:
                 host_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
             req.num_cached += n
             kv_lens[i] = req.num_cached
-        T = int(q_lens.sum())
         q_starts = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=q_starts[1:])
+        T = int(q_starts[-1])
         token_rows = np.repeat(rows, q_lens)
         positions = np.arange(T, dtype=np.int64) - np.repeat(q_starts[:-1], q_lens) + np.repeat(kv_lens - q_lens, q_lens)
         out_slots = self.table.host[token_rows, positions]
+        batch.sample_index = [i for i, s in enumerate(batch.samples) if s]
+        return _Plan(rows, q_lens, kv_lens, q_starts, positions, out_slots, token_rows, host_ids)
 
-        packed = self._to_device(np.concatenate([rows, q_lens, kv_lens, q_starts, positions, out_slots, token_rows]))
+    def _eager_forward(self, batch: ScheduledBatch, p: "_Plan") -> torch.Tensor:
+        B, T = batch.size, len(p.positions)
+        packed = self._to_device(np.concatenate([p.rows, p.q_lens, p.kv_lens, p.q_starts, p.positions, p.out_slots,
+                                                 p.token_rows]))
         rows_d, q_lens_d, kv_lens_d, q_starts_d, pos_d, slots_d, token_rows_d = torch.split(
             packed, [B, B, B, B + 1, T, T, T])
         self.table.write_device(token_rows_d, pos_d, slots_d)
         if batch.mode is ForwardMode.DECODE:
             input_ids = self.last_token[rows_d]
         else:
-            input_ids = self._to_device(np.asarray(host_ids, dtype=np.int64))
-        batch.sample_index = [i for i, s in enumerate(batch.samples) if s]
-        self._rows_d, self._q_ends_d = rows_d, q_starts_d[1:] - 1
-        return _StepInputs(input_ids, pos_d, slots_d, q_starts_d.to(torch.int32), q_lens_d.to(torch.int32),
-                           kv_lens_d.to(torch.int32), rows_d, int(q_lens.max()), int(kv_lens.max()))
+            input_ids = self._to_device(np.asarray(p.host_ids, dtype=np.int64))
+        max_kv = int(p.kv_lens.max())
+        meta = AttentionMetadata(
+            mode=batch.mode, out_slots=slots_d, q_starts=q_starts_d.to(torch.int32), q_lens=q_lens_d.to(torch.int32),
+            kv_lens=kv_lens_d.to(torch.int32), slot_table=self.table.device_table[rows_d, :max_kv],
+            max_q_len=int(p.q_lens.max()), max_kv_len=max_kv)
+        hidden = self.model(input_ids, pos_d, self.kv, meta, self.backend)
+        q_ends = q_starts_d[1:] - 1
+        if len(batch.sample_index) != B:
+            hidden = hidden[q_ends[self._index(batch.sample_index)]]
+            rows_d = rows_d[self._index(batch.sample_index)]
+        elif batch.mode is not ForwardMode.DECODE:
+            hidden = hidden[q_ends]
+        self._rows_d = rows_d
+        return self.model.compute_logits(hidden).float()
 
     def _reset_row_state(self, req) -> None:
         if self.token_counts is not None:
@@ -158,32 +177,35 @@ class ModelRunner:
 
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Launches the model; returns logits [n_sampling, V] (float32) for the rows that sample."""
-        x = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(batch.mode, batch.size):
-            slot_rows = self.table.device_table[x.rows]
-            return self.graphs.replay(batch.mode, batch.size, x.input_ids, x.positions, x.out_slots, x.kv_lens,
-                                      slot_rows)
-        meta = AttentionMetadata(
-            mode=batch.mode, out_slots=x.out_slots, q_starts=x.q_starts, q_lens=x.q_lens, kv_lens=x.kv_lens,
-            slot_table=self.table.device_table[x.rows, :x.max_kv_len], max_q_len=x.max_q_len,
-            max_kv_len=x.max_kv_len)
-        hidden = self.model(x.input_ids, x.positions, self.kv, meta, self.backend)
-        if len(batch.sample_index) != batch.size:
-            hidden = hidden[self._q_ends_d[self._index(batch.sample_index)]]
-        elif batch.mode is not ForwardMode.DECODE:
-            hidden = hidden[self._q_ends_d]
-        return self.model.compute_logits(hidden).float()
+    def forward(self, batch: ScheduledBatch) -> "torch.Tensor | GraphStep":
+        """Launches the model. Returns the logits [n_sampling, V] (float32) of the rows that sample,
+        or, for a graphed decode step, a GraphStep whose sample tail is a graph too."""
+        p = self.plan(batch)
+        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_decode(batch.size):
+            return self.graphs.launch_decode(p.rows, p.positions, p.out_slots, p.kv_lens)
+        return self._eager_forward(batch, p)
 
     def _index(self, positions: list[int]) -> torch.Tensor:
         return self._to_device(np.asarray(positions, dtype=np.int64))
 
     @torch.inference_mode()
-    def sample(self, batch: ScheduledBatch, logits: torch.Tensor, bitmask: torch.Tensor | None,
+    def sample(self, batch: ScheduledBatch, logits: "torch.Tensor | GraphStep", bitmask: torch.Tensor | None,
                apply_bitmask) -> StepResult:
+        """Masks (bitmask: rows of `self.bitmask_host`, filled by the caller) and samples."""
         reqs = batch.sampling_requests()
-        rows_d = self._rows_d[self._index(batch.sample_index)] if len(reqs) != batch.size else self._rows_d
+        if isinstance(logits, GraphStep):
+            step, logits = logits, logits.logits
+            self._rows_d = step.rows
+            greedy = all(r.params.greedy for r in reqs)
+            plain = not any(r.params.logprobs is not None or r.params.frequency_penalty or r.params.presence_penalty
+                            for r in reqs)
+            if plain and self.graphs.can_sample(step, bitmask is not None, greedy):
+                params = None if greedy else self._sampling_params_host(reqs)
+                tokens_host = self.graphs.launch_sample(step, bitmask is not None, greedy, params)
+                event = torch.cuda.Event()
+                event.record()
+                return StepResult(batch, tokens_host, None, event)
+        rows_d = self._rows_d
         if bitmask is not None:
             apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
         sb = self._sampling_batch(reqs, rows_d)
@@ -193,6 +215,12 @@ class ModelRunner:
             self.token_counts[rows_d, tokens] += 1
         logprobs = self._logprobs(reqs, logits, tokens)
         return self._to_host(batch, tokens, logprobs)
+
+    def _sampling_params_host(self, reqs) -> tuple[np.ndarray, np.ndarray]:
+        f = np.array([(r.params.temperature, r.params.top_p, r.params.min_p,
+                       r.params.top_k if r.params.top_k > 0 else self.vocab_size) for r in reqs], dtype=np.float32)
+        i = np.array([(r.seed, r.num_cached - len(r.prompt_ids)) for r in reqs], dtype=np.int64)
+        return f, i
 
     def _to_host(self, batch, tokens, logprobs) -> StepResult:
         def host(t):
@@ -224,12 +252,13 @@ class ModelRunner:
             f[:, i] = (p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else self.vocab_size,
                        p.frequency_penalty, p.presence_penalty)
         ints = np.array([[r.seed for r in reqs], [r.num_cached - len(r.prompt_ids) for r in reqs]], dtype=np.int64)
+        ints = ints.reshape(2, n)
         fd = self._to_device(f.astype(np.float32))
         idev = self._to_device(ints)
         greedy = bool((f[0] <= 1e-5).all())
         penalties = bool((f[4] != 0).any() or (f[5] != 0).any())
         if penalties and self.token_counts is None:
-            self.token_counts = torch.zeros(self.last_token.shape[0], self.vocab_size, dtype=torch.int32, device=self.device)
+            self.token_counts = torch.zeros(self.max_rows + 1, self.vocab_size, dtype=torch.int32, device=self.device)
             for r in reqs:  # first use: seed the counts from outputs so far
                 self._count_outputs(r)
         return SamplingBatch(

@@ -42,6 +42,16 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return ((x >> 9).to(torch.float32) + 0.5) / 8388608.0
 
 
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Grammar mask in plain torch ops (capturable in a CUDA graph): bit t of row b's int32 words
+    says whether token t is allowed. Returns the masked logits (out of place)."""
+    vocab = logits.shape[-1]
+    idx = torch.arange(vocab, device=logits.device)
+    words = bitmask[:, idx >> 5]
+    allowed = (words >> (idx & 31).to(torch.int32)) & 1
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.token_counts is None:
         return logits

@@ -61,6 +61,7 @@ class SpeculativeWorker:
         self.stats = SpecStats()
         self._observed: dict[str, int] = {}  # request id -> output tokens already given to the drafter
         self._recent: list[float] = []  # accepted drafts per request-step, recent window (fallback rule)
+        self._bitmask: torch.Tensor | None = None  # pinned [rows, W], reused across steps
 
     # -- policy ----------------------------------------------------------------------------------
     def should_speculate(self, batch: ScheduledBatch) -> bool:
@@ -118,9 +119,9 @@ class SpeculativeWorker:
     def _verify_forward(self, B, N, tok_d, pos_d, slots_d, kv_lens, rows_d, mask_d):
         runner = self.runner
         graphs = runner.graphs
-        if graphs is not None and graphs.can_run(ForwardMode.VERIFY, B, N):
-            return graphs.replay(ForwardMode.VERIFY, B, tok_d, pos_d, slots_d, kv_lens,
-                                 runner.table.device_table[rows_d], tree_mask=mask_d, q_len=N)
+        if graphs is not None and graphs.can_verify(B, N):
+            return graphs.replay_verify(B, N, tok_d, pos_d, slots_d, kv_lens, runner.table.device_table[rows_d],
+                                        mask_d)
         max_kv = int(kv_lens.max()) if runner.device.type == "cpu" else runner.max_context
         q_lens = torch.full((B,), N, dtype=torch.int32, device=runner.device)
         meta = AttentionMetadata(
@@ -159,7 +160,9 @@ class SpeculativeWorker:
         if not any(r.matcher is not None for r in reqs):
             return trees, None
         B, N = trees.tokens.shape
-        bitmask = self.engine.grammar.allocate_bitmask(B * N).view(B, N, -1)
+        if self._bitmask is None or self._bitmask.shape[0] < B * N:
+            self._bitmask = self.engine.grammar.allocate_bitmask(max(B, 8) * N)
+        bitmask = self._bitmask[:B * N].view(B, N, -1)
         bitmask.fill_(-1)
         for b, r in enumerate(reqs):
             if r.matcher is not None:
