@@ -1,7 +1,8 @@
 """Engine settings. CLI flags map one to one onto these fields."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,7 +20,8 @@ class EngineConfig:
     disable_overlap: bool = False
     disable_cuda_graph: bool = False
     jump_forward: bool = False  # emit grammar-forced strings without sampling
-    grammar_threads: int = 2
+    grammar_threads: int = 2  # grammar compilation workers
+    grammar_mask_threads: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
     grammar_max_whitespace: int | None = 16  # whitespace run allowed between JSON tokens; None: unbounded
     #   (a small model can loop on whitespace forever when it is unbounded)
     grammar_compile_timeout_s: float = 30.0

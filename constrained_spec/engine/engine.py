@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
 import torch
+import xgrammar as xgr
 
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
 from ..models import load_model
@@ -82,6 +83,7 @@ class Engine:
                                       compile_timeout_s=config.grammar_compile_timeout_s,
                                       max_whitespace_cnt=config.grammar_max_whitespace)
         self.scheduler = Scheduler(self.runner, config)
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=config.grammar_mask_threads)
         drafter = make_drafter(config)
         self.spec = SpeculativeWorker(self, drafter) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:
@@ -221,6 +223,9 @@ class Engine:
                     if inflight is not None:  # drafting reads the tokens of the step in flight
                         self._process(inflight)
                         inflight = None
+                        batch.requests = [r for r in batch.requests if not r.finished]
+                        if not batch.requests:
+                            continue
                     self.spec.step(batch)
                     self.stats.on_step(batch, time.perf_counter() - t0)
                     continue
@@ -287,11 +292,11 @@ class Engine:
         if not any(r.matcher is not None for r in reqs):
             return None
         bitmask = self.runner.bitmask_host[:len(reqs)]
-        bitmask.fill_(-1)
         t0 = time.perf_counter()
-        for i, r in enumerate(reqs):
-            if r.matcher is not None and not r.finished:
-                r.matcher.fill_bitmask(bitmask, i)
+        bitmask.fill_(-1)
+        live = [(i, r.matcher.xgr_matcher) for i, r in enumerate(reqs) if r.matcher is not None and not r.finished]
+        if live:  # xgrammar fills the rows on its own thread pool
+            self._batch_matcher.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
         return bitmask
 

@@ -150,7 +150,9 @@ class ModelRunner:
             input_ids = self.last_token[rows_d]
         else:
             input_ids = self._to_device(np.asarray(p.host_ids, dtype=np.int64))
-        max_kv = int(p.kv_lens.max())
+        # On CUDA a decode reads the full-width table, as its graph does, so both take the same splits.
+        graphed_shape = batch.mode is ForwardMode.DECODE and self.device.type == "cuda"
+        max_kv = self.max_context if graphed_shape else int(p.kv_lens.max())
         meta = AttentionMetadata(
             mode=batch.mode, out_slots=slots_d, q_starts=q_starts_d.to(torch.int32), q_lens=q_lens_d.to(torch.int32),
             kv_lens=kv_lens_d.to(torch.int32), slot_table=self.table.device_table[rows_d, :max_kv],
