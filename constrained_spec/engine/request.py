@@ -62,6 +62,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_forced_tokens: int = 0  # jump-forward tokens emitted without sampling
+    spec_steps: int = 0  # speculative verify steps this request took part in
+    spec_accepted: int = 0  # draft tokens of this request accepted
     detok: Any = None
     aborted: bool = False
 

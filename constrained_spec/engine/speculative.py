@@ -208,6 +208,8 @@ class SpeculativeWorker:
                 moved_rows.append(np.full(len(keep), row))
                 moved_pos.append(base[b] + np.arange(len(keep)))
                 moved_slots.append(node_slots[keep])
+            r.spec_steps += 1
+            r.spec_accepted += int(lens[b])
             self.stats.verified_requests += 1
             self.stats.accepted_tokens += int(lens[b])
             self.stats.histogram[min(int(lens[b]), 64)] += 1

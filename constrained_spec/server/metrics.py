@@ -66,6 +66,34 @@ class _EngineCollector:
             c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
             c.add_metric([], float(stats.grammar_mask_seconds))
             yield c
+        yield from _spec_metrics(getattr(getattr(eng, "spec", None), "stats", None))
+
+
+def _spec_metrics(st):
+    """Speculative-decoding acceptance, global: counters plus the accepted-length histogram."""
+    if st is None:
+        return
+    c = CounterMetricFamily(f"{PREFIX}_spec_verify_steps", "Speculative verify steps (batches)")
+    c.add_metric([], float(st.steps))
+    yield c
+    c = CounterMetricFamily(f"{PREFIX}_spec_verified_requests", "Request-steps verified (one per request per step)")
+    c.add_metric([], float(st.verified_requests))
+    yield c
+    c = CounterMetricFamily(f"{PREFIX}_spec_accepted_tokens", "Draft tokens accepted (bonus tokens excluded)")
+    c.add_metric([], float(st.accepted_tokens))
+    yield c
+    c = CounterMetricFamily(f"{PREFIX}_spec_forced_draft_tokens", "Grammar-forced tokens put into drafts")
+    c.add_metric([], float(st.forced_draft_tokens))
+    yield c
+    g = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length", "Tokens emitted per request per verify step")
+    g.add_metric([], float(st.mean_accepted))
+    yield g
+    g = GaugeMetricFamily(f"{PREFIX}_spec_accepted_length_count", "Request-steps by number of accepted drafts",
+                          labels=["accepted"])
+    last = max((i for i, n in enumerate(st.histogram) if n), default=0)
+    for i in range(last + 1):
+        g.add_metric([str(i)], float(st.histogram[i]))
+    yield g
 
 
 class ServerMetrics:
