@@ -1,0 +1,394 @@
+"""xgrammar-backed grammar compilation, matching and bitmask handling.
+
+Thread-safety (xgrammar 0.2.8):
+* ``GrammarCompiler`` may be called from several threads (compile_async runs compiles on a
+  small thread pool).  Compiled grammars are immutable and shared between requests.
+* a ``GrammarMatcher`` (hence a RequestMatcher) is NOT thread-safe: one request's matcher must be
+  used by one thread at a time (the scheduler's grammar worker).
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import torch
+import xgrammar as xgr
+
+from .errors import GrammarError
+from .schema import prepare_schema
+from .spec import GrammarSpec
+
+
+@dataclass
+class CompiledGrammar:
+    spec: GrammarSpec
+    xgr_compiled: Any  # xgrammar.CompiledGrammar
+    compile_seconds: float
+    prepared: Optional[str] = None  # the rewritten JSON schema handed to xgrammar (json kinds)
+    memory_bytes: int = 0
+
+
+def _ebnf_string(s: str) -> str:
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif o < 0x20 or o == 0x7F:
+            out.append("\\x%02x" % o if o != 10 else "\\n")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+class RequestMatcher:
+    """Per-request grammar state (one xgrammar GrammarMatcher). Not thread-safe."""
+
+    __slots__ = ("_m", "compiled", "vocab_size", "_bitmask_width")
+
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int, max_rollback_tokens: int = 64):
+        if max_rollback_tokens < 16:
+            raise ValueError("max_rollback_tokens must be >= 16")
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+        self._bitmask_width = math.ceil(vocab_size / 32)
+        self._m = xgr.GrammarMatcher(compiled.xgr_compiled, max_rollback_tokens=max_rollback_tokens)
+
+    @property
+    def xgr_matcher(self) -> xgr.GrammarMatcher:
+        return self._m
+
+    def accept_token(self, tok: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        if tok < 0 or tok >= self.vocab_size:
+            return False
+        return self._m.accept_token(int(tok))
+
+    def accept_tokens(self, toks: Sequence[int]) -> int:
+        """Accept a prefix of toks; returns how many were accepted (stops at the first illegal)."""
+        n = 0
+        for t in toks:
+            if not self.accept_token(t):
+                break
+            n += 1
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            self._m.rollback(int(n))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, int(row))
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def can_terminate(self) -> bool:
+        """True when a stop token (EOS) is legal now, or the grammar already ended."""
+        return self._m.is_terminated() or self._m.is_completed()
+
+    def reset(self) -> None:
+        self._m.reset()
+
+    def fork(self) -> "RequestMatcher":
+        new = RequestMatcher.__new__(RequestMatcher)
+        new.compiled, new.vocab_size, new._bitmask_width = (
+            self.compiled, self.vocab_size, self._bitmask_width)
+        new._m = self._m.fork()
+        return new
+
+    def jump_forward_string(self) -> str:
+        if self._m.is_terminated():
+            return ""
+        return self._m.find_jump_forward_string()
+
+    def jump_forward_tokens(self, tokenizer) -> List[int]:
+        """Tokens of the string the grammar forces from here, each legal in sequence.
+
+        Does not advance this matcher. The tokens are the tokenizer's encoding of the forced
+        string, truncated at the first token the grammar refuses (checked on a fork)."""
+        s = self.jump_forward_string()
+        if not s:
+            return []
+        ids = tokenizer.encode(s, add_special_tokens=False)
+        fork = self._m.fork()
+        out = []
+        for t in ids:
+            if not fork.accept_token(int(t)):
+                break
+            out.append(int(t))
+        return out
+
+    def traverse_draft_tree(self, retrieve_next_token, retrieve_next_sibling, draft_tokens,
+                            bitmask: torch.Tensor, time_threshold: float = -1.0) -> bool:
+        """Fill bitmask row i for every node i of a draft tree (xgrammar's native traversal).
+
+        Node 0 is the last verified token (already accepted into this matcher); row i holds the
+        tokens legal after the path root..i. Nodes whose token the grammar forbids are not
+        descended into (their rows and their subtree's rows are left as they were: the caller
+        should prune them: see `legal_draft_nodes`). The matcher state is unchanged afterwards.
+        Returns False if time_threshold (seconds, >0) was exceeded."""
+        rnt = _as_i64(retrieve_next_token)
+        rns = _as_i64(retrieve_next_sibling)
+        dt = _as_i64(draft_tokens)
+        return self._m.traverse_draft_tree(rnt, rns, dt, bitmask, time_threshold)
+
+    def __repr__(self) -> str:
+        return f"RequestMatcher(kind={self.compiled.spec.kind}, terminated={self.is_terminated()})"
+
+
+def _as_i64(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.int64 or x.device.type != "cpu":
+            x = x.to("cpu", torch.int64)
+        return x.contiguous()
+    return torch.tensor(list(x), dtype=torch.int64)
+
+
+def legal_draft_nodes(bitmask: torch.Tensor, retrieve_next_token, retrieve_next_sibling,
+                      draft_tokens) -> List[bool]:
+    """After traverse_draft_tree: legal[i] is True when the path root..i is grammar-legal."""
+    rnt = [int(v) for v in retrieve_next_token]
+    rns = [int(v) for v in retrieve_next_sibling]
+    dt = [int(v) for v in draft_tokens]
+    legal = [False] * len(dt)
+    legal[0] = True
+    stack = [0]
+    bm = bitmask
+    while stack:
+        i = stack.pop()
+        c = rnt[i]
+        while c != -1:
+            t = dt[c]
+            if (int(bm[i, t >> 5]) >> (t & 31)) & 1:
+                legal[c] = True
+                stack.append(c)
+            c = rns[c]
+    return legal
+
+
+class GrammarBackend:
+    """One per (tokenizer, model vocab). Owns the xgrammar compiler and the compile cache."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2,
+                 compile_timeout_s: float = 30.0, cache_size: int = 512,
+                 compile_workers: int = 2, any_whitespace: bool = True,
+                 max_whitespace_cnt: Optional[int] = None,
+                 stop_token_ids: Optional[List[int]] = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.bitmask_width = math.ceil(self.vocab_size / 32)
+        self.compile_timeout_s = float(compile_timeout_s)
+        self.any_whitespace = any_whitespace
+        self.max_whitespace_cnt = max_whitespace_cnt
+        kw = {} if stop_token_ids is None else {"stop_token_ids": stop_token_ids}
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, **kw)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
+                                            cache_enabled=False)
+        self._cache: "OrderedDict[tuple, Any]" = OrderedDict()  # key -> CompiledGrammar|GrammarError
+        self._cache_size = cache_size
+        self._inflight: dict = {}  # key -> Future from the pool
+        self._timed_out: set = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=compile_workers,
+                                        thread_name_prefix="grammar-compile")
+        self._stats = {"compile_count": 0, "cache_hits": 0, "cache_misses": 0,
+                       "compile_seconds_total": 0.0, "compile_seconds_max": 0.0,
+                       "compile_errors": 0, "compile_timeouts": 0, "schema_refusals": 0}
+        self.refusals_by_keyword: dict = {}
+
+    # ---------------------------------------------------------------- compile
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            d = dict(self._stats)
+            d["cache_size"] = len(self._cache)
+            d["inflight"] = len(self._inflight)
+            d["refusals_by_keyword"] = dict(self.refusals_by_keyword)
+        return d
+
+    def _build(self, spec: GrammarSpec) -> CompiledGrammar:
+        t0 = time.perf_counter()
+        prepared = None
+        try:
+            if spec.kind == "json_schema":
+                try:
+                    prepared = json.dumps(prepare_schema(json.loads(spec.value), spec.strict),
+                                          ensure_ascii=False)
+                except GrammarError as e:
+                    with self._lock:
+                        self._stats["schema_refusals"] += 1
+                        k = e.keyword or "other"
+                        self.refusals_by_keyword[k] = self.refusals_by_keyword.get(k, 0) + 1
+                    raise
+                cg = self.compiler.compile_json_schema(
+                    prepared, any_whitespace=self.any_whitespace, strict_mode=spec.strict,
+                    max_whitespace_cnt=self.max_whitespace_cnt)
+            elif spec.kind == "json_object":
+                cg = self.compiler.compile_json_schema(
+                    '{"type":"object"}', any_whitespace=self.any_whitespace, strict_mode=False,
+                    max_whitespace_cnt=self.max_whitespace_cnt)
+            elif spec.kind == "regex":
+                cg = self.compiler.compile_regex(spec.value)
+            elif spec.kind == "ebnf":
+                cg = self.compiler.compile_grammar(spec.value)
+            elif spec.kind == "choice":
+                opts = json.loads(spec.value)
+                cg = self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(_ebnf_string(o) for o in opts))
+            else:
+                raise GrammarError(f"unknown grammar kind '{spec.kind}'")
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ trace
+            msg = str(e).strip().splitlines()
+            msg = msg[-1] if msg else repr(e)
+            msg = msg.split(": ", 1)[-1] if "/project/cpp/" in msg else msg
+            with self._lock:
+                self._stats["compile_errors"] += 1
+            raise GrammarError(f"{spec.kind} failed to compile: {msg}") from None
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._stats["compile_count"] += 1
+            self._stats["compile_seconds_total"] += dt
+            self._stats["compile_seconds_max"] = max(self._stats["compile_seconds_max"], dt)
+        try:
+            mem = int(cg.memory_size_bytes)
+        except Exception:  # noqa: BLE001
+            mem = 0
+        return CompiledGrammar(spec, cg, dt, prepared, mem)
+
+    def _store(self, key, value) -> None:
+        with self._lock:
+            self._cache[key] = value
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+    def _run(self, spec: GrammarSpec):
+        try:
+            value = self._build(spec)
+        except GrammarError as e:
+            value = e
+        self._store(spec.key, value)
+        with self._lock:
+            self._inflight.pop(spec.key, None)
+            self._timed_out.discard(spec.key)
+        if isinstance(value, GrammarError):
+            raise value
+        return value
+
+    def compile_async(self, spec: GrammarSpec, timeout_s: Optional[float] = None) -> Future:
+        """Future[CompiledGrammar]; fails with GrammarError on refusal, error or timeout."""
+        timeout_s = self.compile_timeout_s if timeout_s is None else timeout_s
+        key = spec.key
+        outer: Future = Future()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self._stats["cache_hits"] += 1
+            else:
+                if key in self._timed_out:
+                    outer.set_exception(GrammarError(
+                        f"compile exceeded {timeout_s:g}s (a previous compile of this grammar "
+                        "is still running)"))
+                    return outer
+                inner = self._inflight.get(key)
+                if inner is None:
+                    self._stats["cache_misses"] += 1
+                    inner = self._inflight[key] = self._pool.submit(self._run, spec)
+        if hit is not None:
+            if isinstance(hit, GrammarError):
+                outer.set_exception(hit)
+            else:
+                outer.set_result(hit)
+            return outer
+
+        def relay(f: Future):
+            if outer.done():
+                return
+            exc = f.exception()
+            try:
+                if exc is not None:
+                    outer.set_exception(exc)
+                else:
+                    outer.set_result(f.result())
+            except Exception:  # noqa: BLE001 (already timed out)
+                pass
+
+        def on_timeout():
+            if outer.done() or inner.done():
+                return
+            with self._lock:
+                self._timed_out.add(key)
+                self._stats["compile_timeouts"] += 1
+            try:
+                outer.set_exception(GrammarError(f"compile exceeded {timeout_s:g}s"))
+            except Exception:  # noqa: BLE001
+                pass
+
+        if timeout_s and timeout_s > 0:
+            timer = threading.Timer(timeout_s, on_timeout)
+            timer.daemon = True
+            timer.start()
+            outer.add_done_callback(lambda _f: timer.cancel())
+        inner.add_done_callback(relay)
+        return outer
+
+    def compile(self, spec: GrammarSpec, timeout_s: Optional[float] = None) -> CompiledGrammar:
+        """Synchronous compile (cached); raises GrammarError (refusal, compile error, timeout)."""
+        return self.compile_async(spec, timeout_s).result()
+
+    def validate(self, spec: GrammarSpec) -> None:
+        """Cheap up-front check (no compilation): raises GrammarError for refused schemas."""
+        if spec.kind == "json_schema":
+            prepare_schema(json.loads(spec.value), spec.strict)
+
+    # ---------------------------------------------------------------- matching
+    def matcher(self, compiled: CompiledGrammar, max_rollback_tokens: int = 64) -> RequestMatcher:
+        return RequestMatcher(compiled, self.vocab_size, max_rollback_tokens)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        pin = torch.cuda.is_available()
+        return torch.full((rows, self.bitmask_width), -1, dtype=torch.int32, pin_memory=pin)
+
+    @staticmethod
+    def reset_bitmask(bitmask: torch.Tensor) -> None:
+        bitmask.fill_(-1)
+
+    def fill_bitmasks(self, matchers: Sequence[RequestMatcher], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        """Fill bitmask[rows[i]] for matchers[i] (a plain loop; cheap per call)."""
+        for m, r in zip(matchers, rows):
+            m._m.fill_next_token_bitmask(bitmask, int(r))
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                      indices: Optional[List[int]] = None) -> None:
+        """Mask logits in place (-inf where the bit is 0). logits [N, V] on CPU or CUDA.
+
+        Columns beyond the bitmask's coverage (V > 32*width) are set to -inf, as they are not
+        tokens the grammar can produce."""
+        if bitmask.device != logits.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        v = logits.shape[-1]
+        covered = min(v, bitmask.shape[-1] * 32, self.vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=indices)
+        if v > covered:
+            if indices is None:
+                logits[..., covered:] = float("-inf")
+            else:
+                idx = torch.as_tensor(indices, device=logits.device, dtype=torch.long)
+                logits[idx, covered:] = float("-inf")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

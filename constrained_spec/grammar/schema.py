@@ -1,0 +1,733 @@
+"""JSON Schema -> the subset xgrammar 0.2.8 enforces exactly.
+
+xgrammar's JSON-schema converter silently ignores or approximates many keywords (see
+docs/constraints.md for the measured list). `prepare_schema` rewrites a schema into an equivalent
+one that only uses what xgrammar enforces exactly, or raises GrammarError naming the keyword and
+the JSON pointer of the subschema holding it.  Rewrites are exact (the language is unchanged)
+except where narrowing is noted (narrowing never lets an invalid instance through):
+
+* local ``$ref`` (``#``, ``#/json/pointer``, ``#anchor``/``$id: "#x"``) -> ``#/$defs/sN``;
+  remote refs are refused.  ``$ref`` siblings are merged (2019-09+) or ignored (draft <= 7).
+* ``allOf`` is merged into one schema (objects, numbers, strings, arrays, enums).
+* siblings of ``anyOf``/``oneOf`` are distributed into the branches; ``oneOf`` is kept only when
+  its branches are provably disjoint (then it equals ``anyOf``).
+* ``pattern``/``patternProperties`` get JSON Schema's search semantics (xgrammar full-matches).
+* ``enum``/``const`` with sibling assertions -> the values that satisfy them.
+* ``format: date``/``date-time`` -> exact regexes (xgrammar's accept Feb 30).
+* required properties missing from ``properties`` are added (xgrammar ignores them).
+* draft-04 boolean ``exclusiveMinimum``/``Maximum``, draft-07 array ``items``/``additionalItems``.
+* a schema without ``type`` but with type-specific keywords is narrowed to those types
+  (xgrammar would otherwise ignore the keywords).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any, Optional
+from urllib.parse import unquote
+
+from .errors import GrammarError, at, unsupported
+
+ANNOTATIONS = {
+    "title", "description", "default", "examples", "example", "$comment", "deprecated",
+    "readOnly", "writeOnly", "$schema", "$id", "id", "$anchor", "$dynamicAnchor",
+    "$recursiveAnchor", "$vocabulary", "contentMediaType", "contentEncoding", "contentSchema",
+    "$defs", "definitions",
+}
+# Keywords xgrammar 0.2.8 ignores or approximates and that we cannot rewrite cheaply.
+UNSUPPORTED = {
+    "not": "xgrammar ignores it",
+    "if": "conditional schemas are not enforced", "then": "conditional schemas are not enforced",
+    "else": "conditional schemas are not enforced",
+    "contains": "xgrammar ignores it", "minContains": "xgrammar ignores it",
+    "maxContains": "xgrammar ignores it",
+    "dependentRequired": "xgrammar ignores it", "dependentSchemas": "xgrammar ignores it",
+    "dependencies": "not enforced reliably by xgrammar",
+    "unevaluatedProperties": "xgrammar ignores it", "unevaluatedItems": "xgrammar ignores it",
+    "$dynamicRef": "dynamic references are not supported",
+    "$recursiveRef": "dynamic references are not supported",
+}
+STRING_KW = ("minLength", "maxLength", "pattern", "format")
+NUMBER_KW = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+OBJECT_KW = ("properties", "required", "additionalProperties", "patternProperties",
+             "propertyNames", "minProperties", "maxProperties")
+ARRAY_KW = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems")
+ASSERTIONS = set(STRING_KW + NUMBER_KW + OBJECT_KW + ARRAY_KW) | {
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
+JSON_TYPES = {"null", "boolean", "object", "array", "number", "integer", "string"}
+
+# formats xgrammar 0.2.8 enforces (checked against valid/invalid probes)
+ENFORCED_FORMATS = {"date-time", "time", "date", "uri", "uri-reference", "hostname", "duration",
+                    "json-pointer", "relative-json-pointer", "ipv4", "ipv6", "email", "uuid",
+                    "uri-template"}
+# standard formats xgrammar accepts anything for: refused (a checker would reject instances)
+UNENFORCED_FORMATS = {"iri", "iri-reference", "idn-hostname", "idn-email", "regex"}
+
+_YEAR = r"[0-9]{4}"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+_DATE = (r"(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+         r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+         r"|" + _LEAP_YEAR + r"-02-29)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {
+    "date": "^" + _DATE + "$",
+    "date-time": "^" + _DATE + "[Tt]" + _TIME + "$",
+}
+
+MAX_BRANCHES = 64
+
+
+def _draft_of(schema: Any) -> int:
+    s = schema.get("$schema", "") if isinstance(schema, dict) else ""
+    if not isinstance(s, str):
+        return 2020
+    for tag, d in (("draft-03", 3), ("draft-04", 4), ("draft-06", 6), ("draft-07", 7),
+                   ("2019-09", 2019)):
+        if tag in s:
+            return d
+    return 2020
+
+
+def _types_of(s: dict) -> Optional[set]:
+    t = s.get("type")
+    if t is None:
+        return None
+    return {t} if isinstance(t, str) else set(t)
+
+
+def _json_key(v: Any) -> str:
+    """Equality key with JSON Schema semantics (1 == 1.0, true != 1)."""
+    def norm(x):
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return x
+        if isinstance(x, (int, float)):
+            return float(x) if float(x) != int(x) else int(x)
+        if isinstance(x, list):
+            return [norm(i) for i in x]
+        if isinstance(x, dict):
+            return {k: norm(v) for k, v in x.items()}
+        return x
+    return json.dumps(norm(v), sort_keys=True)
+
+
+def _value_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
+
+
+def _types_overlap(a: set, b: set) -> bool:
+    ea = set(a) | ({"integer"} if "number" in a else set())
+    eb = set(b) | ({"integer"} if "number" in b else set())
+    return bool(ea & eb)
+
+
+# --------------------------------------------------------------------------- regexes
+def _scan_regex(p: str):
+    """Return (has_top_level_alternation, has_inner_anchor) for pattern body p."""
+    depth, in_class, i, alt, anchor = 0, False, 0, False, False
+    while i < len(p):
+        c = p[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            alt = True
+        elif c in "^$":
+            anchor = True
+        i += 1
+    return alt, anchor
+
+
+def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
+    """ECMA-262 search semantics -> a full-match regex for xgrammar."""
+    if not isinstance(p, str):
+        raise GrammarError(f"'{keyword}' must be a string {at(path)}", keyword, path)
+    try:
+        re.compile(p)
+    except re.error as e:
+        raise GrammarError(f"invalid regex in '{keyword}' {at(path)}: {e}", keyword, path) from None
+    if re.search(r"\\[pPk]|\(\?<?[=!]|\\[1-9]", p):
+        raise unsupported(keyword, path, "lookarounds, backreferences and \\p{..} are not supported")
+    start = p.startswith("^")
+    end = p.endswith("$") and not p.endswith("\\$")
+    body = p[1 if start else 0: len(p) - 1 if end else len(p)]
+    alt, anchor = _scan_regex(body)
+    if anchor:
+        raise unsupported(keyword, path, "anchors inside the regex are not supported")
+    if alt:
+        body = "(" + body + ")"
+    return ("" if start else ".*") + body + ("" if end else ".*")
+
+
+# --------------------------------------------------------------------------- normalizer
+class _Normalizer:
+    def __init__(self, root: Any, strict: bool):
+        self.root = root
+        self.strict = strict
+        self.draft = _draft_of(root)
+        self.names: dict[str, str] = {}  # original pointer -> def name
+        self.defs: dict[str, Any] = {}  # def name -> normalized schema (None while in progress)
+        self.inlining: set = set()
+        self.anchors = self._scan_anchors()
+        root_id = root.get("$id", root.get("id")) if isinstance(root, dict) else None
+        self.root_id = root_id.split("#")[0] if isinstance(root_id, str) else None
+
+    # ---- references ----
+    def _scan_anchors(self) -> dict:
+        out = {}
+
+        def walk(n, ptr):
+            if isinstance(n, dict):
+                for k in ("$anchor", "$id", "id"):
+                    v = n.get(k)
+                    if isinstance(v, str):
+                        if k == "$anchor":
+                            out.setdefault(v, ptr)
+                        elif v.startswith("#") and len(v) > 1:
+                            out.setdefault(v[1:], ptr)
+                for k, v in n.items():
+                    if k not in ("enum", "const", "default", "examples", "example"):
+                        walk(v, ptr + "/" + k.replace("~", "~0").replace("/", "~1"))
+            elif isinstance(n, list):
+                for i, v in enumerate(n):
+                    walk(v, f"{ptr}/{i}")
+        walk(self.root, "")
+        return out
+
+    def _resolve(self, ref: Any, path: str) -> str:
+        if not isinstance(ref, str):
+            raise GrammarError(f"'$ref' must be a string {at(path)}", "$ref", path)
+        base, _, frag = ref.partition("#")
+        if base and base != self.root_id:
+            raise GrammarError(f"remote $ref '{ref}' is not supported (only local '#...' refs) "
+                               f"{at(path)}", "$ref", path)
+        frag = unquote(frag)
+        if frag and not frag.startswith("/"):
+            if frag in self.anchors:
+                return self.anchors[frag]
+            raise GrammarError(f"unresolvable $ref '{ref}' {at(path)}", "$ref", path)
+        self._lookup(frag, ref, path)
+        return frag
+
+    def _lookup(self, ptr: str, ref: str = "", path: str = "") -> Any:
+        node = self.root
+        if ptr:
+            for tok in ptr.split("/")[1:]:
+                tok = tok.replace("~1", "/").replace("~0", "~")
+                if isinstance(node, dict) and tok in node:
+                    node = node[tok]
+                elif isinstance(node, list) and tok.isdigit() and int(tok) < len(node):
+                    node = node[int(tok)]
+                else:
+                    raise GrammarError(f"unresolvable $ref '{ref or ptr}' {at(path)}", "$ref", path)
+        return node
+
+    def ref_to(self, ptr: str) -> dict:
+        name = self.names.get(ptr)
+        if name is None:
+            name = self.names[ptr] = f"s{len(self.names)}"
+            self.defs[name] = None
+            self.defs[name] = self.norm(self._lookup(ptr), ptr)
+        return {"$ref": "#/$defs/" + name}
+
+    def deref(self, s: Any, path: str) -> Any:
+        seen = 0
+        while isinstance(s, dict) and "$ref" in s:
+            d = self.defs.get(s["$ref"].rsplit("/", 1)[-1])
+            if d is None:
+                raise GrammarError(f"recursive $ref combined with other keywords {at(path)}",
+                                   "$ref", path)
+            s, seen = d, seen + 1
+            if seen > 100:
+                raise GrammarError(f"$ref cycle {at(path)}", "$ref", path)
+        return s
+
+    # ---- main entry ----
+    def run(self) -> dict:
+        body = self.norm(self.root, "")
+        if body is False:
+            raise GrammarError("schema 'false' accepts nothing", "false", "")
+        if self.defs:
+            body = dict(body)
+            body["$defs"] = self.defs
+        return body
+
+    def norm(self, node: Any, path: str) -> Any:
+        if node is True:
+            return {}
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            raise GrammarError(f"schema must be an object or boolean {at(path)}", None, path)
+        node = self._upgrade(node, path)
+        own = {k: v for k, v in node.items() if k not in ("$ref", "allOf")}
+        parts = []
+        if "$ref" in node:
+            ptr = self._resolve(node["$ref"], path)
+            if self.draft <= 7:
+                return self._ref_node(ptr, path)
+            parts.append(("ref", ptr))
+        if "allOf" in node:
+            if not isinstance(node["allOf"], list) or not node["allOf"]:
+                raise GrammarError(f"'allOf' must be a non-empty array {at(path)}", "allOf", path)
+            for i, b in enumerate(node["allOf"]):
+                parts.append(("schema", (b, f"{path}/allOf/{i}")))
+        if not parts:
+            return self._local(own, path)
+        has_own = any(k in ASSERTIONS for k in own)
+        if len(parts) == 1 and not has_own:
+            kind, x = parts[0]
+            return self._ref_node(x, path) if kind == "ref" else self.norm(*x)
+        acc = self._local(own, path) if has_own else {}
+        for kind, x in parts:
+            if kind == "ref":
+                other = self._ref_node(x, path)
+            else:
+                other = self.norm(*x)
+            acc = self.merge(acc, other, path, "allOf" if kind == "schema" else "$ref")
+        return acc
+
+    def _ref_node(self, ptr: str, path: str) -> Any:
+        if ptr in self.inlining:
+            raise GrammarError(f"$ref cycle {at(path)}", "$ref", path)
+        return self.ref_to(ptr)
+
+    def _upgrade(self, node: dict, path: str) -> dict:
+        """Older-draft spellings -> 2020-12."""
+        node = dict(node)
+        items = node.get("items")
+        if isinstance(items, list):
+            node["prefixItems"] = items
+            if "additionalItems" in node:
+                node["items"] = node.pop("additionalItems")
+            else:
+                node.pop("items")
+        else:
+            node.pop("additionalItems", None)  # no effect unless items is an array
+        for ex, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(node.get(ex), bool):
+                if node.pop(ex) and bound in node:
+                    node[ex] = node.pop(bound)
+        return node
+
+    # ---- one schema object without $ref/allOf ----
+    def _local(self, node: dict, path: str) -> Any:
+        out: dict = {}
+        for k, v in node.items():
+            if k in UNSUPPORTED:
+                if k == "dependencies" and not v:
+                    continue
+                raise unsupported(k, path, UNSUPPORTED[k])
+        # type
+        types = None
+        if "type" in node:
+            t = node["type"]
+            tl = [t] if isinstance(t, str) else t
+            if not isinstance(tl, list) or not tl or not all(x in JSON_TYPES for x in tl):
+                raise GrammarError(f"invalid 'type' {at(path)}", "type", path)
+            types = list(dict.fromkeys(tl))
+        elif not any(k in node for k in ("enum", "const", "anyOf", "oneOf")):
+            inferred = []
+            for kws, t in ((OBJECT_KW, "object"), (ARRAY_KW, "array"), (STRING_KW, "string"),
+                           (NUMBER_KW, "number")):
+                if any(k in node for k in kws):
+                    if t == "string" and set(node) & set(STRING_KW) == {"format"} \
+                            and node["format"] not in ENFORCED_FORMATS | UNENFORCED_FORMATS:
+                        continue  # custom format on an untyped schema: annotation only
+                    inferred.append(t)
+            if inferred:
+                types = inferred  # narrowing (sound): xgrammar ignores typed keywords otherwise
+        if types is not None:
+            out["type"] = types[0] if len(types) == 1 else types
+        tset = set(types) if types else set(JSON_TYPES)
+
+        # strings
+        if tset & {"string"}:
+            fmt = node.get("format")
+            if fmt is not None and not isinstance(fmt, str):
+                fmt = None
+            if fmt in UNENFORCED_FORMATS:
+                raise unsupported("format", path, f"format '{fmt}' is not enforced by xgrammar")
+            enforced_fmt = fmt if fmt in ENFORCED_FORMATS else None
+            if "pattern" in node:
+                if enforced_fmt:
+                    raise unsupported("format", path, "format combined with pattern")
+                out["pattern"] = convert_pattern(node["pattern"], path)
+            elif enforced_fmt in FORMAT_PATTERNS:
+                out["pattern"] = FORMAT_PATTERNS[enforced_fmt]
+            elif enforced_fmt:
+                out["format"] = enforced_fmt
+            for k in ("minLength", "maxLength"):
+                if k in node:
+                    if "pattern" in out or "format" in out:
+                        raise unsupported(k, path, "length bounds combined with pattern/format "
+                                                   "are ignored by xgrammar")
+                    out[k] = node[k]
+        # numbers
+        if tset & {"number", "integer"}:
+            for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if k in node:
+                    if not isinstance(node[k], (int, float)) or isinstance(node[k], bool):
+                        raise GrammarError(f"'{k}' must be a number {at(path)}", k, path)
+                    out[k] = node[k]
+            if "multipleOf" in node:
+                m = node["multipleOf"]
+                if not (isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0
+                        and float(m).is_integer() and "number" not in tset):
+                    raise unsupported("multipleOf", path,
+                                      "only integer multipleOf on integer types is enforced")
+                out["multipleOf"] = int(m)
+        # arrays
+        if tset & {"array"}:
+            if "prefixItems" in node:
+                pi = node["prefixItems"]
+                out["prefixItems"] = [self.norm(s, f"{path}/prefixItems/{i}")
+                                      for i, s in enumerate(pi)]
+            if "items" in node:
+                out["items"] = self.norm(node["items"], f"{path}/items")
+            for k in ("minItems", "maxItems"):
+                if k in node:
+                    out[k] = node[k]
+            if node.get("uniqueItems") is True and not (node.get("maxItems", 2) <= 1):
+                raise unsupported("uniqueItems", path, "xgrammar ignores it")
+        # objects
+        if tset & {"object"}:
+            self._object(node, out, path)
+        # enum / const
+        if "enum" in node or "const" in node:
+            return self._enum(node, out, path)
+        # anyOf / oneOf
+        for kw in ("anyOf", "oneOf"):
+            if kw in node:
+                out = self._union(kw, node[kw], out, path)
+        return out
+
+    def _object(self, node: dict, out: dict, path: str) -> None:
+        props = node.get("properties", {})
+        if not isinstance(props, dict):
+            raise GrammarError(f"'properties' must be an object {at(path)}", "properties", path)
+        addl = node.get("additionalProperties")
+        new_props = {}
+        for name, sub in props.items():
+            new_props[name] = self.norm(sub, f"{path}/properties/{_esc(name)}")
+        required = node.get("required", [])
+        if not isinstance(required, list):
+            raise GrammarError(f"'required' must be an array {at(path)}", "required", path)
+        required = list(dict.fromkeys(required))
+        pp = node.get("patternProperties")
+        pat_schema = None
+        if pp:
+            if not isinstance(pp, dict):
+                raise GrammarError(f"'patternProperties' must be an object {at(path)}",
+                                   "patternProperties", path)
+            normed = {p: self.norm(s, f"{path}/patternProperties/{_esc(p)}") for p, s in pp.items()}
+            schemas = list(normed.values())
+            if any(_json_key(s) != _json_key(schemas[0]) for s in schemas[1:]):
+                raise unsupported("patternProperties", path,
+                                  "several patterns with different schemas")
+            pat_schema = schemas[0]
+            conv = [convert_pattern(p, path, "patternProperties") for p in normed]
+            out["patternProperties"] = {
+                (conv[0] if len(conv) == 1 else "|".join(f"({c})" for c in conv)): pat_schema}
+            for name in list(new_props) + [r for r in node.get("required", [])
+                                           if isinstance(r, str)]:
+                # xgrammar lets a declared name match the pattern branch instead (unsound)
+                if any(re.search(p, name) for p in normed):
+                    raise unsupported("patternProperties", path,
+                                      f"pattern overlaps declared property '{name}'")
+        addl_n = None
+        if addl is not None:
+            addl_n = self.norm(addl, f"{path}/additionalProperties")
+        for name in required:  # xgrammar ignores required names that are not declared
+            if name not in new_props:
+                if addl_n is False:
+                    raise GrammarError(f"required property '{name}' is forbidden by "
+                                       f"additionalProperties: false {at(path)}", "required", path)
+                else:
+                    new_props[name] = addl_n if isinstance(addl_n, dict) else {}
+        if "propertyNames" in node:
+            pn = node["propertyNames"]
+            self._check_names(pn, list(new_props), path)
+            out["propertyNames"] = self.norm(pn, f"{path}/propertyNames")
+        if new_props or "properties" in node:
+            out["properties"] = new_props
+        if required:
+            out["required"] = required
+        if addl_n is not None:
+            out["additionalProperties"] = addl_n
+        for k in ("minProperties", "maxProperties"):
+            if k in node:
+                out[k] = node[k]
+
+    def _check_names(self, pn: Any, names: list, path: str) -> None:
+        """xgrammar does not apply propertyNames to declared properties: check them here."""
+        if not names:
+            return
+        if isinstance(pn, dict) and "$ref" in json.dumps(pn):
+            raise unsupported("propertyNames", path, "$ref inside propertyNames")
+        import jsonschema
+
+        v = jsonschema.Draft202012Validator(pn)
+        for n in names:
+            if not v.is_valid(n):
+                raise GrammarError(f"property '{n}' violates propertyNames {at(path)}",
+                                   "propertyNames", path)
+
+    def _enum(self, node: dict, out: dict, path: str) -> dict:
+        if "const" in node:
+            values = [node["const"]]
+            if "enum" in node:
+                values = [v for v in values if _json_key(v) in {_json_key(e) for e in node["enum"]}]
+        else:
+            values = node["enum"]
+            if not isinstance(values, list) or not values:
+                raise GrammarError(f"'enum' must be a non-empty array {at(path)}", "enum", path)
+        rest = {k: v for k, v in node.items() if k in ASSERTIONS and k not in ("enum", "const")}
+        if rest:
+            values = self._filter_values(values, rest, path, "enum")
+        seen, uniq = set(), []
+        for v in values:
+            if _json_key(v) not in seen:
+                seen.add(_json_key(v))
+                uniq.append(v)
+        if not uniq:
+            raise GrammarError(f"no 'enum'/'const' value satisfies the other keywords {at(path)}",
+                               "enum", path)
+        return {"enum": uniq}
+
+    def _filter_values(self, values: list, schema: dict, path: str, kw: str) -> list:
+        if "$ref" in json.dumps(schema):
+            # resolve against the original document
+            schema = dict(schema)
+            schema["$defs"] = {}
+            doc = copy.deepcopy(self.root) if isinstance(self.root, dict) else {}
+            doc.update({k: v for k, v in schema.items() if k != "$defs"})
+            schema = doc
+        import jsonschema
+
+        try:
+            V = jsonschema.validators.validator_for(self.root if isinstance(self.root, dict) else {},
+                                                    default=jsonschema.Draft202012Validator)
+            v = V(schema, format_checker=V.FORMAT_CHECKER)
+            return [x for x in values if v.is_valid(x)]
+        except Exception as e:  # noqa: BLE001
+            raise GrammarError(f"cannot check '{kw}' values {at(path)}: {e}", kw, path) from None
+
+    def _union(self, kw: str, branches: Any, siblings: dict, path: str) -> dict:
+        if not isinstance(branches, list) or not branches:
+            raise GrammarError(f"'{kw}' must be a non-empty array {at(path)}", kw, path)
+        normed = []
+        for i, b in enumerate(branches):
+            nb = self.norm(b, f"{path}/{kw}/{i}")
+            if nb is False:
+                continue
+            if {k: v for k, v in siblings.items()}:
+                try:
+                    nb = self.merge(siblings, nb, f"{path}/{kw}/{i}", kw)
+                except _Unsat:
+                    continue
+            normed.append(nb)
+        if not normed:
+            raise GrammarError(f"no '{kw}' branch can be satisfied {at(path)}", kw, path)
+        if len(normed) > MAX_BRANCHES:
+            raise unsupported(kw, path, f"more than {MAX_BRANCHES} branches after expansion")
+        if kw == "oneOf" and len(normed) > 1:
+            for i in range(len(normed)):
+                for j in range(i + 1, len(normed)):
+                    if not self.disjoint(normed[i], normed[j], path):
+                        raise unsupported("oneOf", path, f"branches {i} and {j} are not provably "
+                                                         "disjoint; xgrammar enforces anyOf")
+        if len(normed) == 1:
+            return normed[0]
+        return {kw: normed}
+
+    # ---- merging (allOf, $ref siblings, union distribution) ----
+    def merge(self, a: Any, b: Any, path: str, kw: str) -> Any:
+        if a is False or b is False:
+            raise _Unsat(f"'{kw}' can never be satisfied {at(path)}", kw, path)
+        if a == {}:
+            return b
+        if b == {}:
+            return a
+        a, b = self.deref(a, path), self.deref(b, path)
+        if a is False or b is False:
+            raise _Unsat(f"'{kw}' can never be satisfied {at(path)}", kw, path)
+        for x, y in ((a, b), (b, a)):
+            for u in ("anyOf", "oneOf"):
+                if u in x:
+                    out = []
+                    for br in x[u]:
+                        try:
+                            out.append(self.merge(br, y, path, kw))
+                        except _Unsat:
+                            pass
+                    if not out:
+                        raise _Unsat(f"'{kw}' can never be satisfied {at(path)}", kw, path)
+                    if len(out) > MAX_BRANCHES:
+                        raise unsupported(kw, path, "too many branches after expansion")
+                    return out[0] if len(out) == 1 else {u: out}
+        if "enum" in a or "enum" in b:
+            vals, other = (a["enum"], b) if "enum" in a else (b["enum"], a)
+            if "enum" in other:
+                keys = {_json_key(v) for v in other["enum"]}
+                vals = [v for v in vals if _json_key(v) in keys]
+                other = {k: v for k, v in other.items() if k != "enum"}
+            if other:
+                vals = self._filter_normalized(vals, other, path, kw)
+            if not vals:
+                raise _Unsat(f"'{kw}' can never be satisfied {at(path)}", kw, path)
+            return {"enum": vals}
+        out = dict(a)
+        for k, vb in b.items():
+            if k not in out:
+                out[k] = vb
+                continue
+            va = out[k]
+            if _json_key(va) == _json_key(vb):
+                continue
+            if k == "type":
+                ta = {va} if isinstance(va, str) else set(va)
+                tb = {vb} if isinstance(vb, str) else set(vb)
+                eff = lambda t: t | ({"integer"} if "number" in t else set())  # noqa: E731
+                t = eff(ta) & eff(tb)
+                if "number" in t:
+                    t.discard("integer")
+                if not t:
+                    raise _Unsat(f"'{kw}' has incompatible types {at(path)}", kw, path)
+                order = [x for x in ["null", "boolean", "object", "array", "number", "integer",
+                                     "string"] if x in t]
+                out[k] = order[0] if len(order) == 1 else order
+            elif k in ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"):
+                out[k] = max(va, vb)
+            elif k in ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"):
+                out[k] = min(va, vb)
+            elif k == "required":
+                out[k] = list(dict.fromkeys(va + vb))
+            elif k in ("properties", "additionalProperties"):
+                pass  # handled below
+            elif k == "items":
+                out[k] = self.merge(va, vb, path, kw)
+            else:
+                raise unsupported(kw, path, f"cannot merge differing '{k}'")
+        if "properties" in a or "properties" in b or "additionalProperties" in a \
+                or "additionalProperties" in b:
+            self._merge_objects(a, b, out, path, kw)
+        return out
+
+    def _merge_objects(self, a: dict, b: dict, out: dict, path: str, kw: str) -> None:
+        if ("patternProperties" in a or "patternProperties" in b) and \
+                _json_key(a.get("patternProperties")) != _json_key(b.get("patternProperties")):
+            raise unsupported(kw, path, "cannot merge objects with patternProperties")
+        pa, pb = a.get("properties", {}), b.get("properties", {})
+        aa, ab = a.get("additionalProperties"), b.get("additionalProperties")
+        props = {}
+        for name in list(pa) + [n for n in pb if n not in pa]:
+            sa = pa.get(name, aa if aa is not None else {})
+            sb = pb.get(name, ab if ab is not None else {})
+            if sa is False or sb is False:
+                if name in out.get("required", []):
+                    raise _Unsat(f"required property '{name}' is forbidden {at(path)}", kw, path)
+                continue
+            props[name] = self.merge(sa, sb, f"{path}/properties/{_esc(name)}", kw)
+        out["properties"] = props
+        if aa is None and ab is None:
+            out.pop("additionalProperties", None)
+        elif aa is None or ab is None:
+            out["additionalProperties"] = ab if aa is None else aa
+        elif aa is False or ab is False:
+            out["additionalProperties"] = False
+        else:
+            out["additionalProperties"] = self.merge(aa, ab, path, kw)
+
+    def _filter_normalized(self, vals: list, schema: dict, path: str, kw: str) -> list:
+        if "$ref" in json.dumps(schema):
+            raise unsupported(kw, path, "enum combined with a $ref schema")
+        import jsonschema
+
+        v = jsonschema.Draft202012Validator(schema)
+        return [x for x in vals if v.is_valid(x)]
+
+    # ---- disjointness (for oneOf) ----
+    def disjoint(self, a: Any, b: Any, path: str) -> bool:
+        try:
+            a, b = self.deref(a, path), self.deref(b, path)
+        except GrammarError:
+            return False
+        if a is False or b is False:
+            return True
+        if "enum" in a and "enum" in b:
+            return not ({_json_key(v) for v in a["enum"]} & {_json_key(v) for v in b["enum"]})
+        for x, y in ((a, b), (b, a)):
+            if "enum" in x:
+                ty = _types_of(y)
+                if ty is not None and all(not _types_overlap({_value_type(v)}, ty)
+                                          for v in x["enum"]):
+                    return True
+                if "$ref" not in json.dumps(y) and "anyOf" not in y and "oneOf" not in y:
+                    try:
+                        return not self._filter_normalized(x["enum"], y, path, "oneOf")
+                    except GrammarError:
+                        return False
+                return False
+        for x, y in ((a, b), (b, a)):
+            for u in ("anyOf", "oneOf"):
+                if u in x:
+                    return all(self.disjoint(br, y, path) for br in x[u])
+        ta, tb = _types_of(a), _types_of(b)
+        if ta is not None and tb is not None and not _types_overlap(ta, tb):
+            return True
+        if ta is not None and tb is not None and ta == {"object"} and tb == {"object"}:
+            pa, pb = a.get("properties", {}), b.get("properties", {})
+            ra, rb = set(a.get("required", [])), set(b.get("required", []))
+            for p in ra & rb:  # discriminator
+                if p in pa and p in pb and self.disjoint(pa[p], pb[p], path):
+                    return True
+            for x, y, rx in ((a, b, ra), (b, a, rb)):  # x requires a key y forbids
+                closed = y.get("additionalProperties", False if self.strict else None) is False
+                if closed and "patternProperties" not in y:
+                    if rx - set(y.get("properties", {})):
+                        return True
+        return False
+
+
+class _Unsat(GrammarError):
+    pass
+
+
+def _esc(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def prepare_schema(schema: Any, strict: bool = True) -> dict:
+    """Validate and rewrite a JSON schema for xgrammar; raises GrammarError."""
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise GrammarError("schema 'false' accepts nothing", "false", "")
+    if not isinstance(schema, dict):
+        raise GrammarError("JSON schema must be an object or boolean")
+    try:
+        return _Normalizer(schema, strict).run()
+    except RecursionError:
+        raise GrammarError("JSON schema nests too deeply") from None

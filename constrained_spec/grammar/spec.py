@@ -1,0 +1,69 @@
+"""GrammarSpec: what a request asks the output to conform to."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Union
+
+from .errors import GrammarError
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind is one of KINDS; value is a normalized string (compact JSON for json_schema/choice).
+
+    ``strict`` only matters for json_schema (OpenAI ``strict``: objects without
+    ``additionalProperties`` are closed, arrays with ``prefixItems`` and no ``items`` are closed).
+    """
+
+    kind: str
+    value: str
+    strict: bool = True
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.value, self.strict if self.kind == "json_schema" else True)
+
+    # ---- constructors ----
+    @classmethod
+    def json_schema(cls, schema: Union[dict, str, bool], strict: bool = True) -> "GrammarSpec":
+        if isinstance(schema, (str, bytes)):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("JSON schema must be a JSON object or boolean")
+        # Key order is kept on purpose: xgrammar emits properties in declaration order.
+        value = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        return cls("json_schema", value, bool(strict))
+
+    @classmethod
+    def json_object(cls) -> "GrammarSpec":
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "GrammarSpec":
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("regex must be a non-empty string")
+        return cls("regex", pattern)
+
+    @classmethod
+    def ebnf(cls, grammar: str) -> "GrammarSpec":
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError("EBNF grammar must be a non-empty string")
+        return cls("ebnf", grammar)
+
+    @classmethod
+    def choice(cls, options: list) -> "GrammarSpec":
+        if not isinstance(options, (list, tuple)) or not options or not all(
+            isinstance(o, str) and o for o in options
+        ):
+            raise GrammarError("choice must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(options), separators=(",", ":"), ensure_ascii=False))
+
+    def schema(self):
+        """The parsed schema (json_schema kind only)."""
+        return json.loads(self.value)

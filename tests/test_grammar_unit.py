@@ -1,0 +1,302 @@
+"""Unit tests of constrained_spec.grammar (real SmolLM2 tokenizer, no model)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from constrained_spec.grammar import (GrammarBackend, GrammarError, GrammarSpec, legal_draft_nodes,
+                                      prepare_schema)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from constrained_spec.grammar.testing import load_test_tokenizer
+
+    return load_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def backend(tokenizer):
+    b = GrammarBackend(tokenizer, vocab_size=len(tokenizer) + 64, compile_timeout_s=30.0)
+    yield b
+    b.close()
+
+
+def tok_id(tokenizer, ch):
+    ids = tokenizer.encode(ch, add_special_tokens=False)
+    assert len(ids) == 1, (ch, ids)
+    return ids[0]
+
+
+def accepts(backend, tokenizer, compiled, text, terminate=True):
+    m = backend.matcher(compiled)
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        if not m.accept_token(t):
+            return False
+    if terminate:
+        return m.accept_token(backend.tokenizer_info.stop_token_ids[0]) and m.is_terminated()
+    return True
+
+
+# ------------------------------------------------------------------ kinds
+def test_regex(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.regex(r"[0-9]{3}-[a-z]+"))
+    assert accepts(backend, tokenizer, cg, "123-abc")
+    assert not accepts(backend, tokenizer, cg, "12-abc")
+    assert not accepts(backend, tokenizer, cg, "123-")
+
+
+def test_ebnf(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.ebnf('root ::= "yes" | "no" | "maybe" [0-9]'))
+    assert accepts(backend, tokenizer, cg, "yes")
+    assert accepts(backend, tokenizer, cg, "maybe7")
+    assert not accepts(backend, tokenizer, cg, "maybe")
+    with pytest.raises(GrammarError):
+        backend.compile(GrammarSpec.ebnf("root ::= undefined_rule"))
+
+
+def test_choice(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.choice(["red", "green", 'say "hi"\\', "été"]))
+    for o in ["red", "green", 'say "hi"\\', "été"]:
+        assert accepts(backend, tokenizer, cg, o), o
+    assert not accepts(backend, tokenizer, cg, "blue")
+    assert not accepts(backend, tokenizer, cg, "re")
+    with pytest.raises(GrammarError):
+        GrammarSpec.choice([])
+
+
+def test_json_object(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.json_object())
+    assert accepts(backend, tokenizer, cg, '{"a": [1, {"b": null}], "c": "x"}')
+    assert accepts(backend, tokenizer, cg, "{}")
+    assert not accepts(backend, tokenizer, cg, "[1, 2]")
+    assert not accepts(backend, tokenizer, cg, '"str"')
+
+
+def test_json_schema_strict_semantics(backend, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    strict = backend.compile(GrammarSpec.json_schema(schema))
+    loose = backend.compile(GrammarSpec.json_schema(json.dumps(schema), strict=False))
+    assert accepts(backend, tokenizer, strict, '{"a": 1}')
+    assert not accepts(backend, tokenizer, strict, '{"a": 1, "b": 2}')
+    assert accepts(backend, tokenizer, loose, '{"a": 1, "b": 2}')
+    assert not accepts(backend, tokenizer, loose, '{"b": 2}')
+
+
+# ------------------------------------------------------------------ refusals / errors
+@pytest.mark.parametrize("schema,keyword,path", [
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+     "uniqueItems", "/properties/tags"),
+    ({"type": "integer", "not": {"const": 3}}, "not", ""),
+    ({"type": "object", "if": {}, "then": {}}, "if", ""),
+    ({"type": "array", "contains": {"const": 1}}, "contains", ""),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", ""),
+    ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties", ""),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf", ""),
+    ({"type": "string", "format": "iri"}, "format", ""),
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, "minLength", ""),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", ""),
+    ({"$ref": "http://example.com/s.json"}, "$ref", ""),
+    ({"$ref": "#/$defs/missing"}, "$ref", ""),
+    ({"$defs": {"x": {"type": "array", "items": {"not": {}}}},
+      "type": "object", "properties": {"p": {"$ref": "#/$defs/x"}}}, "not", "/$defs/x/items"),
+])
+def test_refusals_name_keyword_and_path(backend, schema, keyword, path):
+    with pytest.raises(GrammarError) as ei:
+        backend.compile(GrammarSpec.json_schema(schema))
+    e = ei.value
+    assert e.keyword == keyword and e.path == path, (str(e), e.keyword, e.path)
+    assert keyword in str(e)
+    assert backend.stats["schema_refusals"] >= 1
+
+
+def test_error_attributes_non_schema(backend):
+    with pytest.raises(GrammarError) as ei:
+        backend.compile(GrammarSpec.regex("([a-z"))
+    assert ei.value.keyword is None and ei.value.path is None
+    with pytest.raises(GrammarError):
+        GrammarSpec.json_schema("{not json")
+
+
+def test_rewrites_are_exact(backend, tokenizer):
+    """Keywords xgrammar gets wrong alone, fixed by the rewrite layer."""
+    cases = [
+        ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+         ['{"a": 1, "b": 2}'], ['{"a": 1}', '{"b": 1}']),
+        ({"type": "string", "pattern": "[0-9]"}, ['"a1b"', '"7"'], ['"ab"']),
+        ({"type": "object", "patternProperties": {"^x-": {"type": "integer"}},
+          "additionalProperties": False}, ['{"x-a": 1}'], ['{"x-a": "s"}', '{"y": 1}']),
+        ({"type": "string", "format": "date"}, ['"2024-02-29"', '"2023-12-31"'],
+         ['"2023-02-29"', '"2023-04-31"', '"2023-13-01"']),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+         ['{"a": 1, "b": [true]}'], ['{"a": 1}']),
+        ({"$defs": {"n": {"type": "integer"}}, "type": "object",
+          "properties": {"a": {"$ref": "#/$defs/n", "minimum": 3}}}, ['{"a": 4}'], ['{"a": 1}']),
+        ({"type": "integer", "minimum": 5, "anyOf": [{"maximum": 10}, {"minimum": 20}]},
+         ["7", "25"], ["3", "15"]),
+        ({"enum": ["a", "bb", "ccc"], "type": "string", "maxLength": 2}, ['"a"', '"bb"'], ['"ccc"']),
+        ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+          "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False},
+         ['[1, "a"]'], ['[1, "a", 2]', '["a"]']),
+        ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 2,
+          "exclusiveMinimum": True}, ["3"], ["2"]),
+        ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                    {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+         ['{"k": "a"}', '{"k": "b"}'], ['{"k": "c"}']),
+    ]
+    for schema, good, bad in cases:
+        cg = backend.compile(GrammarSpec.json_schema(schema, strict=False))
+        for g in good:
+            assert accepts(backend, tokenizer, cg, g), (schema, g)
+        for b in bad:
+            assert not accepts(backend, tokenizer, cg, b), (schema, b)
+
+
+def test_handwritten_schemas_all_accepted(backend, tokenizer):
+    path = os.path.join(ROOT, "schemas", "handwritten", "handwritten.jsonl")
+    rows = [json.loads(l) for l in open(path)]
+    assert len(rows) == 30
+    for r in rows:
+        assert r["prompt"] and r["name"]
+        cg = backend.compile(GrammarSpec.json_schema(r["schema"]))
+        assert cg.compile_seconds < 10
+
+
+# ------------------------------------------------------------------ cache / async / timeout
+def test_cache_hits(backend):
+    spec = GrammarSpec.regex("cache-[a-z]{2}")
+    before = backend.stats
+    a = backend.compile(spec)
+    b = backend.compile(GrammarSpec.regex("cache-[a-z]{2}"))
+    assert a is b
+    after = backend.stats
+    assert after["cache_hits"] == before["cache_hits"] + 1
+    assert after["compile_count"] == before["compile_count"] + 1
+    # refusals are cached too
+    bad = GrammarSpec.json_schema({"not": {}})
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            backend.compile(bad)
+    assert GrammarSpec.json_schema({"a": 1}).key != GrammarSpec.json_schema({"a": 1}, False).key
+
+
+def test_compile_async_and_timeout(tokenizer):
+    b = GrammarBackend(tokenizer, vocab_size=len(tokenizer), compile_timeout_s=30.0)
+    try:
+        fut = b.compile_async(GrammarSpec.regex("[a-z]+"))
+        assert fut.result(timeout=30).spec.kind == "regex"
+        # non-strict objects with many properties compile slowly (~0.5 s+): a tiny limit trips
+        big = {"type": "object", "properties": {
+            f"p{i}": {"type": "object", "properties": {"q": {"type": "string"}}} for i in range(40)}}
+        spec = GrammarSpec.json_schema(big, strict=False)
+        t0 = time.time()
+        with pytest.raises(GrammarError, match="compile exceeded"):
+            b.compile_async(spec, timeout_s=0.01).result(timeout=30)
+        assert time.time() - t0 < 5
+        assert b.stats["compile_timeouts"] == 1
+        # a later call for the same key never hangs: fast error while running, result after
+        t1 = time.time()
+        while True:
+            try:
+                b.compile(spec, timeout_s=60)
+                break
+            except GrammarError as e:
+                assert "exceeded" in str(e)
+                assert time.time() - t1 < 120
+                time.sleep(0.2)
+    finally:
+        b.close()
+
+
+# ------------------------------------------------------------------ matcher
+def test_rollback_and_termination(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.regex("abc(d)?"))
+    m = backend.matcher(cg)
+    a, b_, c, d = (tok_id(tokenizer, x) for x in "abcd")
+    assert m.accept_token(a) and m.accept_token(b_)
+    assert not m.accept_token(d)  # illegal: state unchanged
+    assert not m.can_terminate()
+    assert m.accept_token(c)
+    assert m.can_terminate() and not m.is_terminated()
+    m.rollback(2)
+    assert not m.can_terminate()
+    assert m.accept_token(b_) and m.accept_token(c) and m.accept_token(d)
+    eos = backend.tokenizer_info.stop_token_ids[0]
+    assert m.accept_token(eos) and m.is_terminated()
+    with pytest.raises(ValueError):
+        backend.matcher(cg, max_rollback_tokens=4)
+
+
+def test_jump_forward_tokens(backend, tokenizer):
+    # (JSON schemas with any_whitespace force little: whitespace is optional after '{')
+    cg = backend.compile(GrammarSpec.regex(r'\{"name": "[a-z]+"\}'))
+    m = backend.matcher(cg)
+    jf = m.jump_forward_tokens(tokenizer)
+    assert tokenizer.decode(jf) == '{"name": "'
+    assert m.jump_forward_tokens(tokenizer) == jf  # not advanced
+    for t in jf:
+        assert m.accept_token(t)
+    assert m.jump_forward_tokens(tokenizer) == []
+
+
+def test_traverse_draft_tree(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.regex("a(b|c)d"))
+    m = backend.matcher(cg)
+    a, b_, c, d, x = (tok_id(tokenizer, ch) for ch in "abcdx")
+    # node 0 = last verified token (already in the matcher state: nothing yet here)
+    # tree: 0 -> {1:a, 2:x}; 1 -> {3:b, 4:x}; 3 -> {5:d}
+    draft = [0, a, x, b_, x, d]
+    nxt = [1, 3, -1, 5, -1, -1]
+    sib = [-1, 2, -1, 4, -1, -1]
+    bm = backend.allocate_bitmask(len(draft))
+    ref = backend.allocate_bitmask(1)
+    m.fill_bitmask(ref, 0)
+    assert m.traverse_draft_tree(nxt, sib, torch.tensor(draft), bm)
+    assert torch.equal(bm[0], ref[0])
+    legal = legal_draft_nodes(bm, nxt, sib, draft)
+    assert legal == [True, True, False, True, False, True]
+    # row 1 (after "a"): b and c legal, d not
+    row = bm[1]
+    bit = lambda r, t: (int(r[t >> 5]) >> (t & 31)) & 1  # noqa: E731
+    assert bit(row, b_) and bit(row, c) and not bit(row, d)
+    assert bit(bm[3], d) and not bit(bm[3], b_)
+    # matcher state unchanged
+    m.fill_bitmask(ref, 0)
+    assert torch.equal(bm[0], ref[0])
+    assert m.accept_token(a)
+
+
+def test_bitmask_apply_cpu(backend, tokenizer):
+    cg = backend.compile(GrammarSpec.choice(["yes", "no"]))
+    m = backend.matcher(cg)
+    V = backend.vocab_size
+    bm = backend.allocate_bitmask(3)
+    assert bm.dtype == torch.int32 and bm.shape == (3, (V + 31) // 32)
+    m.fill_bitmask(bm, 1)
+    logits = torch.randn(3, V + 100)  # wider than the model vocab: the tail is masked too
+    orig = logits.clone()
+    backend.apply_bitmask(logits, bm, indices=[1])
+    assert torch.equal(logits[0], orig[0]) and torch.equal(logits[2], orig[2])
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed and all(tokenizer.decode([t]) and ("yes".startswith(tokenizer.decode([t]))
+                                                      or "no".startswith(tokenizer.decode([t])))
+                           for t in allowed)
+    assert torch.isinf(logits[1, V:]).all()
+    logits2 = orig.clone()
+    backend.apply_bitmask(logits2, bm)
+    assert torch.equal(logits2[0, :V], orig[0, :V])  # rows filled with -1 keep everything
+    assert torch.isinf(logits2[:, V:]).all()
+
+
+def test_prepare_schema_defs_rewrite():
+    out = prepare_schema({"definitions": {"a": {"type": "integer"}},
+                          "properties": {"x": {"$ref": "#/definitions/a"}}}, strict=True)
+    assert out["properties"]["x"] == {"$ref": "#/$defs/s0"}
+    assert out["$defs"]["s0"] == {"type": "integer"}
