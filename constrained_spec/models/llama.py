@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2/2.5 (qkv bias) over a paged KV cache.
 
-q/k/v and gate/up projections are fused into one matmul each: fewer kernels per layer, which is
-what bounds a small model's decode step on a GPU.
+q/k/v and gate/up projections are fused into one matmul each, and the elementwise work runs as one
+kernel per op on CUDA (`constrained_spec.kernels`: residual-add + RMSNorm, RoPE on q and k,
+SiLU-and-mul): fewer kernels per layer, which is what bounds a small model's decode step on a GPU.
+The residual stream is carried beside the hidden states (vLLM/SGLang style), so each residual add
+is fused into the next norm. On CPU the kernels are the exact pre-fusion torch math.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..attention.base import AttentionBackend, AttentionMetadata, KVCache
+from ..kernels import add_rms_norm, rms_norm, silu_and_mul
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -22,11 +26,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without `residual`: the normed x. With it: (norm(x + residual), x + residual); on CUDA
+        both are written in place into x and residual."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -59,8 +64,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -71,9 +75,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv, meta, backend):
+        """x: the previous layer's output (or the embeddings when residual is None), residual: the
+        residual stream before it. Returns (this layer's MLP output, residual stream before it)."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -89,10 +101,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rope, kv, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, kv, meta, backend)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

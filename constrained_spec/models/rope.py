@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from ..kernels import apply_rope, build_cos_sin_cache
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -34,17 +36,10 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
         inv = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
-        # [max_pos, head_dim]: cos|sin for the rotate-half layout HF checkpoints use
-        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1), persistent=False)
-        self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1), persistent=False)
+        # float32 [max_pos, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, for the
+        # rotate-half layout HF checkpoints use
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(inv, max_position), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)
+        """Rotates q [T, H, D] and k [T, KVH, D] in place (one fused kernel on CUDA); returns (q, k)."""
+        return apply_rope(q, k, positions, self.cos_sin_cache)

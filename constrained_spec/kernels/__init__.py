@@ -1,0 +1,77 @@
+"""Fused elementwise kernels for the decoder: RMSNorm, residual-add + RMSNorm, RoPE, SiLU-and-mul.
+
+Each op dispatches to a Triton kernel for CUDA tensors (one launch per op) and to the exact torch
+reference otherwise — the reference is the math the model used before fusion, so the CPU path is
+bit-for-bit unchanged. Set CONSTRAINED_SPEC_TORCH_KERNELS=1 (before import) or call
+`set_fused_kernels(False)` to force the torch reference on CUDA too (for A/B timing and debugging).
+
+All ops are CUDA-graph capturable: no host syncs, outputs allocated with torch.empty or written in place.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .reference import (add_rms_norm_ref, apply_rope_ref, build_cos_sin_cache, rms_norm_ref,
+                        silu_and_mul_ref)
+
+try:  # triton is optional (CPU installs)
+    from . import triton_ops as _tri
+    HAS_TRITON = True
+except Exception:  # noqa: BLE001 - ImportError, or a broken triton install
+    _tri = None
+    HAS_TRITON = False
+
+_ENABLED = os.environ.get("CONSTRAINED_SPEC_TORCH_KERNELS", "0").lower() in ("", "0", "false", "no")
+
+
+def set_fused_kernels(enabled: bool) -> None:
+    """Globally enable/disable the Triton path (the torch reference is used when disabled)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def fused_kernels_enabled() -> bool:
+    return _ENABLED and HAS_TRITON
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return _ENABLED and HAS_TRITON and x.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), over the last dim."""
+    if _use_triton(x):
+        return _tri.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual). On CUDA both are written in place: the normed
+    output into `x`, the sum into `residual`."""
+    if _use_triton(x):
+        return _tri.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE in place on q [T, H, D] and k [T, KVH, D] (views with unit last stride are
+    fine). cos_sin_cache: float32 [max_pos, D] = cat(cos, sin) of the D/2 frequencies. Returns (q, k)."""
+    if _use_triton(q):
+        return _tri.apply_rope(q, k, positions, cos_sin_cache)
+    return apply_rope_ref(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up, [..., I]."""
+    if _use_triton(gate_up):
+        return _tri.silu_and_mul(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+__all__ = ["HAS_TRITON", "add_rms_norm", "apply_rope", "build_cos_sin_cache", "fused_kernels_enabled",
+           "reference", "rms_norm", "set_fused_kernels", "silu_and_mul"]

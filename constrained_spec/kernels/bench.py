@@ -1,0 +1,89 @@
+"""Decode-step timing of a random-weight SmolLM2-135M-shaped model, CUDA-graph replayed:
+pre-fusion forward (legacy, from tests/test_fused_kernels.py) vs torch-reference kernels vs fused
+Triton kernels. `python -m constrained_spec.kernels.bench [batch ...]` on a CUDA machine."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main(batches=(1, 64), ctx=256, width=512, iters=200):
+    from constrained_spec import kernels as K
+    from constrained_spec.attention import AttentionMetadata, ForwardMode, KVCache
+    from constrained_spec.attention.triton_backend import TritonAttention
+    from constrained_spec.models.config import ModelConfig
+    from constrained_spec.models.loader import build_model
+    from tests.test_fused_kernels import _legacy_forward, _legacy_tables
+
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      rope_scaling=None, max_position=8192, tie_word_embeddings=True, qkv_bias=False)
+    dev = "cuda"
+    model = build_model(cfg, torch.bfloat16, dev)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.eval().requires_grad_(False)
+    tables = _legacy_tables(model, dev)
+    backend = TritonAttention()
+    print(f"device: {torch.cuda.get_device_name()}  ctx={ctx} table_width={width}")
+    for B in batches:
+        kv = KVCache(cfg.num_layers, B * width + 1, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
+        table = (torch.arange(B * width, device=dev).view(B, width) + 1)
+        kv_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        out_slots = table[:, ctx - 1].clone()
+        meta = AttentionMetadata(ForwardMode.DECODE, out_slots, torch.arange(B + 1, dtype=torch.int32, device=dev),
+                                 torch.ones(B, dtype=torch.int32, device=dev), kv_lens, table, 1, width)
+        ids = torch.randint(0, cfg.vocab_size, (B,), device=dev)
+        pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=dev)
+        variants = {
+            "legacy (pre-fusion)": lambda: _legacy_forward(model, ids, pos, kv, meta, backend, tables),
+            "torch-reference kernels": lambda: model(ids, pos, kv, meta, backend),
+            "fused triton kernels": lambda: model(ids, pos, kv, meta, backend),
+        }
+        outs = {}
+        for name, fn in variants.items():
+            K.set_fused_kernels(name.startswith("fused"))
+            with torch.inference_mode():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                try:
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        fn()
+                        torch.cuda.synchronize()
+                    n_kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+                except Exception as ex:  # noqa: BLE001 - no CUPTI: timings still count
+                    print("profiler failed:", ex)
+                    n_kernels = -1
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out = fn()
+                g.replay()
+                torch.cuda.synchronize()
+                outs[name] = out.float().clone()
+                for _ in range(20):
+                    g.replay()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(iters):
+                    g.replay()
+                e.record()
+                torch.cuda.synchronize()
+            ms = s.elapsed_time(e) / iters
+            print(f"B={B:3d} {name:24s} {ms:7.3f} ms/replay  GPU ops/forward={n_kernels:4d} "
+                  f"(~{n_kernels / cfg.num_layers:.1f}/layer)")
+            del g
+        ref = outs["legacy (pre-fusion)"]
+        for name, o in outs.items():
+            print(f"   max|{name} - legacy| = {(o - ref).abs().max().item():.3e} (|legacy| max {ref.abs().max().item():.2f})")
+    K.set_fused_kernels(True)
+
+
+if __name__ == "__main__":
+    main(tuple(int(a) for a in sys.argv[1:]) or (1, 64))

@@ -1,0 +1,47 @@
+"""Torch references of the fused ops: exactly the math the model ran before fusion (the CPU path)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    """float32 [max_position, head_dim] = cat(cos(freqs), sin(freqs)), freqs = pos ⊗ inv_freq."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], -1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q and k; returns (q, k). Same arithmetic as the pre-fusion RotaryEmbedding:
+    cos/sin (duplicated over both halves) cast to q.dtype, q * cos + rotate_half(q) * sin."""
+    cs = cos_sin_cache[positions]  # [T, D]
+    cos, sin = cs.chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], -1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
+    sin = torch.cat([sin, sin], -1).unsqueeze(1).to(q.dtype)
+    q.copy_(q * cos + _rotate_half(q) * sin)
+    k.copy_(k * cos + _rotate_half(k) * sin)
+    return q, k
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
