@@ -55,7 +55,8 @@ def test_triton_matches_torch_backend(engines):
 
 
 def test_graphs_and_overlap_do_not_change_output(engines):
-    eng = engines("triton", attention_backend="triton")
+    # float32: bf16 logits of a 135M model have near-ties that any change of kernel shape can flip
+    eng = engines("triton32", attention_backend="triton", dtype="float32")
     ps = prompts(eng, 16)
     base = greedy(eng, ps, GrammarSpec.json_schema(SCHEMA))
     graphs = eng.runner.graphs
@@ -65,15 +66,17 @@ def test_graphs_and_overlap_do_not_change_output(engines):
         assert greedy(eng, ps, GrammarSpec.json_schema(SCHEMA)) == base
         eng.runner.graphs = None
         assert greedy(eng, ps, GrammarSpec.json_schema(SCHEMA)) == base
+        eng.config.disable_overlap = False
+        assert greedy(eng, ps, GrammarSpec.json_schema(SCHEMA)) == base
     finally:
         eng.runner.graphs, eng.config.disable_overlap = graphs, False
 
 
 @pytest.mark.parametrize("branches", [1, 3])
 def test_speculation_lossless_gpu(engines, branches):
-    plain = engines("triton", attention_backend="triton")
+    plain = engines("triton32", attention_backend="triton", dtype="float32")
     spec = engines(f"spec{branches}", speculative_algorithm="ngram", speculative_num_draft_tokens=8,
-                   ngram_branches=branches)
+                   ngram_branches=branches, dtype="float32")
     ps = prompts(plain, 32)
     for grammar in (None, GrammarSpec.json_schema(SCHEMA)):
         assert greedy(spec, ps, grammar) == greedy(plain, ps, grammar)

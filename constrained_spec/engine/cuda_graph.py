@@ -37,6 +37,7 @@ class GraphStep:
     padded: int
     logits: torch.Tensor  # [batch_size, V] view
     rows: torch.Tensor  # [batch_size] device view
+    graphs: "CudaGraphRunner"  # the runner that launched it (its sample tail replays there)
 
 
 class CudaGraphRunner:
@@ -160,7 +161,7 @@ class CudaGraphRunner:
         self.meta[:bs].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         graph, logits = self.graphs[("decode", bs)]
         graph.replay()
-        return GraphStep(B, bs, logits[:B], self.meta[:B, 0])
+        return GraphStep(B, bs, logits[:B], self.meta[:B, 0], self)
 
     def can_sample(self, step: GraphStep, masked: bool, greedy: bool) -> bool:
         return ("sample", step.padded, masked, greedy) in self.graphs

@@ -201,9 +201,9 @@ class ModelRunner:
             greedy = all(r.params.greedy for r in reqs)
             plain = not any(r.params.logprobs is not None or r.params.frequency_penalty or r.params.presence_penalty
                             for r in reqs)
-            if plain and self.graphs.can_sample(step, bitmask is not None, greedy):
+            if plain and step.graphs.can_sample(step, bitmask is not None, greedy):
                 params = None if greedy else self._sampling_params_host(reqs)
-                tokens_host = self.graphs.launch_sample(step, bitmask is not None, greedy, params)
+                tokens_host = step.graphs.launch_sample(step, bitmask is not None, greedy, params)
                 event = torch.cuda.Event()
                 event.record()
                 return StepResult(batch, tokens_host, None, event)
