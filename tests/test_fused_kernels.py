@@ -75,7 +75,9 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         cache = R.build_cos_sin_cache(inverse_frequencies(d, 10000.0, None), 256).to(device)
         # q/k as strided views of one fused qkv row, like the model's
         qkv = rnd(t, (h + 2 * kvh) * d)
-        pos = torch.randint(0, 256, (t,), generator=gen).to(device)
+        # positions as a strided column of a [T, 4] block, like the decode graph's metadata
+        meta = torch.randint(0, 256, (t, 4), generator=gen).to(device)
+        pos = meta[:, 1]
         q_ref, k_ref = [z.clone() for z in _split_qkv(qkv, h, kvh, d)[:2]]
         R.apply_rope_ref(q_ref, k_ref, pos, cache)
         q, k, v = _split_qkv(qkv, h, kvh, d)

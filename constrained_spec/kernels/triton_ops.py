@@ -80,11 +80,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
-                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, cs_stride,
+                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, cs_stride, pos_stride,
                  H, KVH,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HALF
     cos = tl.load(cs_ptr + pos * cs_stride + d, mask=dmask, other=0.0)[None, :]
@@ -119,7 +119,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     half = D // 2
     _rope_kernel[(T,)](q, k, positions, cos_sin_cache,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-                       H, KVH, HALF=half, BLOCK_H=triton.next_power_of_2(max(H, KVH)),
+                       positions.stride(0), H, KVH, HALF=half, BLOCK_H=triton.next_power_of_2(max(H, KVH)),
                        BLOCK_D=triton.next_power_of_2(half), num_warps=1 if H * half <= 1024 else 4)
     return q, k
 

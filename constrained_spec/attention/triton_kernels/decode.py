@@ -27,6 +27,12 @@ def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _INTERPRET and torch.bfloat16 in (q.dtype, k.dtype)
 
 
+def _dot_precision(q: torch.Tensor) -> str:
+    # Triton rounds float32 dot inputs to TF32 (10-bit mantissa) by default: float32 runs are
+    # our exactness reference, so they get IEEE dots. 16-bit inputs are exact in either mode.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, SlotTable, KvLens, MidO, MidLse,
@@ -40,7 +46,7 @@ def _decode_split_kernel(
     NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -76,7 +82,7 @@ def _decode_split_kernel(
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [D, N]
         if UPCAST:
             k = k.to(tl.float32)
-        qk = tl.dot(q, k) * sm_scale_log2  # [H, N], log2 domain
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2  # [H, N], log2 domain
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -86,7 +92,7 @@ def _decode_split_kernel(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     nonempty = end > start
@@ -167,7 +173,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse.stride(0), mid_lse.stride(1),
         scale * _LOG2E, num_splits,
         G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        UPCAST=_upcast(q, k_cache),
+        UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
     _decode_reduce_kernel[(B, H)](

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _decode_reduce_kernel
+from .decode import _decode_reduce_kernel, _dot_precision
 
 _LOG2E = 1.4426950408889634
 # The Triton CPU interpreter computes tl.dot on bf16 wrongly (numpy has no bf16): upcast there.
@@ -46,7 +46,7 @@ def _extend_kernel(
     sm_scale_log2, NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr, IS_TREE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,7 +98,7 @@ def _extend_kernel(
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            qk = tl.dot(q, k) * sm_scale_log2
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -108,7 +108,7 @@ def _extend_kernel(
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         # Phase 2: the new tokens, causal or tree-masked (done by the last split).
@@ -129,7 +129,7 @@ def _extend_kernel(
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            qk = tl.dot(q, k) * sm_scale_log2
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
             if IS_TREE:
                 tm = tl.load(TreeMask + b * stride_tb + tok[:, None] * stride_ti + rel[None, :] * stride_tj,
                              mask=row_mask[:, None] & n_mask[None, :], other=0)
@@ -145,7 +145,7 @@ def _extend_kernel(
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -215,7 +215,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *tstrides, *mstrides,
         scale * _LOG2E, num_splits,
         G=G, D=D, IS_TREE=is_tree, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        UPCAST=_upcast(q, k_cache),
+        UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
     if split:
