@@ -7,7 +7,7 @@ The backend first writes the new tokens' K/V into `out_slots`, then attends.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -32,6 +32,9 @@ class AttentionMetadata:
     # VERIFY only: [B, max_q_len, max_q_len] bool, tree_mask[b, i, j] = node j is i or an ancestor
     # of i. Context tokens before the tree are always visible.
     tree_mask: torch.Tensor | None = None
+    # per-forward scratch a backend derives once and reuses in every layer (e.g. the torch
+    # backend's padded mask)
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

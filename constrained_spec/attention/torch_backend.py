@@ -15,18 +15,19 @@ class TorchAttention(AttentionBackend):
         kv.store(layer, meta.out_slots, k, v)
         T, H, D = q.shape
         B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
-        token_batch, token_pos = _token_coords(meta, T)
+        if "torch" not in meta.scratch:  # the same for every layer of this forward
+            meta.scratch["torch"] = (*_token_coords(meta, T), _attention_mask(meta, Q, K, q.device).unsqueeze(1))
+        token_batch, token_pos, mask = meta.scratch["torch"]
 
         qp = q.new_zeros(B, Q, H, D)
         qp[token_batch, token_pos] = q
         slots = meta.slot_table[:, :K]
         kp = kv.k[layer][slots]  # [B, K, KVH, D]
         vp = kv.v[layer][slots]
-        mask = _attention_mask(meta, Q, K, q.device)  # [B, Q, K]
 
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True,
+            attn_mask=mask, scale=scale, enable_gqa=True,
         )  # [B, H, Q, D]
         return out.transpose(1, 2)[token_batch, token_pos]
 
