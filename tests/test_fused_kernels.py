@@ -75,6 +75,7 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         cache = R.build_cos_sin_cache(inverse_frequencies(d, 10000.0, None), 256).to(device)
         # q/k as strided views of one fused qkv row, like the model's
         qkv = rnd(t, (h + 2 * kvh) * d)
+        qkv_orig = qkv.clone()
         # positions as a strided column of a [T, 4] block, like the decode graph's metadata
         meta = torch.randint(0, 256, (t, 4), generator=gen).to(device)
         pos = meta[:, 1]
@@ -87,6 +88,18 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         torch.testing.assert_close(q.float(), q_ref.float(), **tol)
         torch.testing.assert_close(k.float(), k_ref.float(), **tol)
         assert torch.equal(v, v_before), "rope touched v"
+        # fused with the KV store: rotated k and v land in their cache slots, q rotates in place
+        q, k, v = _split_qkv(qkv_orig, h, kvh, d)
+        k_cache, v_cache = torch.zeros(3 * t + 5, kvh, d, device=device, dtype=dtype), torch.zeros(
+            3 * t + 5, kvh, d, device=device, dtype=dtype)
+        slots = torch.randperm(3 * t + 5, generator=gen)[:t].to(device)
+        T.apply_rope_and_store(q, k, v, pos, cache, k_cache, v_cache, slots)
+        torch.testing.assert_close(q.float(), q_ref.float(), **tol)
+        torch.testing.assert_close(k_cache[slots].float(), k_ref.float(), **tol)
+        assert torch.equal(v_cache[slots], v), "v must be copied exactly"
+        untouched = torch.ones(3 * t + 5, dtype=torch.bool, device=device)
+        untouched[slots] = False
+        assert not k_cache[untouched].any() and not v_cache[untouched].any(), "wrote outside the slots"
 
 
 def _split_qkv(qkv, h, kvh, d):

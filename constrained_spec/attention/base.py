@@ -66,6 +66,18 @@ class AttentionBackend:
     name = "base"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                kv: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
+                kv: KVCache, meta: AttentionMetadata, scale: float,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Stores k/v at `meta.out_slots` and
+        returns the attention output [T, H, D]. `rope` = (positions [T], cos_sin_cache): rotate q and
+        k first (a backend may fuse the rotation with the KV store)."""
         raise NotImplementedError
+
+    @staticmethod
+    def store_kv(q, k, v, layer: int, kv: KVCache, meta: AttentionMetadata, rope) -> torch.Tensor:
+        """RoPE (when given) and the KV store, fused into one kernel on CUDA. Returns q."""
+        if rope is None:
+            kv.store(layer, meta.out_slots, k, v)
+            return q
+        from ..kernels import apply_rope_and_store
+        return apply_rope_and_store(q, k, v, rope[0], rope[1], kv.k[layer], kv.v[layer], meta.out_slots)

@@ -11,8 +11,8 @@ from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, layer, kv: KVCache, meta: AttentionMetadata, scale):
-        kv.store(layer, meta.out_slots, k, v)
+    def forward(self, q, k, v, layer, kv: KVCache, meta: AttentionMetadata, scale, rope=None):
+        q = self.store_kv(q, k, v, layer, kv, meta, rope)
         T, H, D = q.shape
         B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
         if "torch" not in meta.scratch:  # the same for every layer of this forward

@@ -25,8 +25,8 @@ class TritonAttention(AttentionBackend):
         self.num_splits = num_splits
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                kv: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        kv.store(layer, meta.out_slots, k, v)
+                kv: KVCache, meta: AttentionMetadata, scale: float, rope=None) -> torch.Tensor:
+        q = self.store_kv(q, k, v, layer, kv, meta, rope)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         if q.stride(-1) != 1:
             q = q.contiguous()

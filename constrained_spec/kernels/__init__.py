@@ -66,6 +66,19 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     return apply_rope_ref(q, k, positions, cos_sin_cache)
 
 
+def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """RoPE on q (in place) and k, then k and v written to the KV cache at `slots`: one kernel on
+    CUDA instead of three. Returns q."""
+    if _use_triton(q):
+        return _tri.apply_rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
+    apply_rope_ref(q, k, positions, cos_sin_cache)
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return q
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> silu(gate) * up, [..., I]."""
     if _use_triton(gate_up):
@@ -73,5 +86,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(gate_up)
 
 
-__all__ = ["HAS_TRITON", "add_rms_norm", "apply_rope", "build_cos_sin_cache", "fused_kernels_enabled",
+__all__ = ["HAS_TRITON", "add_rms_norm", "apply_rope", "apply_rope_and_store", "build_cos_sin_cache", "fused_kernels_enabled",
            "reference", "rms_norm", "set_fused_kernels", "silu_and_mul"]

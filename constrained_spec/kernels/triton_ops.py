@@ -82,7 +82,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
                  q_stride_t, q_stride_h, k_stride_t, k_stride_h, cs_stride, pos_stride,
                  H, KVH,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                 v_stride_t, v_stride_h, kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h, slot_stride,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -104,24 +106,55 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
     k1 = tl.load(k1p, mask=kmask, other=0.0)
     k2 = tl.load(k1p + HALF, mask=kmask, other=0.0)
     k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    tl.store(k1p, (k1f * cos - k2f * sin).to(k1.dtype), mask=kmask)
-    tl.store(k1p + HALF, (k2f * cos + k1f * sin).to(k1.dtype), mask=kmask)
+    k_lo, k_hi = (k1f * cos - k2f * sin).to(k1.dtype), (k2f * cos + k1f * sin).to(k1.dtype)
+    if STORE:  # write rotated k and v straight into their KV-cache slot (saves two launches a layer)
+        slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
+        kcp = kc_ptr + slot * kc_stride_s + h[:, None] * kc_stride_h + d[None, :]
+        tl.store(kcp, k_lo.to(kc_ptr.dtype.element_ty), mask=kmask)
+        tl.store(kcp + HALF, k_hi.to(kc_ptr.dtype.element_ty), mask=kmask)
+        vp = v_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :]
+        vcp = vc_ptr + slot * vc_stride_s + h[:, None] * vc_stride_h + d[None, :]
+        tl.store(vcp, tl.load(vp, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty), mask=kmask)
+        tl.store(vcp + HALF, tl.load(vp + HALF, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty), mask=kmask)
+    else:
+        tl.store(k1p, k_lo, mask=kmask)
+        tl.store(k1p + HALF, k_hi, mask=kmask)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
+    _launch_rope(q, k, positions, cos_sin_cache, None)
+    return q, k
+
+
+def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """Rotates q in place; writes rotated k and v to k_cache/v_cache [num_slots, KVH, D] at `slots`
+    (k itself is left unrotated). Returns q."""
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("apply_rope_and_store needs unit stride over head_dim for v and the caches")
+    _launch_rope(q, k, positions, cos_sin_cache, (v, k_cache, v_cache, slots))
+    return q
+
+
+def _launch_rope(q, k, positions, cos_sin_cache, store) -> None:
     T, H, D = q.shape
     KVH = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride over head_dim for q, k and the cache")
     if T == 0:
-        return q, k
+        return
     half = D // 2
+    v, kc, vc, slots = store if store is not None else (k, k, k, positions)  # unused when STORE is off
     _rope_kernel[(T,)](q, k, positions, cos_sin_cache,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-                       positions.stride(0), H, KVH, HALF=half, BLOCK_H=triton.next_power_of_2(max(H, KVH)),
-                       BLOCK_D=triton.next_power_of_2(half), num_warps=1 if H * half <= 1024 else 4)
-    return q, k
+                       positions.stride(0), H, KVH,
+                       v, kc, vc, slots, v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+                       vc.stride(0), vc.stride(1), slots.stride(0),
+                       HALF=half, BLOCK_H=triton.next_power_of_2(max(H, KVH)),
+                       BLOCK_D=triton.next_power_of_2(half), STORE=store is not None,
+                       num_warps=1 if H * half <= 1024 else 4)
 
 
 @triton.jit

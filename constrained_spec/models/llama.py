@@ -52,8 +52,8 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = backend.forward(q, k, v, self.layer, kv, meta, self.scale)
+        # RoPE is applied by the backend, fused with the KV store on CUDA
+        out = backend.forward(q, k, v, self.layer, kv, meta, self.scale, rope=(positions, rope.cos_sin_cache))
         return self.o_proj(out.reshape(T, self.q_size))
 
 
