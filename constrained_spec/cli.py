@@ -118,6 +118,10 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="give up compiling a grammar after this "
                                                                        "long (default: %(default)s)")),
     "jump_forward": ("grammar", dict(help="emit text the grammar forces (e.g. JSON keys) without sampling it")),
+    "grammar_mask_budget_ms": ("grammar", dict(metavar="MS",
+                                               help="per-step time limit for filling grammar masks: a request whose "
+                                                    "mask is not ready by then skips the step (its output does not "
+                                                    "change) instead of holding the batch (default: none, wait)")),
     "disable_overlap": ("perf", dict(help="process each step's results before launching the next (debugging)")),
     "disable_cuda_graph": ("perf", dict(help="run decode steps eagerly instead of replaying CUDA graphs")),
     "seed": ("perf", dict(metavar="N", help="base seed for requests that give none (default: %(default)s)")),

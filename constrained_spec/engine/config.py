@@ -22,6 +22,8 @@ class EngineConfig:
     jump_forward: bool = False  # emit grammar-forced strings without sampling
     grammar_threads: int = 2  # grammar compilation workers
     grammar_mask_threads: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
+    grammar_mask_budget_ms: float | None = None  # per step; requests whose mask is not ready by then
+    #   skip the step (losslessly) instead of holding the batch. None or 0: wait for every mask
     grammar_max_whitespace: int | None = 16  # whitespace run allowed between JSON tokens; None: unbounded
     #   (a small model can loop on whitespace forever when it is unbounded)
     grammar_compile_timeout_s: float = 30.0
@@ -29,6 +31,8 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 8  # draft tree width N, root included
     speculative_max_batch: int = 32  # larger decode batches run plain (speculation loses there)
     speculative_min_accept: float = 0.3  # mean accepted drafts below this: fall back to plain for a while
+    speculative_policy: str = "measured"  # "measured": per batch size, speculate while its measured tokens/s beat
+    #   plain decoding's (grammar and drafting CPU time included); "always": whenever the rules above allow
     ngram_branches: int = 1  # children per draft node: 1 = chain, >1 = tree
     ngram_max_match: int = 8  # longest context suffix the trie matches
     ngram_min_match: int = 1

@@ -5,6 +5,11 @@ Step timeline (design notes, "Overlap"): launch batch N on the device; while it 
 N-1's tokens, accept them into the grammar matchers, finish and stream requests; then fill batch
 N's bitmask rows and sample. With `disable_overlap`, batch N's results are processed right after
 its own sampling instead.
+
+With `grammar_mask_budget_ms`, a request whose bitmask row is not ready within the budget sits the
+step out instead of holding the batch (`mask_filler.py`): its sample is void (`discard_inflight`),
+the runner undoes the step for it (input token, penalty count, KV slot), and it rejoins the next
+step at the same position, so its output is exactly what it would have been.
 """
 from __future__ import annotations
 
@@ -17,13 +22,13 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
 import torch
-import xgrammar as xgr
 
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
@@ -83,7 +88,8 @@ class Engine:
                                       compile_timeout_s=config.grammar_compile_timeout_s,
                                       max_whitespace_cnt=config.grammar_max_whitespace)
         self.scheduler = Scheduler(self.runner, config)
-        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=config.grammar_mask_threads)
+        self.masks = MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
+                                budget_ms=config.grammar_mask_budget_ms, max_requests=config.max_running_requests)
         drafter = make_drafter(config)
         self.spec = SpeculativeWorker(self, drafter) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:
@@ -185,6 +191,7 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.masks.close()
         self.grammar.close()
 
     def __enter__(self):
@@ -219,13 +226,14 @@ class Engine:
                     self._idle_wait()
                     continue
                 t0 = time.perf_counter()
-                if self.spec is not None and batch.mode is ForwardMode.DECODE and self.spec.should_speculate(batch):
+                if self.spec is not None and batch.mode is ForwardMode.DECODE and self._can_speculate(batch):
                     if inflight is not None:  # drafting reads the tokens of the step in flight
                         self._process(inflight)
                         inflight = None
                         batch.requests = [r for r in batch.requests if not r.finished]
                         if not batch.requests:
                             continue
+                    self.masks.settle(batch.requests)  # drafting moves the matchers: no fill may run on them
                     self.spec.step(batch)
                     self.stats.on_step(batch, time.perf_counter() - t0)
                     continue
@@ -234,9 +242,9 @@ class Engine:
                 if inflight is not None:
                     self._process(inflight)
                     inflight = None
-                bitmask = self._fill_bitmask(batch)
-                result = self.runner.sample(batch, logits, bitmask, self.grammar.apply_bitmask)
-                if self.config.disable_overlap or self.device.type != "cuda":
+                fill = self._fill_bitmask(batch)
+                result = self.runner.sample(batch, logits, fill.bitmask, self.grammar.apply_bitmask, skip=fill.late)
+                if not self._overlapped():
                     self._launched = None
                     self._process(result)
                 else:
@@ -246,6 +254,16 @@ class Engine:
                 log.exception("engine step failed")
                 inflight = None
                 self._fail_running("internal error in the engine step; see the server log")
+
+    def _can_speculate(self, batch) -> bool:
+        # Drafting starts from each request's last sampled token. A request whose first sample was
+        # void (its mask missed the budget in the prefill step) has none yet: decode plainly first.
+        return all(r.output_ids for r in batch.requests) and self.spec.should_speculate(batch)
+
+    def _overlapped(self) -> bool:
+        """Whether a step's results are processed after the next step is launched (CUDA only: on
+        the CPU the forward runs synchronously, so there is nothing to overlap)."""
+        return not self.config.disable_overlap and self.device.type == "cuda"
 
     def _idle_wait(self) -> None:
         self._wake.wait(timeout=0.05 if self._compiling else 1.0)
@@ -287,18 +305,18 @@ class Engine:
             self.scheduler.add(req)
         self._compiling = still
 
-    def _fill_bitmask(self, batch):
+    def _fill_bitmask(self, batch) -> MaskFill:
+        """Fills the step's bitmask rows; requests whose row missed the budget sit the step out:
+        their sample will be discarded (the runner undoes the step for them when it samples)."""
         reqs = batch.sampling_requests()
-        if not any(r.matcher is not None for r in reqs):
-            return None
-        bitmask = self.runner.bitmask_host[:len(reqs)]
         t0 = time.perf_counter()
-        bitmask.fill_(-1)
-        live = [(i, r.matcher.xgr_matcher) for i, r in enumerate(reqs) if r.matcher is not None and not r.finished]
-        if live:  # xgrammar fills the rows on its own thread pool
-            self._batch_matcher.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
-        self.stats.grammar_mask_seconds += time.perf_counter() - t0
-        return bitmask
+        fill = self.masks.fill(reqs)
+        if fill.bitmask is not None:
+            self.stats.grammar_mask_seconds += time.perf_counter() - t0
+        for i in fill.late:
+            reqs[i].discard_inflight = True
+        self.stats.grammar_late_rows += len(fill.late)
+        return fill
 
     def _process(self, result: StepResult) -> None:
         tokens, logprobs = result.wait()

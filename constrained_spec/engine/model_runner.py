@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -192,21 +193,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: "torch.Tensor | GraphStep", bitmask: torch.Tensor | None,
-               apply_bitmask) -> StepResult:
-        """Masks (bitmask: rows of `self.bitmask_host`, filled by the caller) and samples."""
+               apply_bitmask, skip: Sequence[int] = ()) -> StepResult:
+        """Masks (bitmask: rows of `self.bitmask_host`, filled by the caller) and samples.
+
+        `skip`: positions among the sampling requests whose sample is void (their grammar mask
+        missed the step's budget). The step is undone for them (`_repeat_for`), so that the next
+        decode step computes the same position again and samples it with its mask."""
         reqs = batch.sampling_requests()
+        result = self._sample_graphed(batch, reqs, logits, bitmask)
+        counted = False
+        if result is None:
+            result = self._sample_eager(batch, reqs, logits, bitmask, apply_bitmask)
+            counted = self.token_counts is not None
+        if skip:
+            self._repeat_for([reqs[i] for i in skip], uncount=counted)
+        return result
+
+    def _sample_graphed(self, batch, reqs, logits, bitmask) -> StepResult | None:
+        """The decode sample tail as a graph replay; None when the step needs the eager path."""
+        if not isinstance(logits, GraphStep):
+            return None
+        step = logits
+        self._rows_d = step.rows
+        greedy = all(r.params.greedy for r in reqs)
+        plain = not any(r.params.logprobs is not None or r.params.frequency_penalty or r.params.presence_penalty
+                        for r in reqs)
+        if not (plain and step.graphs.can_sample(step, bitmask is not None, greedy)):
+            return None
+        params = None if greedy else self._sampling_params_host(reqs)
+        tokens_host = step.graphs.launch_sample(step, bitmask is not None, greedy, params)
+        event = torch.cuda.Event()
+        event.record()
+        return StepResult(batch, tokens_host, None, event)
+
+    def _sample_eager(self, batch, reqs, logits, bitmask, apply_bitmask) -> StepResult:
         if isinstance(logits, GraphStep):
-            step, logits = logits, logits.logits
-            self._rows_d = step.rows
-            greedy = all(r.params.greedy for r in reqs)
-            plain = not any(r.params.logprobs is not None or r.params.frequency_penalty or r.params.presence_penalty
-                            for r in reqs)
-            if plain and step.graphs.can_sample(step, bitmask is not None, greedy):
-                params = None if greedy else self._sampling_params_host(reqs)
-                tokens_host = step.graphs.launch_sample(step, bitmask is not None, greedy, params)
-                event = torch.cuda.Event()
-                event.record()
-                return StepResult(batch, tokens_host, None, event)
+            logits = logits.logits
         rows_d = self._rows_d
         if bitmask is not None:
             apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
@@ -217,6 +239,22 @@ class ModelRunner:
             self.token_counts[rows_d, tokens] += 1
         logprobs = self._logprobs(reqs, logits, tokens)
         return self._to_host(batch, tokens, logprobs)
+
+    def _repeat_for(self, reqs, uncount: bool) -> None:
+        """Undoes the step just sampled for these requests: their input token goes back into
+        `last_token` (the void sample overwrote it on the device), the void sample leaves the
+        penalty counts (`uncount`: the step counted it), and the KV slot of the position the step
+        computed is given back. Their next decode step then has the same input, position and
+        context as this one. Device work only, queued behind the sample: no sync."""
+        n = len(reqs)
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
+        inputs = np.fromiter((_token_at(r, r.num_cached - 1) for r in reqs), dtype=np.int64, count=n)
+        rows_d, inputs_d = torch.split(self._to_device(np.concatenate([rows, inputs])), [n, n])
+        if uncount:
+            self.token_counts[rows_d, self.last_token[rows_d]] -= 1
+        self.last_token[rows_d] = inputs_d
+        for r in reqs:
+            self.rewind(r, 1)
 
     def _sampling_params_host(self, reqs) -> tuple[np.ndarray, np.ndarray]:
         f = np.array([(r.params.temperature, r.params.top_p, r.params.min_p,
@@ -272,9 +310,21 @@ class ModelRunner:
         )
 
     # -- KV release ------------------------------------------------------------------------------
+    def rewind(self, req, n: int) -> None:
+        """Gives back the KV slots of a request's last `n` cached positions (a step to be repeated)."""
+        keep = req.num_cached - n
+        self.pool.free(self.table.truncate(req.row, keep))
+        req.num_cached = keep
+
     def release(self, req) -> None:
         """Returns all of a request's KV slots and its table row."""
         if req.row >= 0:
             self.pool.free(self.table.release_row(req.row))
             req.row = -1
         req.num_cached = 0
+
+
+def _token_at(req, position: int) -> int:
+    """The token at a position of the request's context (prompt, then output)."""
+    n = len(req.prompt_ids)
+    return req.prompt_ids[position] if position < n else req.output_ids[position - n]

@@ -56,7 +56,10 @@ class Request:
     row: int = -1  # row in the RequestSlotTable while it holds KV
     num_cached: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     needs_extend: bool = True  # host-known tokens past num_cached must go through an EXTEND step
-    discard_inflight: bool = False  # ignore the sample of the step in flight (jump-forward replaced it)
+    discard_inflight: bool = False  # ignore the sample of the step in flight (jump-forward replaced it,
+    #   or its grammar mask missed the step's budget)
+    mask_job: Any = None  # its grammar-mask fill while that runs off the engine thread (MaskFiller)
+    mask_fill_seconds: float = 0.0  # how long its last off-thread mask fill took
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival: float = field(default_factory=time.monotonic)

@@ -16,6 +16,7 @@ class EngineStats:
     forced_tokens: int = 0
     finished: dict = field(default_factory=dict)  # finish reason -> count
     grammar_mask_seconds: float = 0.0
+    grammar_late_rows: int = 0  # rows whose mask missed the step's budget (their request sat the step out)
     step_seconds: float = 0.0
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-to-first-token samples
     tpot: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-per-output-token samples
