@@ -1,6 +1,19 @@
-"""Speculative decoding, one run: plain vs n-gram lookahead (chain and tree) on JSON-schema
-workloads from schemas/handwritten and on a repeated-context (RAG-like) workload, at batch 1, 8, 32.
-Greedy, so every configuration emits the same tokens. Writes benchmarks/results/spec.{json,md,png}.
+"""Speculative decoding, one run: plain vs n-gram lookahead (chain, and a tree of 3 branches) on the
+JSON-schema workload (schemas/handwritten) and a repeated-context (RAG-like) workload, at batch 1, 8
+and 32, greedy, so every configuration should emit the same tokens (the table says how many did).
+
+Per (workload, batch, engine): tokens/s, speedup over plain, mean accepted length (tokens emitted
+per request per verify step), the share of decode steps that speculated (the engine falls back to
+plain steps where they measure faster), and the host milliseconds per speculative step spent
+drafting + grammar-masking the trees ("CPU draft+mask") and in the other phases.
+
+Each measurement is preceded by a short warm-up on the same prompts (grammar compilation, CUDA/
+Triton caches, the engine's speculate-or-not measurements); the n-gram drafter is then reset so the
+timed run does not draft from the warm-up's outputs. Batch 1 runs its prompts one after another.
+
+  python benchmarks/bench_spec.py                      # GPU, SmolLM2-135M-Instruct, ~3 minutes on an H100
+  python benchmarks/bench_spec.py --device cpu --quick # end-to-end smoke run on a CPU
+Writes benchmarks/results/spec_<device>[_quick].{json,md,png}.
 """
 from __future__ import annotations
 
@@ -17,99 +30,162 @@ DOC = ("The Aurora-7 research station sits 3,200 metres above sea level on the K
        "diesel generators. Its main instruments are a 2.4 metre optical telescope, a cosmic-ray muon detector and a "
        "weather mast that reports every 10 minutes to the national meteorological service. Supplies arrive by "
        "helicopter every 12 days; the station director is Dr. Ingrid Solberg.")
+RAG_TASKS = ["Quote the document's sentence about supplies.", "Repeat the first two sentences of the document exactly.",
+             "List every number in the document with what it measures.", "Summarize the document, reusing its wording."]
+ENGINES = {  # name -> engine options on top of the common ones
+    "plain": {},
+    "ngram chain": dict(speculative_algorithm="ngram"),
+    "ngram tree": dict(speculative_algorithm="ngram", ngram_branches=3),
+    # every step speculates (no measured fallback): what speculation alone does at each batch size
+    "ngram chain always": dict(speculative_algorithm="ngram", speculative_policy="always"),
+}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=None, help="model folder or GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--draft-tokens", type=int, default=8, help="tree width N, root included")
+    ap.add_argument("--min-prompts", type=int, default=4, help="prompts per measurement at least (batch 1: in turn)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.max_tokens, args.min_prompts = "1,4", 24, 2
+    return args
+
+
+# -- workloads ------------------------------------------------------------------------------------
+def chat(tokenizer, text):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def json_workload(tokenizer, n):
-    lines = (SCHEMAS / "handwritten" / "handwritten.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines if line.strip()]
     from constrained_spec.grammar import GrammarSpec
+    rows = [json.loads(line) for line in (SCHEMAS / "handwritten" / "handwritten.jsonl").read_text().splitlines()
+            if line.strip()]
     out = []
     for i in range(n):
         row = rows[i % len(rows)]
-        text = f"{row.get('prompt', 'Produce an example.')} Answer with JSON matching this schema: {json.dumps(row['schema'])}"
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
-        out.append((list(ids["input_ids"] if hasattr(ids, "keys") else ids), GrammarSpec.json_schema(row["schema"])))
+        text = (f"{row.get('prompt', 'Produce an example.')} Answer with JSON matching this schema: "
+                f"{json.dumps(row['schema'])}" + (f" (request {i})" if i >= len(rows) else ""))
+        out.append((chat(tokenizer, text), GrammarSpec.json_schema(row["schema"])))
     return out
 
 
 def rag_workload(tokenizer, n):
-    qs = ["Quote the document's sentence about supplies.", "Repeat the first two sentences of the document exactly.",
-          "List every number in the document with what it measures.", "Summarize the document, reusing its wording."]
-    out = []
-    for i in range(n):
-        text = f"Document:\n{DOC}\n\nTask: {qs[i % len(qs)]}"
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
-        out.append((list(ids["input_ids"] if hasattr(ids, "keys") else ids), None))
-    return out
+    return [(chat(tokenizer, f"Document:\n{DOC}\n\nTask: {RAG_TASKS[i % len(RAG_TASKS)]} (request {i})"), None)
+            for i in range(n)]
 
 
-def run(engine, work, max_tokens):
+WORKLOADS = {"json": json_workload, "rag": rag_workload}
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def generate(engine, work, batch, max_tokens):
+    """Runs the prompts `batch` at a time; returns (outputs, seconds)."""
     from constrained_spec import SamplingParams
     sp = SamplingParams(max_tokens=max_tokens, temperature=0)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
+    outs = []
     t0 = time.perf_counter()
-    outs = engine.generate([p for p, _ in work], sp, [g for _, g in work])
-    dt = time.perf_counter() - t0
-    return outs, dt
+    for i in range(0, len(work), batch):
+        wave = work[i:i + batch]
+        outs += engine.generate([p for p, _ in wave], sp, [g for _, g in wave])
+    return outs, time.perf_counter() - t0
+
+
+def counters(engine):
+    st = engine.spec.stats if engine.spec else None
+    spec = dict(steps=st.steps, verified=st.verified_requests, accepted=st.accepted_tokens,
+                **{f"{k}_s": getattr(st, f"{k}_seconds") for k in ("draft", "mask", "launch", "wait", "commit")}) if st else {}
+    return dict(decode_steps=engine.stats.decode_steps, **spec)
+
+
+def measure(engine, work, batch, max_tokens) -> tuple[list, dict]:
+    generate(engine, work, batch, min(16, max_tokens))  # warm-up on the same prompts
+    if engine.spec is not None:
+        engine.spec.reset_drafter()
+    before = counters(engine)
+    outs, seconds = generate(engine, work, batch, max_tokens)
+    after = counters(engine)
+    d = {k: after[k] - before[k] for k in after}
+    tokens = sum(o.completion_tokens for o in outs)
+    rec = dict(tokens=tokens, seconds=seconds, tok_s=tokens / seconds)
+    if engine.spec is not None:
+        steps = max(d["steps"], 1)
+        rec.update(spec_steps=d["steps"], spec_share=d["steps"] / max(d["decode_steps"], 1),
+                   mean_accepted_len=1 + d["accepted"] / max(d["verified"], 1),
+                   cpu_draft_mask_ms=1000 * (d["draft_s"] + d["mask_s"]) / steps,
+                   phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in ("draft", "mask", "launch", "wait", "commit")})
+    return outs, rec
+
+
+# -- report ---------------------------------------------------------------------------------------
+def table(records, title):
+    def opt(r, key, digits=2):
+        return round(r[key], digits) if key in r else "-"
+    rows = [[r["workload"], r["batch"], r["engine"], round(r["tok_s"], 1), opt(r, "speedup"), opt(r, "mean_accepted_len"),
+             opt(r, "spec_share"), opt(r, "cpu_draft_mask_ms", 3),
+             f"{r['identical_to_plain']}/{r['requests']}" if "identical_to_plain" in r else "-"] for r in records]
+    return (f"# {title}\n\n"
+            "mean accepted len = tokens emitted per request per verify step (accepted drafts + bonus); spec share = "
+            "decode steps that speculated (the engine decodes plainly where that measures faster); CPU draft+mask = "
+            "host ms per speculative step drafting the trees and filling their grammar masks (on CUDA the mask part "
+            "overlaps the verify forward).\n\n"
+            + markdown_table(["workload", "batch", "engine", "tok/s", "speedup", "mean accepted len", "spec share",
+                              "CPU draft+mask ms/step", "identical to plain"], rows))
+
+
+def plot(records, path, title):
+    labels = []
+    for r in records:
+        label = f"{r['workload']} b{r['batch']}"
+        if label not in labels:
+            labels.append(label)
+    series = {name: [next((r["tok_s"] for r in records if f"{r['workload']} b{r['batch']}" == label
+                           and r["engine"] == name), 0.0) for label in labels] for name in ENGINES}
+    bar_plot(path, labels, series, "tokens/s", title)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--draft-tokens", type=int, default=8)
-    args = ap.parse_args()
+    args = parse_args()
     from constrained_spec.engine import Engine
     from constrained_spec.models import resolve_model_path
-    path = resolve_model_path(None)
-    common = dict(model=path, device=args.device, kv_cache_memory_gb=4, speculative_max_batch=64)
-    engines = {
-        "plain": Engine(**common),
-        "ngram chain": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens),
-        "ngram tree": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens,
-                             ngram_branches=3),
-    }
-    tok = engines["plain"].tokenizer
+    t_start = time.perf_counter()
+    common = dict(model=resolve_model_path(args.model), device=args.device, dtype=args.dtype,
+                  speculative_num_draft_tokens=args.draft_tokens, speculative_max_batch=64,
+                  **({"kv_cache_memory_gb": 4} if args.device != "cpu" else {}))
+    engines = {name: Engine(**common, **extra) for name, extra in ENGINES.items()}
+    tokenizer = engines["plain"].tokenizer
+    print(f"engines ready in {time.perf_counter() - t_start:.1f} s", flush=True)
     records = []
-    for wname, make in (("json", json_workload), ("rag", rag_workload)):
-        for bs in [int(b) for b in args.batches.split(",")]:
-            work = make(tok, bs)
-            base = None
-            for name, eng in engines.items():
-                run(eng, work[:1], 8)  # warm-up
-                st = eng.spec.stats if eng.spec else None
-                before = (st.verified_requests, st.accepted_tokens, st.cpu_draft_seconds, st.steps) if st else None
-                outs, dt = run(eng, work, args.max_tokens)
-                tokens = sum(o.completion_tokens for o in outs)
-                rec = dict(workload=wname, batch=bs, engine=name, tokens=tokens, seconds=dt, tok_s=tokens / dt)
-                if base is None:
-                    base = (outs, rec)
+    for wname, make in WORKLOADS.items():
+        for batch in [int(b) for b in args.batches.split(",")]:
+            work = make(tokenizer, max(batch, args.min_prompts))
+            plain = None
+            for name, engine in engines.items():
+                outs, rec = measure(engine, work, batch, args.max_tokens)
+                rec = dict(workload=wname, batch=batch, engine=name, requests=len(work), **rec)
+                if plain is None:
+                    plain = (outs, rec)
                 else:
-                    rec["speedup"] = rec["tok_s"] / base[1]["tok_s"]
-                    rec["identical_to_plain"] = all(a.token_ids == b.token_ids for a, b in zip(outs, base[0]))
-                if st:
-                    n = st.verified_requests - before[0]
-                    rec["mean_accepted_len"] = 1 + (st.accepted_tokens - before[1]) / max(n, 1)
-                    rec["cpu_draft_ms_per_step"] = 1000 * (st.cpu_draft_seconds - before[2]) / max(st.steps - before[3], 1)
-                    rec["spec_steps"] = st.steps - before[3]
+                    rec["speedup"] = rec["tok_s"] / plain[1]["tok_s"]
+                    rec["identical_to_plain"] = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain[0]))
                 records.append(rec)
-                print(rec, flush=True)
-    for eng in engines.values():
-        eng.shutdown()
-    rows = [[r["workload"], r["batch"], r["engine"], round(r["tok_s"], 1), round(r.get("speedup", 1.0), 2),
-             round(r.get("mean_accepted_len", 1.0), 2), round(r.get("cpu_draft_ms_per_step", 0.0), 3),
-             r.get("identical_to_plain", "-")] for r in records]
-    md = (f"# Speculative decoding: plain vs n-gram lookahead (SmolLM2-135M, greedy, {args.device})\n\n"
-          "mean accepted len = tokens emitted per request per verify step (accepted drafts + bonus).\n\n"
-          + markdown_table(["workload", "batch", "engine", "tok/s", "speedup", "mean accepted len",
-                            "CPU draft+mask ms/step", "identical to plain"], rows))
-    write_results(f"spec_{args.device}", {"machine": machine(), "results": records}, md)
-    labels = sorted({f"{r['workload']} b{r['batch']}" for r in records}, key=lambda s: (s.split()[0], int(s.split()[1][1:])))
-    series = {name: [next(r["tok_s"] for r in records if f"{r['workload']} b{r['batch']}" == l and r["engine"] == name)
-                     for l in labels] for name in engines}
-    bar_plot(RESULTS / f"spec_{args.device}.png", labels, series, "tokens/s", f"n-gram speculation ({args.device})")
+                print(json.dumps(rec), flush=True)
+    for engine in engines.values():
+        engine.shutdown()
+    name = f"spec_{args.device}" + ("_quick" if args.quick else "")
+    title = f"Speculative decoding: plain vs n-gram lookahead ({engines['plain'].model_name}, greedy, {args.device})"
+    payload = {"machine": machine(), "args": vars(args), "seconds": time.perf_counter() - t_start, "results": records}
+    write_results(name, payload, table(records, title))
+    plot(records, RESULTS / f"{name}.png", f"n-gram speculation ({args.device})")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Graphs exist for
 - the decode SAMPLE tail, per (masked, greedy): copies the grammar bitmask from its pinned host
   buffer, masks, samples, writes `last_token` and copies the tokens to a pinned host buffer — so a
   constrained step replays too, and a decode step costs two graph launches and two small copies;
-- the speculative VERIFY forward at a fixed tree width.
+- the speculative VERIFY step at a fixed tree width, in three parts (forward; bitmask + argmax
+  tail; commit of the accepted path), whose buffers and code live in `spec_verify.py`.
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
 K/V to the reserved slot 0 and attend to it alone, so they never touch live data. Attention inside
 a graph must not depend on host values that change per step (the triton backend's contract).
@@ -24,6 +25,7 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardMode
 from .sampler import SamplingBatch, mask_logits, sample
+from .spec_verify import VerifyIO
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class CudaGraphRunner:
         self.params_f = torch.zeros(B, 4, dtype=torch.float32, device=dev)  # temperature, top_p, min_p, top_k
         self.params_i = torch.zeros(B, 2, dtype=torch.int64, device=dev)  # seeds, steps
         self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
-        self.verify_inputs: dict[int, dict[str, torch.Tensor]] = {}
+        self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
 
     def padded_size(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, batch)
@@ -122,26 +124,18 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture_verify(self, q_len: int, max_batch: int) -> None:
+        """Verify graphs at tree width `q_len` for the ladder's sizes up to `max_batch`: per size the
+        forward, the tail (masked or not) and the commit of `spec_verify.VerifyIO`, whose static
+        buffers they read and write."""
         t0 = time.perf_counter()
-        B = self.batch_sizes[-1]
-        z = lambda *s: torch.zeros(*s, dtype=torch.int64, device=self.device)
-        s = self.verify_inputs[q_len] = dict(
-            input_ids=z(B * q_len), positions=z(B * q_len), out_slots=z(B * q_len),
-            kv_lens=torch.full((B,), q_len, dtype=torch.int32, device=self.device), slot_table=z(B, self.max_context),
-            tree_mask=torch.ones(B, q_len, q_len, dtype=torch.bool, device=self.device),
-            q_starts=torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device=self.device),
-            q_lens=torch.full((B,), q_len, dtype=torch.int32, device=self.device))
         sizes = [b for b in self.batch_sizes if b <= max_batch]
+        io = self.verify_io[q_len] = VerifyIO(self.r, q_len, capacity=min(max_batch, self.r.max_rows))
         for bs in reversed(sizes):
-            def fn(bs=bs):
-                n = bs * q_len
-                meta = AttentionMetadata(
-                    mode=ForwardMode.VERIFY, out_slots=s["out_slots"][:n], q_starts=s["q_starts"][:bs + 1],
-                    q_lens=s["q_lens"][:bs], kv_lens=s["kv_lens"][:bs], slot_table=s["slot_table"][:bs],
-                    max_q_len=q_len, max_kv_len=self.max_context, tree_mask=s["tree_mask"][:bs])
-                hidden = self.r.model(s["input_ids"][:n], s["positions"][:n], self.r.kv, meta, self.r.backend)
-                return self.r.model.compute_logits(hidden).float()
-            self._capture(("verify", bs, q_len), fn)
+            logits = self._capture(("verify", "forward", bs, q_len), lambda bs=bs: io.forward(bs))
+            for masked in (False, True):
+                self._capture(("verify", "tail", bs, q_len, masked),
+                              lambda bs=bs, m=masked, x=logits: io.tail(x, bs, m))
+            self._capture(("verify", "commit", bs, q_len), lambda bs=bs: io.commit(bs))
         torch.cuda.synchronize()
         log.info("captured verify CUDA graphs (width %d, batch sizes %s) in %.1f s", q_len, sizes,
                  time.perf_counter() - t0)
@@ -177,23 +171,13 @@ class CudaGraphRunner:
 
     def can_verify(self, batch: int, q_len: int) -> bool:
         bs = self.padded_size(batch)
-        return bs is not None and ("verify", bs, q_len) in self.graphs
+        return bs is not None and ("verify", "forward", bs, q_len) in self.graphs
 
-    def replay_verify(self, batch: int, q_len: int, input_ids, positions, out_slots, kv_lens, slot_table,
-                      tree_mask) -> torch.Tensor:
-        bs = self.padded_size(batch)
-        s = self.verify_inputs[q_len]
-        n, pad = batch * q_len, (bs - batch) * q_len
-        s["input_ids"][:n].copy_(input_ids)
-        s["positions"][:n].copy_(positions)
-        s["out_slots"][:n].copy_(out_slots)
-        s["kv_lens"][:batch].copy_(kv_lens)
-        s["slot_table"][:batch].copy_(slot_table)
-        s["tree_mask"][:batch].copy_(tree_mask)
-        if pad:  # padding rows: slot 0, a context of just the padded tree
-            s["out_slots"][n:n + pad].zero_()
-            s["positions"][n:n + pad].zero_()
-            s["kv_lens"][batch:bs].fill_(q_len)
-        graph, out = self.graphs[("verify", bs, q_len)]
+    def replay_verify(self, batch: int, q_len: int, part: str, masked: bool = False) -> torch.Tensor | None:
+        """Replays one part ("forward", "tail" or "commit") of the verify step for `batch` requests,
+        padded to the captured size; the inputs are whatever `verify_io[q_len]` holds. Returns the
+        part's static output (the logits for forward and tail)."""
+        key = ("verify", part, self.padded_size(batch), q_len) + ((masked,) if part == "tail" else ())
+        graph, out = self.graphs[key]
         graph.replay()
-        return out[:n]
+        return out

@@ -2,9 +2,23 @@
 target, KV compaction, and the hand-back of the emitted tokens.
 
 Every request in the batch verifies a tree of exactly N nodes (padded), so the verify forward has
-a static shape and can be replayed from a CUDA graph. Node 0 is the request's last sampled token,
-whose K/V is not yet cached; the accepted path's K/V stays, rejected slots go back to the pool
-in the same step.
+a static shape and replays from a CUDA graph. Node 0 is the request's last sampled token, whose
+K/V is not yet cached; the accepted path's K/V stays, rejected slots go back to the pool in the
+same step.
+
+Host and device split the work so that the device sees few launches and the host reads back once:
+  host    drafts (n-gram trie + grammar-forced chains), tree structure (depth, ancestor mask) and
+          slots in numpy, packed into pinned buffers                          -> `draft_seconds`
+  device  forward graph: one copy of the packed inputs, the model over B*N nodes
+  host    meanwhile: xgrammar fills one bitmask row per node; pruning in numpy -> `mask_seconds`
+  device  tail graph: bitmask copy, masking, argmax per node, copy to pinned memory
+  host    the step's one sync; greedy acceptance walked in numpy            -> `wait_seconds`
+  device  commit graph: `last_token` for a following plain step, moved slots in the table
+  host    pool and table bookkeeping, tokens into the matchers and the streams -> `commit_seconds`
+Pruning is not needed for the forward: a live node only attends to its ancestors, which are live,
+so pruned nodes never influence what is accepted; the masked argmax never equals a token the
+grammar forbids either. Sampled requests (temperature > 0) are verified on the device by lossless
+rejection sampling, from the tail's masked logits (slower, exact).
 """
 from __future__ import annotations
 
@@ -15,12 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention import AttentionMetadata, ForwardMode
 from ..spec.drafter import DraftBatch, Drafter
-from ..spec.tree import DraftTrees, allowed_from_bitmask
-from ..spec.verify import greedy_verify, rejection_verify
+from ..spec.tree import HostTrees
+from ..spec.verify import HostAcceptance, greedy_accept_host, rejection_verify
 from .batch import ScheduledBatch
 from .sampler import SamplingBatch, target_probs
+from .spec_verify import VerifyIO, VerifyLaunch
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +45,101 @@ class SpecStats:
     verified_requests: int = 0
     accepted_tokens: int = 0  # draft tokens accepted (bonus excluded)
     histogram: list = field(default_factory=lambda: [0] * 65)  # accepted drafts per request-step
-    cpu_draft_seconds: float = 0.0  # drafting + grammar tree masking, on the CPU before verify
     forced_draft_tokens: int = 0  # grammar-forced tokens put into drafts
+    # host time per phase (seconds, summed over steps; see the module docstring)
+    draft_seconds: float = 0.0  # drafting, tree structure, slots, packed inputs
+    mask_seconds: float = 0.0  # grammar bitmask rows for every node + pruning (overlaps the forward on CUDA)
+    launch_seconds: float = 0.0  # launching the forward and the tail
+    wait_seconds: float = 0.0  # waiting for the device and the acceptance walk
+    commit_seconds: float = 0.0  # KV bookkeeping, commit launch, emitting the tokens
 
     @property
     def mean_accepted(self) -> float:
         """Tokens emitted per request-step (accepted drafts + the bonus token)."""
         return 1.0 + self.accepted_tokens / max(self.verified_requests, 1)
+
+    @property
+    def cpu_draft_seconds(self) -> float:
+        """The CPU cost of drafting and grammar-masking the trees."""
+        return self.draft_seconds + self.mask_seconds
+
+    def phase_ms(self) -> dict[str, float]:
+        """Mean host milliseconds per step of each phase."""
+        n = max(self.steps, 1)
+        return {name: 1000 * getattr(self, f"{name}_seconds") / n
+                for name in ("draft", "mask", "launch", "wait", "commit")}
+
+
+@dataclass
+class _Arm:
+    """Measured throughput of one way of decoding a batch-size bucket (exponential moving averages)."""
+    tokens_per_s: float = 0.0
+    step_seconds: float = 0.0
+    samples: int = 0
+
+
+class MeasuredPolicy:
+    """Speculate or decode plainly, per batch-size bucket, by measured throughput.
+
+    A decode step is timed from its decision to the next decision, kept only when the engine ran
+    exactly that one step in between; its tokens/s (B for a plain step, B + accepted drafts for a
+    speculative one) go into the bucket's average for that arm. This measures what speculation
+    really costs at that batch size, the CPU's drafting and grammar work included. Each arm is
+    first measured for `min_samples` clean steps (a single step is noise: the first speculative
+    step of a request also feeds its prompt to the drafter); then the faster arm runs, and the
+    slower one is measured again once the bucket has run `explore_ratio` times as long as one
+    slower step takes, so re-measuring costs about 1/explore_ratio of the time.
+    """
+
+    def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4):
+        self.explore_ratio, self.smoothing, self.min_samples = explore_ratio, smoothing, min_samples
+        self.arms: dict[tuple[int, bool], _Arm] = {}  # (bucket, speculative) -> measurements
+        self._elapsed: dict[int, float] = {}  # bucket -> seconds run since its slower arm was measured
+        self._open: list | None = None  # [(bucket, speculative), start, engine step count, tokens]
+
+    def choose(self, batch_size: int, now: float, engine_steps: int) -> bool:
+        self._close(now, engine_steps)
+        bucket = 1 << (batch_size - 1).bit_length()
+        spec, plain = self.arms.get((bucket, True)), self.arms.get((bucket, False))
+        if spec is None or spec.samples < self.min_samples:
+            speculate = True  # measure speculation first, then plain decoding
+        elif plain is None or plain.samples < self.min_samples:
+            speculate = False
+        else:
+            faster = spec.tokens_per_s >= plain.tokens_per_s
+            slower = plain if faster else spec
+            speculate = faster
+            if self._elapsed.get(bucket, 0.0) >= self.explore_ratio * slower.step_seconds:
+                speculate = not faster
+                self._elapsed[bucket] = 0.0
+        self._open = [(bucket, speculate), now, engine_steps, 0 if speculate else batch_size]
+        return speculate
+
+    def add_tokens(self, n: int) -> None:
+        """What the speculative step just run emitted."""
+        if self._open is not None:
+            self._open[3] += n
+
+    def forget_open(self) -> None:
+        """The step decided last did not run as decided (e.g. another rule overruled it)."""
+        self._open = None
+
+    def _close(self, now: float, engine_steps: int) -> None:
+        if self._open is None:
+            return
+        key, start, steps, tokens = self._open
+        self._open = None
+        if engine_steps != steps + 1 or tokens <= 0 or now <= start:
+            return  # another step ran in between (a prefill), or nothing was emitted: not a clean sample
+        seconds = now - start
+        arm = self.arms.get(key)
+        if arm is None:
+            arm = self.arms[key] = _Arm()
+        arm.samples += 1
+        a = max(self.smoothing, 1.0 / arm.samples)  # a plain mean over the first samples, then an EMA
+        arm.tokens_per_s += a * (tokens / seconds - arm.tokens_per_s)
+        arm.step_seconds += a * (seconds - arm.step_seconds)
+        self._elapsed[key[0]] = self._elapsed.get(key[0], 0.0) + seconds
 
 
 def make_drafter(config) -> Drafter | None:
@@ -61,14 +163,34 @@ class SpeculativeWorker:
         self.stats = SpecStats()
         self._observed: dict[str, int] = {}  # request id -> output tokens already given to the drafter
         self._recent: list[float] = []  # accepted drafts per request-step, recent window (fallback rule)
-        self._bitmask: torch.Tensor | None = None  # pinned [rows, W], reused across steps
+        self._io: VerifyIO | None = None  # the verify step's static buffers (shared with the graphs)
+        if engine.config.speculative_policy not in ("measured", "always"):
+            raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
+        self.policy = MeasuredPolicy() if engine.config.speculative_policy == "measured" else None
+        self._node_index = np.arange(self.width)
+        self._event = torch.cuda.Event() if self.runner.device.type == "cuda" else None
 
     # -- policy ----------------------------------------------------------------------------------
     def should_speculate(self, batch: ScheduledBatch) -> bool:
-        """Plain decoding for batches where speculation loses: too large a batch, requests that need
-        per-token state we do not verify (penalties, logprobs), or drafts that keep failing."""
-        cfg = self.engine.config
+        """Plain decoding for batches where speculation loses or cannot run: too large a batch, too
+        few free KV slots or context left for a whole tree per request, requests that need
+        per-token state we do not verify (penalties, logprobs), drafts that keep failing, or (the
+        measured policy) a batch size where speculative steps have been slower than plain ones."""
+        if not self._can_speculate(batch):
+            if self.policy is not None:
+                self.policy.forget_open()
+            return False
+        if self.policy is None:
+            return True
+        return self.policy.choose(batch.size, time.perf_counter(), self.engine.stats.steps)
+
+    def _can_speculate(self, batch: ScheduledBatch) -> bool:
+        cfg, runner = self.engine.config, self.runner
         if batch.size > cfg.speculative_max_batch:
+            return False
+        if runner.pool.num_free < batch.size * self.width:
+            return False
+        if any(r.num_cached + self.width > runner.max_context for r in batch.requests):
             return False
         if any(r.params.frequency_penalty or r.params.presence_penalty or r.params.logprobs is not None
                for r in batch.requests):
@@ -82,145 +204,193 @@ class SpeculativeWorker:
         if self._observed.pop(req.request_id, None) is not None:
             self.drafter.finish(req.request_id)
 
+    def reset_drafter(self) -> None:
+        """A fresh drafter that has seen nothing (benchmarks: a run must not draft from the outputs of
+        an earlier run of the same prompts). Call only while no request is running."""
+        if self._observed:
+            raise RuntimeError("reset_drafter while requests are running")
+        self.drafter = make_drafter(self.engine.config)
+
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> None:
-        engine, runner = self.engine, self.runner
         reqs = batch.requests
+        io = self._verify_io()
+        launch = VerifyLaunch(io, self.runner.graphs, len(reqs))
+        st = self.stats
         t0 = time.perf_counter()
-        trees, bitmask = self._draft(reqs)
-        self.stats.cpu_draft_seconds += time.perf_counter() - t0
-        B, N = len(reqs), self.width
+        trees = self._draft(reqs)
+        rows, base, slots = self._take_slots(reqs)
+        io.set_inputs(launch.size, rows, base, trees, slots)
+        t1 = time.perf_counter()
+        logits = launch.forward(self._eager_kv_width(base))
+        t2 = time.perf_counter()
+        masked = any(r.matcher is not None for r in reqs)
+        greedy = all(r.params.greedy for r in reqs)
+        if masked:  # on CUDA this CPU work overlaps the forward
+            trees = self._mask_trees(reqs, trees, io)
+            if not greedy:  # sampled rows are softmaxed whole: give pruned nodes finite rows
+                io.bitmask[:len(reqs)][~trees.live] = -1
+        t3 = time.perf_counter()
+        logits = launch.tail(logits, masked)
+        t4 = time.perf_counter()
+        if greedy:
+            self._sync()  # the step's one wait on the device
+            accepted = greedy_accept_host(trees, io.target[:len(reqs)])
+        else:
+            accepted = self._rejection_accept(reqs, trees, logits)
+        t5 = time.perf_counter()
+        self._commit(reqs, launch, io, trees, rows, base, slots, accepted)
+        t6 = time.perf_counter()
+        st.draft_seconds += t1 - t0
+        st.launch_seconds += (t2 - t1) + (t4 - t3)
+        st.mask_seconds += t3 - t2
+        st.wait_seconds += t5 - t4
+        st.commit_seconds += t6 - t5
 
-        base = np.array([r.num_cached for r in reqs], dtype=np.int64)
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
-        for r in reqs:
-            runner.table.append(r.row, runner.pool.alloc(N))
-            r.num_cached += N
-        table_pos = (base[:, None] + np.arange(N)).reshape(-1)  # node i sits at table column base + i
-        positions = (base[:, None] + trees.depth.numpy()).reshape(-1)  # RoPE position: base + depth
-        slots = runner.table.host[np.repeat(rows, N), table_pos]
-        packed = runner._to_device(np.concatenate([rows, np.repeat(rows, N), table_pos, positions, slots,
-                                                   trees.tokens.numpy().reshape(-1)]))
-        rows_d, node_rows_d, table_pos_d, pos_d, slots_d, tok_d = torch.split(packed, [B] + [B * N] * 5)
-        runner.table.write_device(node_rows_d, table_pos_d, slots_d)
-        kv_lens = torch.from_numpy(base + N).to(runner.device, non_blocking=True).to(torch.int32)
-        mask_d = trees.mask.to(runner.device, non_blocking=True)
-        logits = self._verify_forward(B, N, tok_d, pos_d, slots_d, kv_lens, rows_d, mask_d)
-        if bitmask is not None:
-            engine.grammar.apply_bitmask(logits, bitmask.view(B * N, -1).to(runner.device, non_blocking=True))
-        result = self._verify(reqs, trees.to(runner.device), logits.view(B, N, -1))
-        path = result.accepted_nodes.cpu().numpy()  # the one sync of the step
-        emitted = result.emitted_tokens.cpu().numpy()
-        lens = result.accept_lens.cpu().numpy()
-        runner.last_token[rows_d] = result.bonus_tokens
-        self._commit(reqs, base, rows, path, lens, emitted)
+    def _verify_io(self) -> VerifyIO:
+        if self._io is None:
+            graphs = self.runner.graphs
+            self._io = graphs.verify_io.get(self.width) if graphs is not None else None
+            if self._io is None:  # eager: CPU, or CUDA graphs off
+                cap = min(self.engine.config.speculative_max_batch, self.runner.max_rows)
+                self._io = VerifyIO(self.runner, self.width, capacity=cap)
+        return self._io
 
-    def _verify_forward(self, B, N, tok_d, pos_d, slots_d, kv_lens, rows_d, mask_d):
-        runner = self.runner
-        graphs = runner.graphs
-        if graphs is not None and graphs.can_verify(B, N):
-            return graphs.replay_verify(B, N, tok_d, pos_d, slots_d, kv_lens, runner.table.device_table[rows_d],
-                                        mask_d)
-        max_kv = int(kv_lens.max()) if runner.device.type == "cpu" else runner.max_context
-        q_lens = torch.full((B,), N, dtype=torch.int32, device=runner.device)
-        meta = AttentionMetadata(
-            mode=ForwardMode.VERIFY, out_slots=slots_d,
-            q_starts=torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=runner.device),
-            q_lens=q_lens, kv_lens=kv_lens, slot_table=runner.table.device_table[rows_d, :max_kv],
-            max_q_len=N, max_kv_len=max_kv, tree_mask=mask_d)
-        hidden = runner.model(tok_d, pos_d, runner.kv, meta, runner.backend)
-        return runner.model.compute_logits(hidden).float()
+    def _eager_kv_width(self, base: np.ndarray) -> int | None:
+        """The slot-table width an eager forward reads: the longest context on the CPU (the torch
+        backend's masks scale with it); on CUDA the full width, the same shapes as the graphs."""
+        return int(base.max()) + self.width if self.runner.device.type == "cpu" else None
 
-    def _verify(self, reqs, trees: DraftTrees, logits: torch.Tensor):
-        if all(r.params.greedy for r in reqs):
-            return greedy_verify(trees, logits)
-        sb = self.runner._sampling_batch(reqs, None)
-        B, N, V = logits.shape
-        expand = lambda t: t.repeat_interleave(N)
-        sbn = SamplingBatch(temperature=expand(sb.temperature), top_k=expand(sb.top_k), top_p=expand(sb.top_p),
-                            min_p=expand(sb.min_p), seeds=expand(sb.seeds), steps=expand(sb.steps),
-                            needs_filter=sb.needs_filter)
-        probs = target_probs(logits.view(B * N, V), sbn).view(B, N, V)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
-        return rejection_verify(trees, probs, greedy=greedy)
+    def _sync(self) -> None:
+        if self._event is not None:
+            self._event.record()
+            self._event.synchronize()
 
     # -- drafting and grammar masking ------------------------------------------------------------
-    def _draft(self, reqs) -> tuple[DraftTrees, torch.Tensor | None]:
-        for r in reqs:  # bring the drafter's stream up to date: prompt + every emitted token
+    def _draft(self, reqs) -> HostTrees:
+        self._observe(reqs)
+        tokens, next_token, next_sibling, num_nodes = self.drafter.propose_arrays(
+            DraftBatch([r.request_id for r in reqs]))
+        # node 0 is the model's input for the last sampled token: never take it from a drafter
+        tokens[:, 0] = [r.output_ids[-1] for r in reqs]
+        self._force_grammar_chains(reqs, tokens, next_token, next_sibling, num_nodes)
+        return HostTrees.build(tokens, next_token, next_sibling, num_nodes)
+
+    def _observe(self, reqs) -> None:
+        """Brings each drafter stream up to date: prompt + every emitted token."""
+        ids, new_tokens = [], []
+        for r in reqs:
             seen = self._observed.get(r.request_id)
             if seen is None:
                 self.drafter.add_request(r.request_id, r.prompt_ids)
                 seen = 0
             if seen < len(r.output_ids):
-                self.drafter.observe(r.request_id, r.output_ids[seen:])
+                ids.append(r.request_id)
+                new_tokens.append(r.output_ids[seen:])
             self._observed[r.request_id] = len(r.output_ids)
-        trees = self.drafter.propose(DraftBatch([r.request_id for r in reqs]))
-        trees = self._forced_drafts(reqs, trees)
-        if not any(r.matcher is not None for r in reqs):
-            return trees, None
-        B, N = trees.tokens.shape
-        if self._bitmask is None or self._bitmask.shape[0] < B * N:
-            self._bitmask = self.engine.grammar.allocate_bitmask(max(B, 8) * N)
-        bitmask = self._bitmask[:B * N].view(B, N, -1)
-        bitmask.fill_(-1)
-        for b, r in enumerate(reqs):
-            if r.matcher is not None:
-                layout = trees.layout(b)
-                r.matcher.traverse_draft_tree(*layout, bitmask[b, :len(layout[0])])
-        pruned, old_index = trees.prune(allowed_from_bitmask(trees, bitmask))
-        bitmask = bitmask.gather(1, old_index.clamp(min=0)[:, :, None].expand(-1, -1, bitmask.shape[2]))
-        return pruned, bitmask
+        if ids:
+            self.drafter.observe_batch(ids, new_tokens)
 
-    def _forced_drafts(self, reqs, trees: DraftTrees) -> DraftTrees:
-        """Grammar-forced strings go first: they are certain to be legal, so draft them as a chain."""
-        forced = {b: r.matcher.jump_forward_tokens(self.engine.tokenizer)[:self.width - 1]
-                  for b, r in enumerate(reqs) if r.matcher is not None}
-        forced = {b: f for b, f in forced.items() if f}
-        if not forced:
-            return trees
-        lists = []
-        for b in range(len(reqs)):
-            if b in forced:
-                toks = [int(trees.tokens[b, 0])] + forced[b]
-                n = len(toks)
-                lists.append((toks, [i + 1 if i + 1 < n else -1 for i in range(n)], [-1] * n))
-                self.stats.forced_draft_tokens += n - 1
+    def _force_grammar_chains(self, reqs, tokens, next_token, next_sibling, num_nodes) -> None:
+        """Grammar-forced strings replace a request's draft (in place): they are certain to be legal,
+        so they are drafted as a chain."""
+        n_max = self.width
+        for b, r in enumerate(reqs):
+            if r.matcher is None:
+                continue
+            forced = r.matcher.jump_forward_tokens(self.engine.tokenizer)[:n_max - 1]
+            if not forced:
+                continue
+            n = len(forced) + 1
+            tokens[b, 1:n], tokens[b, n:] = forced, 0
+            next_token[b] = -1
+            next_token[b, :n - 1] = self._node_index[1:n]
+            next_sibling[b] = -1
+            num_nodes[b] = n
+            self.stats.forced_draft_tokens += n - 1
+
+    def _mask_trees(self, reqs, trees: HostTrees, io: VerifyIO) -> HostTrees:
+        """Fills one bitmask row per node (xgrammar walks each request's tree) into the pinned rows
+        the tail copies, and prunes the nodes whose path the grammar forbids."""
+        N = self.width
+        for b, r in enumerate(reqs):
+            if r.matcher is None:
+                io.bitmask[b] = -1  # all tokens allowed (the tail masks the whole batch)
             else:
-                lists.append(tuple(t.tolist() for t in (trees.tokens[b], trees.next_token[b], trees.next_sibling[b])))
-        return DraftTrees.from_lists(lists, width=self.width)
+                layout = trees.layout(b)
+                r.matcher.traverse_draft_tree(*layout, io.bitmask_rows[b * N:b * N + len(layout[0])])
+        return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
+
+    # -- verification ----------------------------------------------------------------------------
+    def _rejection_accept(self, reqs, trees: HostTrees, logits: torch.Tensor) -> HostAcceptance:
+        """Lossless rejection sampling on the device for batches with sampled requests (greedy rows
+        of the batch get the greedy result)."""
+        runner = self.runner
+        B, N = trees.shape
+        logits = logits[:B * N]
+        sb = runner._sampling_batch(reqs, None)
+        expand = lambda t: t.repeat_interleave(N)
+        sbn = SamplingBatch(temperature=expand(sb.temperature), top_k=expand(sb.top_k), top_p=expand(sb.top_p),
+                            min_p=expand(sb.min_p), seeds=expand(sb.seeds), steps=expand(sb.steps),
+                            needs_filter=sb.needs_filter)
+        probs = target_probs(logits, sbn).view(B, N, -1)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
+        result = rejection_verify(trees.to_draft_trees(logits.device), probs, greedy=greedy,
+                                  max_steps=int(trees.num_nodes.max()) - 1)
+        host = torch.cat([result.accepted_nodes.reshape(-1), result.accept_lens, result.bonus_tokens]).cpu().numpy()
+        return HostAcceptance(host[:B * N].reshape(B, N), host[B * N:B * N + B], host[B * N + B:])
 
     # -- after verification ----------------------------------------------------------------------
-    def _commit(self, reqs, base, rows, path, lens, emitted) -> None:
-        runner, engine = self.runner, self.engine
-        N = self.width
-        moved_rows, moved_pos, moved_slots = [], [], []
-        for b, r in enumerate(reqs):
-            keep = path[b, :lens[b] + 1]  # root + accepted nodes
-            row = rows[b]
-            node_slots = runner.table.host[row, base[b]:base[b] + N].copy()
-            runner.table.host[row, base[b]:base[b] + len(keep)] = node_slots[keep]
-            rejected = np.setdiff1d(node_slots, node_slots[keep], assume_unique=True)
-            runner.table.lengths[row] = base[b] + len(keep)
-            runner.pool.free(rejected)
-            r.num_cached = int(base[b] + len(keep))
-            if not np.array_equal(keep, np.arange(len(keep))):
-                moved_rows.append(np.full(len(keep), row))
-                moved_pos.append(base[b] + np.arange(len(keep)))
-                moved_slots.append(node_slots[keep])
-            r.spec_steps += 1
-            r.spec_accepted += int(lens[b])
-            self.stats.verified_requests += 1
-            self.stats.accepted_tokens += int(lens[b])
-            self.stats.histogram[min(int(lens[b]), 64)] += 1
-            self._recent.append(float(lens[b]))
-        if moved_rows:
-            dev = lambda parts: runner._to_device(np.concatenate(parts).astype(np.int64))
-            runner.table.write_device(dev(moved_rows), dev(moved_pos), dev(moved_slots))
-        self._recent = self._recent[-256:]
-        self.stats.steps += 1
-        for b, r in enumerate(reqs):
-            for tok in emitted[b, :lens[b] + 1]:
+    def _take_slots(self, reqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One KV slot per node, appended to each request's table row (host copy; the forward
+        mirrors them on the device). Returns rows, bases (cached context lengths) and slots [B, N]."""
+        runner = self.runner
+        B, N = len(reqs), self.width
+        rows = np.fromiter((r.row for r in reqs), np.int64, B)
+        base = np.fromiter((r.num_cached for r in reqs), np.int64, B)
+        slots = runner.pool.alloc(B * N).reshape(B, N)
+        runner.table.host[rows[:, None], base[:, None] + self._node_index] = slots
+        runner.table.lengths[rows] = base + N
+        return rows, base, slots
+
+    def _commit(self, reqs, launch: VerifyLaunch, io: VerifyIO, trees: HostTrees, rows, base, slots,
+                accepted: HostAcceptance) -> None:
+        """Keeps the accepted path's K/V in consecutive table columns, frees the other slots, hands
+        the bonus tokens to the next step, and emits the tokens."""
+        runner, table = self.runner, self.runner.table
+        lens, path = accepted.accept_lens, accepted.accepted_nodes
+        on_path = path >= 0  # [B, depth]
+        path_slots = np.take_along_axis(slots, np.maximum(path, 0), 1)  # slot of the accepted node at each depth
+        mb, md = np.nonzero(on_path & (path != self._node_index))  # accepted nodes off their column
+        columns = base[mb] + md
+        table.host[rows[mb], columns] = path_slots[mb, md]
+        table.lengths[rows] = base + lens + 1
+        kept = np.zeros(slots.shape, bool)
+        kept[np.nonzero(on_path)[0], path[on_path]] = True
+        runner.pool.free(slots[~kept])
+        io.set_commit(launch.size, rows, accepted.bonus_tokens, rows[mb] * table.max_context + columns,
+                      path_slots[mb, md])
+        launch.commit()
+        self._count(reqs, base, lens)
+        emitted = accepted.emitted_tokens(trees.tokens)
+        for b, r in enumerate(reqs):  # after the bookkeeping: a request that finishes here releases its row
+            for tok in emitted[b, :lens[b] + 1].tolist():
                 if r.finished:
                     break
-                engine._append_token(r, int(tok), None)
+                self.engine._append_token(r, tok, None)
+
+    def _count(self, reqs, base, lens) -> None:
+        st = self.stats
+        accepted = lens.tolist()
+        for r, b, n in zip(reqs, base.tolist(), accepted):
+            r.num_cached = b + n + 1  # root + accepted drafts; the bonus is the next step's root
+            r.spec_steps += 1
+            r.spec_accepted += n
+            st.histogram[min(n, 64)] += 1
+        st.steps += 1
+        st.verified_requests += len(reqs)
+        st.accepted_tokens += sum(accepted)
+        if self.policy is not None:
+            self.policy.add_tokens(len(reqs) + sum(accepted))
+        self._recent = (self._recent + accepted)[-256:]

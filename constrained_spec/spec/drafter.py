@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
+
 from .tree import DraftTrees
 
 __all__ = ["DraftBatch", "Drafter"]
@@ -45,6 +47,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, batch: DraftBatch) -> DraftTrees:
         """Draft one tree per request: DraftTrees of [B, N] int64 CPU tensors."""
+
+    def propose_arrays(self, batch: DraftBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The same drafts as fresh, writable numpy int64 arrays (tokens, next_token, next_sibling
+        [B, N]; num_nodes [B]): what the speculative step works on. Override to skip the tensors."""
+        t = self.propose(batch)
+        return tuple(x.numpy().astype(np.int64) for x in (t.tokens, t.next_token, t.next_sibling, t.num_nodes))
 
     def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:
         """Append the tokens emitted by the last verify step (accepted drafts + bonus)."""

@@ -60,13 +60,18 @@ class NgramDrafter(Drafter):
         self.trie.insert(-1, np.asarray(tokens, dtype=np.int32))
 
     def propose(self, batch: DraftBatch, num_draft_tokens: int = 0, branches: int = 0) -> DraftTrees:
+        return DraftTrees.from_arrays(*self._propose(batch, num_draft_tokens, branches))
+
+    def propose_arrays(self, batch: DraftBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(x.astype(np.int64) for x in self._propose(batch, 0, 0))  # int32 -> fresh int64 copies
+
+    def _propose(self, batch: DraftBatch, num_draft_tokens: int, branches: int):
         ids = np.fromiter((self._id(r) for r in batch.request_ids), dtype=np.int64, count=len(batch))
         contexts = None
         if batch.contexts is not None:
             k = self.config.max_ngram
             contexts = [np.asarray(c[-k:], dtype=np.int32) for c in batch.contexts]
-        tok, nxt, sib, counts = self.trie.propose_batch(ids, contexts, num_draft_tokens, branches)
-        return DraftTrees.from_arrays(tok, nxt, sib, counts)
+        return self.trie.propose_batch(ids, contexts, num_draft_tokens, branches)
 
     def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:
         self.trie.insert(self._id(request_id), np.asarray(accepted_tokens, dtype=np.int32))

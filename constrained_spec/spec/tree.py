@@ -8,6 +8,13 @@ A request's draft tree is a flat list of nodes (design notes):
 Children are tried in sibling order (best first). A batch pads every tree to ``N`` nodes (padding:
 token 0, links -1) and ``num_nodes[b]`` says how many are real; nothing links to a padded node.
 
+Two representations:
+  * :class:`DraftTrees`: torch tensors (device-side verification, e.g. rejection sampling);
+  * :class:`HostTrees`: numpy arrays on the host, what the speculative step builds each step: the
+    verify inputs (RoPE depth, tree mask) and greedy acceptance come from it without a kernel launch.
+    Pruning there never moves a node: a pruned node stays in place, unlinked, with a self-only mask
+    row, so the [B, N] layout the device sees stays as it was.
+
 Derived (vectorized over the batch; cheap for N <= 64; all on the trees' device):
   * ``parents [B, N]`` (-1 for the root and padding),
   * ``depth [B, N]`` = position offset from node 0 (0 for padding),
@@ -23,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["DraftTrees", "allowed_from_bitmask"]
+__all__ = ["DraftTrees", "HostTrees", "allowed_from_bitmask", "host_ancestors", "host_parents"]
 
 
 def _doubling_steps(n: int) -> int:
@@ -228,3 +235,141 @@ def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     for _ in range(_doubling_steps(n)):
         mf = (mf + torch.bmm(mf, mf)).clamp_(max=1.0)
     return mf > 0
+
+
+# ---------------------------------------------------------------------- host (numpy) trees
+@dataclass
+class HostTrees:
+    """A batch of draft trees as numpy arrays on the host, with the structure verification needs.
+
+    Built once per speculative step from the drafter's arrays. ``live`` marks the nodes that can be
+    accepted: the root and every node reachable from it through the links. Padding and pruned nodes
+    keep their index (the verify forward has a static [B, N] shape) with parent -1, depth 0 and a
+    self-only mask row; a pruned node's token stays as it was (a legal model input, never accepted).
+    """
+    tokens: np.ndarray  # [B, N] int64
+    next_token: np.ndarray  # [B, N] int64, -1 = none
+    next_sibling: np.ndarray  # [B, N] int64, -1 = none
+    num_nodes: np.ndarray  # [B] int64: nodes [0, num_nodes) are the drafter's, the rest padding
+    parents: np.ndarray  # [B, N] int64, -1 for the root, padding and unlinked nodes
+    depth: np.ndarray  # [B, N] int64: RoPE offset from node 0
+    mask: np.ndarray  # [B, N, N] bool: mask[b, i, j] = j is i or an ancestor of i
+    live: np.ndarray  # [B, N] bool
+
+    @classmethod
+    def build(cls, tokens, next_token, next_sibling, num_nodes=None) -> "HostTrees":
+        """From [B, N] integer arrays in xgrammar's layout (see the module docstring)."""
+        tok = np.asarray(tokens, dtype=np.int64)
+        nxt = np.asarray(next_token, dtype=np.int64)
+        sib = np.asarray(next_sibling, dtype=np.int64)
+        if tok.ndim == 1:
+            tok, nxt, sib = tok[None], nxt[None], sib[None]
+        count = (np.full(tok.shape[0], tok.shape[1], np.int64) if num_nodes is None
+                 else np.asarray(num_nodes, dtype=np.int64).reshape(-1))
+        parents = host_parents(nxt, sib, count)
+        mask, depth = host_ancestors(parents)
+        live = mask[:, :, 0] & (count > 0)[:, None]  # reachable from the root
+        return cls(tok, nxt, sib, count, parents, depth, mask, live)
+
+    @classmethod
+    def from_draft_trees(cls, trees: DraftTrees) -> "HostTrees":
+        return cls.build(*(t.cpu().numpy() for t in (trees.tokens, trees.next_token, trees.next_sibling,
+                                                      trees.num_nodes)))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+    def layout(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Request b's (next_token, next_sibling, tokens) as 1-D int64 CPU tensors sharing this
+        object's memory, in the argument order of ``GrammarMatcher.traverse_draft_tree``."""
+        n = int(self.num_nodes[b])
+        return (torch.from_numpy(self.next_token[b, :n]), torch.from_numpy(self.next_sibling[b, :n]),
+                torch.from_numpy(self.tokens[b, :n]))
+
+    def allowed_by(self, bitmask: np.ndarray) -> np.ndarray:
+        """[B, N] bool: node j's token is allowed by the bitmask row of its parent (the root always is).
+
+        bitmask: [B, N, ceil(V/32)] int32, row i = the tokens legal after node i (as filled by
+        ``traverse_draft_tree``). Rows of nodes the traversal did not reach may hold anything: a node
+        is only kept when its whole path is allowed, so such rows are never trusted."""
+        b, n = self.shape
+        parent = np.maximum(self.parents, 0)
+        words = bitmask[np.arange(b)[:, None], parent, self.tokens >> 5]  # int32, sign-extended below
+        bits = (words.astype(np.int64) >> (self.tokens & 31)) & 1
+        allowed = (bits != 0) & (self.parents >= 0)
+        allowed[:, 0] = True
+        return allowed
+
+    def pruned(self, allowed: np.ndarray) -> "HostTrees":
+        """Unlinks every node whose ``allowed`` is False together with its subtree; no node moves.
+
+        Kept nodes keep their order (parents before children, siblings in order), their depth and
+        their mask rows; the links skip the pruned nodes."""
+        b, n = self.shape
+        allowed = np.asarray(allowed, dtype=bool).copy()
+        allowed[:, 0] = True
+        keep = ~(self.mask & ~allowed[:, None, :]).any(-1) & self.live  # every node on the path allowed
+        first_kept = _first_kept_sibling(self.next_sibling, keep)
+
+        def relink(links):
+            target = np.take_along_axis(first_kept, np.where(links >= 0, links, n), 1)
+            return np.where(keep & (target < n), target, -1)
+
+        eye = np.eye(n, dtype=bool)[None]
+        return HostTrees(self.tokens, relink(self.next_token), relink(self.next_sibling), self.num_nodes,
+                         np.where(keep, self.parents, -1), np.where(keep, self.depth, 0),
+                         (self.mask & keep[:, :, None]) | eye, keep)
+
+    def to_draft_trees(self, device: torch.device | str | None = None) -> DraftTrees:
+        """The same trees as torch tensors on ``device`` (one host-to-device copy)."""
+        b, n = self.shape
+        packed = np.concatenate([self.tokens.reshape(-1), self.next_token.reshape(-1),
+                                 self.next_sibling.reshape(-1), self.num_nodes])
+        t = torch.from_numpy(packed).to(device)
+        tok, nxt, sib, count = torch.split(t, [b * n, b * n, b * n, b])
+        return DraftTrees(tok.view(b, n), nxt.view(b, n), sib.view(b, n), count)
+
+
+def host_parents(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+    """[B, N] parent of each node from first-child / next-sibling links; -1 for the root, padding
+    and nodes no link reaches. Vectorized over the batch: the first sibling of each chain is found
+    by pointer doubling along reversed sibling links, and its parent is the node naming it first child."""
+    b, n = next_token.shape
+    idx = np.arange(n)
+    rows = np.arange(b)[:, None]
+    valid = idx[None, :] < num_nodes[:, None]
+    first_parent = np.full((b, n + 1), -1, np.int64)  # column n collects the "no link" writes
+    first_parent[rows, np.where(valid & (next_token >= 0), next_token, n)] = idx
+    prev = np.full((b, n + 1), -1, np.int64)
+    prev[rows, np.where(valid & (next_sibling >= 0), next_sibling, n)] = idx
+    head = np.where(prev[:, :n] >= 0, prev[:, :n], idx)
+    for _ in range(_doubling_steps(n)):
+        head = np.take_along_axis(head, head, 1)
+    parents = np.take_along_axis(first_parent[:, :n], head, 1)
+    return np.where(valid, parents, -1)
+
+
+def host_ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mask [B, N, N] bool, depth [B, N] int64) from parents: mask[b, i, j] = j is i or an ancestor
+    of i. Transitive closure of the parent relation by repeated squaring (small float32 matmuls)."""
+    b, n = parents.shape
+    step = np.zeros((b, n, n + 1), np.float32)
+    step[np.arange(b)[:, None], np.arange(n)[None, :], np.where(parents >= 0, parents, n)] = 1.0
+    m = step[:, :, :n] + np.eye(n, dtype=np.float32)
+    for _ in range(_doubling_steps(n)):  # after k rounds, paths of length < 2^k are covered
+        m = np.minimum(m @ m, 1.0)
+    mask = m > 0
+    return mask, mask.sum(-1, dtype=np.int64) - 1
+
+
+def _first_kept_sibling(next_sibling: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """[B, N+1]: for each node j, the first kept node on the sibling chain starting at j (n = none;
+    column n is the 'none' sentinel itself)."""
+    b, n = next_sibling.shape
+    sib = np.concatenate([np.where(next_sibling >= 0, next_sibling, n), np.full((b, 1), n)], 1)
+    kept = np.concatenate([keep, np.ones((b, 1), bool)], 1)
+    g = np.where(kept, np.arange(n + 1), sib)
+    for _ in range(_doubling_steps(n + 1)):
+        g = np.take_along_axis(g, g, 1)
+    return g

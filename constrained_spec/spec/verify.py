@@ -12,6 +12,8 @@ Both verifiers return a :class:`VerifyResult` of tensors, without host syncs (no
   * ``emitted_tokens [B, N]``: the accepted draft tokens then the bonus token, -1 padded;
     ``num_emitted = accept_lens + 1`` tokens per request.
   * ``last_nodes [B]``: the deepest accepted node (its logits/hidden state produced the bonus).
+:func:`greedy_accept_host` is greedy verification on the host, from the per-node argmax alone
+(the speculative step's fast path: one small device-to-host copy, no kernel launches for the walk).
 
 Rejection sampling is lossless for chains and trees (SpecInfer / SGLang-style recursive rejection):
 at node u with target distribution p, the children c1, c2, ... are tried in sibling order; child c
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .tree import DraftTrees
+from .tree import DraftTrees, HostTrees
 
-__all__ = ["VerifyResult", "greedy_verify", "rejection_verify", "sample_from_probs"]
+__all__ = ["HostAcceptance", "VerifyResult", "greedy_accept_host", "greedy_verify", "rejection_verify",
+           "sample_from_probs"]
 
 
 @dataclass
@@ -148,3 +152,43 @@ def rejection_verify(trees: DraftTrees, target_probs: torch.Tensor,
     path[:, n] = -1
     bonus = sample_from_probs(p, generator)
     return _result(trees, path, cur, bonus)
+
+
+# ---------------------------------------------------------------------- host side
+@dataclass
+class HostAcceptance:
+    """What a verify step accepted, as numpy arrays on the host (same meaning as VerifyResult)."""
+    accepted_nodes: np.ndarray  # [B, N] int64: node at each depth of the accepted path, root first, -1 padded
+    accept_lens: np.ndarray  # [B] int64: accepted draft tokens (root and bonus excluded)
+    bonus_tokens: np.ndarray  # [B] int64
+
+    def emitted_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """[B, N] int64: the accepted draft tokens then the bonus token, -1 padded."""
+        b, n = tokens.shape
+        path = self.accepted_nodes
+        drafted = np.take_along_axis(tokens, np.maximum(path, 0), 1)
+        out = np.full((b, n + 1), -1, np.int64)
+        out[:, :n - 1] = np.where(path[:, 1:] >= 0, drafted[:, 1:], -1)
+        out[np.arange(b), self.accept_lens] = self.bonus_tokens
+        return out[:, :n]
+
+
+def greedy_accept_host(trees: HostTrees, target: np.ndarray) -> HostAcceptance:
+    """:func:`greedy_verify` on the host: target [B, N] = argmax of the masked logits at each node.
+
+    Accepts the longest live root-to-node path on which every child's token is its parent's target
+    (the deepest, then the lowest index); the bonus is the target at its last node. Cheap in numpy for
+    the tiny [B, N] problem, and the target is the only thing read back from the device."""
+    b, n = trees.shape
+    idx = np.arange(n)
+    rows = np.arange(b)
+    parent_target = np.take_along_axis(target, np.maximum(trees.parents, 0), 1)
+    match = (trees.tokens == parent_target) & (trees.parents >= 0)
+    match[:, 0] = True
+    ok = ~(trees.mask & ~match[:, None, :]).any(-1) & trees.live  # the whole path matches
+    last = np.where(ok, trees.depth * (n + 1) + (n - idx), -1).argmax(-1)
+    on_path = trees.mask[rows, last]
+    path = np.full((b, n), -1, np.int64)
+    pb, pj = np.nonzero(on_path)
+    path[pb, trees.depth[pb, pj]] = pj
+    return HostAcceptance(path, trees.depth[rows, last], target[rows, last].astype(np.int64))

@@ -1,0 +1,256 @@
+"""Host-side (numpy) draft-tree helpers of the speculative step: parents, depth and ancestor mask,
+bitmask legality, in-place pruning and greedy acceptance, by hand and against the torch versions."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from constrained_spec.spec.tree import DraftTrees, HostTrees, allowed_from_bitmask, host_ancestors, host_parents
+from constrained_spec.spec.verify import greedy_accept_host, greedy_verify
+from test_tree import EXAMPLE, random_tree, ref_prune, ref_structure
+
+
+def host(trees, width=None):
+    """HostTrees from per-request (tokens, next_token, next_sibling) lists, padded like DraftTrees."""
+    return HostTrees.from_draft_trees(DraftTrees.from_lists(trees, width=width))
+
+
+# ------------------------------------------------------------------------------ structure by hand
+def test_example_by_hand():
+    # root 3 -> {4 -> {5, 9}, 6 -> {7}}: indices 0 -> {1 -> {3, 5}, 2 -> {4}}
+    t = host([EXAMPLE])
+    assert t.parents[0].tolist() == [-1, 0, 0, 1, 2, 1]
+    assert t.depth[0].tolist() == [0, 1, 1, 2, 2, 2]
+    assert t.mask[0, 3].tolist() == [True, True, False, True, False, False]
+    assert t.mask[0, 4].tolist() == [True, False, True, False, True, False]
+    assert t.mask[0, 0].tolist() == [True, False, False, False, False, False]
+    assert t.live.all()
+
+
+def test_chain_padding_and_a_lone_root():
+    t = host([([5, 6, 7], [1, 2, -1], [-1, -1, -1]), ([9], [-1], [-1])], width=4)
+    assert t.num_nodes.tolist() == [3, 1]
+    assert t.parents.tolist() == [[-1, 0, 1, -1], [-1, -1, -1, -1]]
+    assert t.depth.tolist() == [[0, 1, 2, 0], [0, 0, 0, 0]]
+    assert np.array_equal(t.mask[1], np.eye(4, dtype=bool))  # padding rows see only themselves
+    assert t.mask[0, 3].tolist() == [False, False, False, True]
+    assert t.live.tolist() == [[True, True, True, False], [True, False, False, False]]
+
+
+def test_children_listed_before_their_parent():
+    # indices out of depth order: 0 -> 3 -> {1, 2}; 2 -> 4
+    tok, nxt, sib = [10, 11, 12, 13, 14], [3, -1, 4, 1, -1], [-1, 2, -1, -1, -1]
+    t = HostTrees.build(tok, nxt, sib)
+    assert t.parents[0].tolist() == [-1, 3, 3, 0, 2]
+    assert t.depth[0].tolist() == [0, 2, 2, 1, 3]
+    assert t.mask[0, 4].tolist() == [True, False, True, True, True]
+
+
+def test_a_node_no_link_reaches_is_not_live():
+    # node 2 is within num_nodes but nothing links to it (as after a drafter's own pruning)
+    t = HostTrees.build([1, 2, 3], [1, -1, -1], [-1, -1, -1])
+    assert t.parents[0].tolist() == [-1, 0, -1]
+    assert t.live[0].tolist() == [True, True, False]
+    assert t.mask[0, 2].tolist() == [False, False, True]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trees_match_reference_and_torch(seed):
+    rng = random.Random(seed)
+    trees, refs = [], []
+    for _ in range(6):
+        n = rng.randint(1, 32)
+        tok, nxt, sib, par = random_tree(rng, n)
+        trees.append((tok, nxt, sib))
+        refs.append(ref_structure(nxt, sib))
+    t = host(trees, width=32)
+    d = DraftTrees.from_lists(trees, width=32)
+    assert np.array_equal(t.parents, d.parents.numpy())
+    assert np.array_equal(t.depth, d.depth.numpy())
+    assert np.array_equal(t.mask, d.mask.numpy())
+    for b, (par, depth, mask) in enumerate(refs):
+        n = len(par)
+        assert t.parents[b, :n].tolist() == par and t.depth[b, :n].tolist() == depth
+        assert np.array_equal(t.mask[b, :n, :n], mask)
+
+
+def test_low_level_helpers_on_a_chain():
+    nxt = np.array([[1, 2, 3, -1]])
+    sib = np.full((1, 4), -1)
+    parents = host_parents(nxt, sib, np.array([4]))
+    assert parents.tolist() == [[-1, 0, 1, 2]]
+    mask, depth = host_ancestors(parents)
+    assert np.array_equal(mask[0], np.tril(np.ones((4, 4), bool)))
+    assert depth.tolist() == [[0, 1, 2, 3]]
+
+
+# ------------------------------------------------------------------------------ bitmask and pruning
+def example_bitmask():
+    bm = np.zeros((1, 6, 1), np.int32)
+    bm[0, 0, 0] = (1 << 4) | (1 << 6)  # after the root: tokens 4 and 6
+    bm[0, 1, 0] = 1 << 9  # after node 1 (token 4): only 9, so node 3 (token 5) is illegal
+    bm[0, 2, 0] = 1 << 7  # after node 2 (token 6): 7
+    return bm
+
+
+def test_allowed_by_bitmask_matches_torch():
+    t = host([EXAMPLE])
+    bm = example_bitmask()
+    assert t.allowed_by(bm)[0].tolist() == [True, True, True, False, True, True]
+    assert np.array_equal(t.allowed_by(bm), allowed_from_bitmask(DraftTrees.from_lists([EXAMPLE]),
+                                                                   torch.from_numpy(bm)).numpy())
+    # token 31 sets the sign bit of the int32 word; token 30 is then not set
+    t2 = HostTrees.build([1, 31], [1, -1], [-1, -1])
+    assert t2.allowed_by(np.array([[[-2147483648], [0]]], np.int32))[0].tolist() == [True, True]
+    t3 = HostTrees.build([1, 30], [1, -1], [-1, -1])
+    assert t3.allowed_by(np.array([[[-2147483648], [0]]], np.int32))[0].tolist() == [True, False]
+
+
+def test_prune_keeps_indices_and_unlinks_subtrees():
+    t = host([EXAMPLE])
+    # drop node 1 (token 4): its children 3 and 5 go with it
+    p = t.pruned(np.array([[True, False, True, True, True, True]]))
+    assert p.live[0].tolist() == [True, False, True, False, True, False]
+    assert p.next_token[0].tolist() == [2, -1, 4, -1, -1, -1]  # the root's first child is now node 2
+    assert p.next_sibling[0].tolist() == [-1, -1, -1, -1, -1, -1]
+    assert p.parents[0].tolist() == [-1, -1, 0, -1, 2, -1]
+    assert p.depth[0].tolist() == [0, 0, 1, 0, 2, 0]
+    assert p.mask[0, 1].tolist() == [False, True, False, False, False, False]  # pruned: self only
+    assert p.mask[0, 4].tolist() == t.mask[0, 4].tolist()  # kept: unchanged
+    assert p.tokens is t.tokens  # nothing moves
+    # the root stays whatever `allowed` says about it
+    p0 = t.pruned(np.zeros((1, 6), bool))
+    assert p0.live[0].tolist() == [True] + [False] * 5 and p0.next_token[0].tolist() == [-1] * 6
+    assert np.array_equal(p0.mask[0], np.eye(6, dtype=bool))
+
+
+def test_prune_from_bitmask_middle_sibling():
+    # root 0 -> {1, 2, 3} (tokens 7, 8, 9), 2 -> 4; the grammar forbids token 8: node 2 and its child go
+    t = HostTrees.build([0, 7, 8, 9, 5], [1, -1, 4, -1, -1], [-1, 2, 3, -1, -1])
+    bm = np.zeros((1, 5, 1), np.int32)
+    bm[0, 0, 0] = (1 << 7) | (1 << 9)
+    bm[0, 2, 0] = 1 << 5
+    p = t.pruned(t.allowed_by(bm))
+    assert p.live[0].tolist() == [True, True, False, True, False]
+    assert p.next_token[0].tolist() == [1, -1, -1, -1, -1]
+    assert p.next_sibling[0].tolist() == [-1, 3, -1, -1, -1]  # 1's next sibling skips the pruned 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_prune_matches_reference(seed):
+    rng = random.Random(200 + seed)
+    trees, allowed = [], []
+    for _ in range(5):
+        n = rng.randint(1, 24)
+        tok, nxt, sib, _ = random_tree(rng, n)
+        trees.append((tok, nxt, sib))
+        allowed.append([rng.random() < 0.7 for _ in range(n)] + [True] * (24 - n))
+    t = host(trees, width=24)
+    p = t.pruned(np.array(allowed))
+    for b, (tok, nxt, sib) in enumerate(trees):
+        rt, rn, rs, old = ref_prune(tok, nxt, sib, allowed[b])
+        assert np.flatnonzero(p.live[b]).tolist() == old
+        # the same tree as the repacking reference, read through the old indices
+        relabel = lambda j: old.index(j) if j >= 0 else -1
+        assert [relabel(int(p.next_token[b, o])) for o in old] == rn
+        assert [relabel(int(p.next_sibling[b, o])) for o in old] == rs
+        # structure derived from the new links equals the kept part of the old structure
+        again = HostTrees.build(p.tokens[b:b + 1], p.next_token[b:b + 1], p.next_sibling[b:b + 1], p.num_nodes[b:b + 1])
+        assert np.array_equal(again.parents, p.parents[b:b + 1])
+        assert np.array_equal(again.mask, p.mask[b:b + 1])
+        assert np.array_equal(again.live, p.live[b:b + 1])
+
+
+def test_to_draft_trees_round_trip():
+    t = host([EXAMPLE, ([1, 2], [1, -1], [-1, -1])], width=6)
+    d = t.to_draft_trees("cpu")
+    assert d.tokens.tolist() == t.tokens.tolist() and d.num_nodes.tolist() == [6, 2]
+    assert np.array_equal(d.mask.numpy(), t.mask)
+
+
+# ------------------------------------------------------------------------------ greedy acceptance
+def onehot_logits(argmaxes, v=16):
+    x = torch.zeros(len(argmaxes), v)
+    x[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return x
+
+
+def test_greedy_accept_by_hand():
+    t = host([EXAMPLE])
+    a = greedy_accept_host(t, np.array([[6, 9, 7, 0, 8, 0]]))  # 3 -> 6 -> 7, bonus 8
+    assert a.accepted_nodes.tolist() == [[0, 2, 4, -1, -1, -1]]
+    assert a.accept_lens.tolist() == [2] and a.bonus_tokens.tolist() == [8]
+    assert a.emitted_tokens(t.tokens)[0, :3].tolist() == [6, 7, 8]
+    # a pruned node is never accepted, even when its token is the target
+    p = t.pruned(np.array([[True, True, False, True, True, True]]))
+    a = greedy_accept_host(p, np.array([[6, 9, 7, 0, 8, 0]]))
+    assert a.accepted_nodes.tolist() == [[0, -1, -1, -1, -1, -1]] and a.bonus_tokens.tolist() == [6]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_accept_matches_torch(seed):
+    rng = random.Random(300 + seed)
+    trees = []
+    for _ in range(6):
+        n = rng.randint(1, 12)
+        tok, nxt, sib, _ = random_tree(rng, n)
+        trees.append(([rng.randrange(4) for _ in tok], nxt, sib))  # few token values: many matches
+    t = host(trees, width=12)
+    target = np.array([[rng.randrange(4) for _ in range(12)] for _ in trees])
+    ref = greedy_verify(DraftTrees.from_lists(trees, width=12),
+                        torch.stack([onehot_logits(row.tolist()) for row in target]))
+    a = greedy_accept_host(t, target)
+    assert a.accepted_nodes.tolist() == ref.accepted_nodes.tolist()
+    assert a.accept_lens.tolist() == ref.accept_lens.tolist()
+    assert a.bonus_tokens.tolist() == ref.bonus_tokens.tolist()
+    assert a.emitted_tokens(t.tokens).tolist() == ref.emitted_tokens.tolist()
+
+
+# ------------------------------------------------------------------------------ measured policy
+def run_policy(policy, batch, seconds, steps=200, start=0.0):
+    """Drives the policy like the engine: decide, run the step (spec: `seconds[True]` for 3 tokens
+    per request; plain: `seconds[False]` for 1), decide again. Returns the decisions."""
+    now, engine_steps, picks = start, 0, []
+    for _ in range(steps):
+        spec = policy.choose(batch, now, engine_steps)
+        picks.append(spec)
+        if spec:
+            policy.add_tokens(3 * batch)
+        now += seconds[spec]
+        engine_steps += 1
+    return picks
+
+
+def test_policy_measures_both_then_keeps_the_faster():
+    from constrained_spec.engine.speculative import MeasuredPolicy
+    p = MeasuredPolicy(explore_ratio=50, min_samples=1)
+    picks = run_policy(p, 1, {True: 0.002, False: 0.001})  # spec: 1500 tok/s, plain: 1000 tok/s
+    assert picks[:3] == [True, False, True]  # speculation measured first, then plain, then the faster
+    assert sum(picks) / len(picks) > 0.9
+    picks = run_policy(MeasuredPolicy(explore_ratio=50, min_samples=1), 32, {True: 0.010, False: 0.001})  # spec loses
+    assert sum(picks[10:]) <= 8  # re-measured now and then: ~1/50 of the time
+    spent = sum(0.010 if s else 0.001 for s in picks[10:])
+    assert sum(0.010 for s in picks[10:] if s) / spent < 0.1
+
+
+def test_policy_buckets_and_unclean_samples():
+    from constrained_spec.engine.speculative import MeasuredPolicy
+    p = MeasuredPolicy(min_samples=1)
+    assert p.choose(3, 0.0, 0) is True  # bucket 4
+    assert p.choose(3, 1.0, 5) is True  # 5 engine steps in between: no sample, spec still unmeasured
+    p.add_tokens(12)
+    assert p.choose(4, 1.01, 6) is False  # spec measured for bucket 4 -> plain next
+    assert (4, True) in p.arms and p.arms[(4, True)].tokens_per_s == pytest.approx(1200)
+    assert p.choose(8, 2.0, 7) is True  # bucket 8 is new: speculation first
+
+
+def test_policy_measures_each_arm_several_times_before_judging():
+    from constrained_spec.engine.speculative import MeasuredPolicy
+    p = MeasuredPolicy(explore_ratio=50, min_samples=4)
+    picks = run_policy(p, 1, {True: 0.002, False: 0.001})
+    assert picks[:8] == [True] * 4 + [False] * 4
+    first = MeasuredPolicy(explore_ratio=50, min_samples=4)
+    run_policy(first, 1, {True: 0.002, False: 0.001}, steps=9)  # the 9th decision closes the 8th step
+    assert first.arms[(1, True)].samples == 4 and first.arms[(1, False)].samples == 4
+    assert sum(picks[8:]) / len(picks[8:]) > 0.9

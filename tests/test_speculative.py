@@ -1,0 +1,172 @@
+"""Speculative decoding through the engine on the real SmolLM2 (CPU): greedy output with speculation
+equals output without it, token for token, with and without a JSON schema, chains and trees; the
+KV pool is full again afterwards. An oracle drafter whose right answer is always a second sibling
+makes every step move accepted K/V into place (compaction) and exercises grammar pruning."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from constrained_spec import SamplingParams
+from constrained_spec.engine import Engine, FinishReason
+from constrained_spec.grammar import GrammarSpec
+from constrained_spec.spec.drafter import DraftBatch, Drafter
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+DOC = ("The Aurora-7 station sits 3,200 metres above sea level. It houses 14 researchers in winter and 31 in "
+       "summer, and runs on a 420 kW solar array. Supplies arrive by helicopter every 12 days.")
+QUESTIONS = [f"Document: {DOC}\nRepeat the document word for word.", "Give a JSON profile of a chef.",
+             f"Document: {DOC}\nQuote the sentence about supplies.", "List three prime numbers."]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_dir):
+    made = {}
+
+    def get(name, **kw):
+        if name not in made:
+            made[name] = Engine(model=smollm2_dir, device="cpu", max_running_requests=8, **kw)
+        return made[name]
+    yield get
+    for e in made.values():
+        e.shutdown()
+
+
+def spec_engine(engines, branches):
+    return engines(f"spec{branches}", speculative_algorithm="ngram", speculative_num_draft_tokens=8,
+                   ngram_branches=branches, speculative_min_accept=0.0, speculative_policy="always")
+
+
+def prompts(engine):
+    return [engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def greedy(engine, ps, grammar=None, n=MAX_TOKENS):
+    return [o.token_ids for o in engine.generate(ps, SamplingParams(max_tokens=n, temperature=0), grammar)]
+
+
+def assert_pool_full(engine):
+    pool = engine.runner.pool
+    assert pool.num_free == pool.capacity
+    assert engine.runner.table.num_free_rows == engine.config.max_running_requests
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    plain = engines("plain")
+    ps = prompts(plain)
+    return ps, {None: greedy(plain, ps), "json": greedy(plain, ps, GrammarSpec.json_schema(SCHEMA))}
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_ngram_speculation_is_lossless(engines, reference, branches):
+    ps, ref = reference
+    spec = spec_engine(engines, branches)
+    st = spec.spec.stats
+    assert greedy(spec, ps) == ref[None]
+    assert st.steps > 0 and st.accepted_tokens > 0  # the repeated document gets drafted
+    assert greedy(spec, ps, GrammarSpec.json_schema(SCHEMA)) == ref["json"]
+    assert [greedy(spec, [p])[0] for p in ps[:2]] == ref[None][:2]  # alone (batch 1) too
+    assert_pool_full(spec)
+
+
+class OracleDrafter(Drafter):
+    """Knows the greedy continuation: drafts root -> {wrong, right -> {wrong, right -> ...}}, so
+    the accepted path always takes second siblings (indices 2, 4, 6, ...) and must be compacted."""
+
+    def __init__(self, width, references: dict[tuple, list[int]], vocab: int):
+        self.num_draft_tokens = width
+        self.references, self.vocab = references, vocab
+        self.streams: dict = {}
+
+    def add_request(self, request_id, prompt_tokens):
+        self.streams[request_id] = (tuple(prompt_tokens), [])
+
+    def observe(self, request_id, accepted_tokens):
+        self.streams[request_id][1].extend(accepted_tokens)
+
+    def propose(self, batch: DraftBatch):
+        from constrained_spec.spec.tree import DraftTrees
+        trees = []
+        for rid in batch.request_ids:
+            prompt, out = self.streams[rid]
+            ref = self.references.get(prompt, [])
+            tokens, nxt, sib = [out[-1]], [-1], [-1]
+            parent = 0
+            for tok in ref[len(out):len(out) + (self.num_draft_tokens - 1) // 2]:
+                wrong, right = len(tokens), len(tokens) + 1
+                tokens += [(tok + 1) % self.vocab, tok]
+                nxt += [-1, -1]
+                sib += [right, -1]
+                nxt[parent] = wrong
+                parent = right
+            trees.append((tokens, nxt, sib))
+        return DraftTrees.from_lists(trees, width=self.num_draft_tokens)
+
+
+@pytest.mark.parametrize("schema", [None, "json"])
+def test_second_sibling_paths_are_compacted(engines, reference, schema):
+    ps, ref = reference
+    spec = spec_engine(engines, 3)
+    grammar = GrammarSpec.json_schema(SCHEMA) if schema else None
+    original = spec.spec.drafter
+    spec.spec.drafter = OracleDrafter(8, {tuple(p): r for p, r in zip(ps, ref[schema])}, spec.runner.vocab_size)
+    try:
+        before = (spec.spec.stats.verified_requests, spec.spec.stats.accepted_tokens)
+        assert greedy(spec, ps, grammar) == ref[schema]
+        steps = spec.spec.stats.verified_requests - before[0]
+        accepted = spec.spec.stats.accepted_tokens - before[1]
+        assert accepted / steps > 2.0  # nearly every step accepts the three right nodes
+    finally:
+        spec.spec.drafter = original
+        spec.spec._observed.clear()
+    assert_pool_full(spec)
+
+
+def test_sampled_and_greedy_in_one_batch(engines, reference):
+    """Rejection sampling for the sampled rows; the greedy rows of the same batch stay exact."""
+    ps, ref = reference
+    spec = spec_engine(engines, 3)
+    grammar = GrammarSpec.json_schema(SCHEMA)
+    sampled = SamplingParams(max_tokens=120, temperature=0.8, seed=3)
+    exact = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    outs = [None] * 4
+
+    def run(i):  # concurrent generate calls share the engine's batches
+        outs[i] = spec.generate([ps[i]], sampled if i % 2 else exact, grammar)[0]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, o in enumerate(outs):
+        if i % 2 == 0:
+            assert o.token_ids == ref["json"][i]
+        elif o.finish_reason is FinishReason.STOP:
+            v = json.loads(o.text)
+            assert set(v) == {"name", "age", "tags"}
+    assert_pool_full(spec)
+
+
+def test_falls_back_when_the_pool_cannot_hold_the_trees(smollm2_dir, engines):
+    """Near the end the pool has a slot per request but not a tree per request: plain steps follow
+    speculative ones (reading the bonus token the verify step left in `last_token`)."""
+    plain = engines("plain")
+    p = plain.chat_prompt([{"role": "user", "content": "Count from one to twenty in words."}])
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = plain.generate([p], sp)[0].token_ids
+    eng = Engine(model=smollm2_dir, device="cpu", max_running_requests=4, kv_cache_slots=4 * (len(p) + 24) + 12,
+                 speculative_algorithm="ngram", speculative_num_draft_tokens=8, speculative_min_accept=0.0,
+                 speculative_policy="always")
+    try:
+        outs = eng.generate([p] * 4, sp)
+        assert [o.token_ids for o in outs] == [expected] * 4
+        assert eng.spec.stats.steps > 0 and eng.stats.decode_steps > eng.spec.stats.steps
+        assert_pool_full(eng)
+    finally:
+        eng.shutdown()
