@@ -29,8 +29,8 @@ from typing import Sequence
 import torch
 import xgrammar as xgr
 
-# Up to this many rows a plain loop on the engine thread beats the batch matcher (see above; more
-# threads move the crossover down, so it stays on the low side of the 2-thread measurement).
+# Up to this many rows a plain loop on the engine thread beats the batch matcher with 2 threads (see
+# above); more threads move the crossover down in proportion (`_direct_fill_max_rows`).
 DIRECT_FILL_MAX_ROWS = 8
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that with few workers the rows that can still make it are not stuck behind it.
@@ -129,6 +129,7 @@ class MaskFiller:
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
         self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, threads))
+        self._direct_max_rows = _direct_fill_max_rows(threads)
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         # One staging row per job; late jobs of finished requests may briefly hold a row each, hence
         # the room beyond one per request. The last row stays all-ones (rows nobody constrains).
@@ -171,7 +172,7 @@ class MaskFiller:
         live = [i for i, r in enumerate(reqs) if _needs_row(r)]
         if len(live) < len(reqs):
             _allow_all(bitmask, [i for i, r in enumerate(reqs) if not _needs_row(r)])
-        if len(live) <= DIRECT_FILL_MAX_ROWS:
+        if len(live) <= self._direct_max_rows:
             for i in live:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
@@ -249,6 +250,12 @@ class MaskFiller:
         """Gives back the staging rows of late fills whose request finished in the meantime."""
         for job in [j for j in self._outstanding if j.req.finished and j.done]:
             self._release(job)
+
+
+def _direct_fill_max_rows(threads: int) -> int:
+    """Rows up to which filling one by one on the engine thread beats the batch matcher: the batch
+    call's fixed cost is spread over its threads."""
+    return max(1, DIRECT_FILL_MAX_ROWS * 2 // max(threads, 2))
 
 
 def _needs_row(req) -> bool:

@@ -18,7 +18,7 @@ from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_b
 from .batch import ScheduledBatch
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, GraphStep
-from .kv_cache import RequestSlotTable, SlotPool
+from .kv_cache import OutOfSlots, RequestSlotTable, SlotPool
 from .sampler import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ class ModelRunner:
 
     def plan(self, batch: ScheduledBatch) -> "_Plan":
         """Host side of a step: allocates KV slots for the new tokens and lays out the inputs."""
+        if batch.mode is ForwardMode.DECODE:
+            return self._plan_decode(batch)
         B = batch.size
         rows = np.empty(B, dtype=np.int64)
         q_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
@@ -139,6 +141,24 @@ class ModelRunner:
         out_slots = self.table.host[token_rows, positions]
         batch.sample_index = [i for i, s in enumerate(batch.samples) if s]
         return _Plan(rows, q_lens, kv_lens, q_starts, positions, out_slots, token_rows, host_ids)
+
+    def _plan_decode(self, batch: ScheduledBatch) -> "_Plan":
+        """`plan` for a decode step (every request holds a row and adds one token), vectorized:
+        it runs every step for the whole batch, so it must not loop over the table in Python."""
+        reqs = batch.requests
+        B = len(reqs)
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=B)
+        positions = np.fromiter((r.num_cached for r in reqs), dtype=np.int64, count=B)
+        if B and int(positions.max()) >= self.table.max_context:
+            raise OutOfSlots(f"context exceeds the maximum of {self.table.max_context} tokens")
+        slots = self.pool.alloc(B)
+        self.table.host[rows, positions] = slots
+        self.table.lengths[rows] = positions + 1
+        for r in reqs:
+            r.num_cached += 1
+        ones = np.ones(B, dtype=np.int64)
+        batch.sample_index = list(range(B))
+        return _Plan(rows, ones, positions + 1, np.arange(B + 1, dtype=np.int64), positions, slots, rows, [])
 
     def _eager_forward(self, batch: ScheduledBatch, p: "_Plan") -> torch.Tensor:
         B, T = batch.size, len(p.positions)

@@ -1,0 +1,117 @@
+"""Where a decode step's host time goes, plain vs JSON schema, on the real engine loop.
+
+Times each phase of the engine thread's loop (schedule, forward launch, processing the previous
+step's tokens, the wait for the device, grammar-mask fill, sample launch) by wrapping those
+methods, and with --cprofile lists the engine thread's top functions. On CUDA with overlap, a
+step is host-bound when `wait` is near zero: the device finished before the host asked.
+
+Runs on random weights of a model folder's shapes (config.json + tokenizer; the weights are not
+read), so the GPU machine needs no real weights:
+  python benchmarks/profile_decode_host.py --model-dir DIR --batches 1,32 [--cprofile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from common import PERSON_SCHEMA, RESULTS, chat_prompts
+
+
+def random_model(folder: str, device: str):
+    from constrained_spec.models import LoadedModel
+    from constrained_spec.models.loader import build_model, collect_eos_ids, load_folder_tokenizer, read_model_config
+    _, cfg = read_model_config(folder)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(cfg, dtype, device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
+    tok = load_folder_tokenizer(folder)
+    return LoadedModel(model, cfg, tok, collect_eos_ids(folder, cfg, tok), "random " + cfg.model_type, folder)
+
+
+class PhaseTimer:
+    """Accumulates wall time per wrapped method (called on the engine thread only)."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        inner = getattr(obj, name)
+        acc = self.seconds
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                acc[phase] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default=None, help="HF folder (default: SmolLM2-135M-Instruct's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--cprofile", action="store_true")
+    args = ap.parse_args()
+    from constrained_spec import SamplingParams
+    from constrained_spec.engine import Engine
+    from constrained_spec.engine import engine as engine_mod
+    from constrained_spec.engine.model_runner import StepResult
+    from constrained_spec.grammar import GrammarSpec
+    from constrained_spec.models import resolve_model_path
+
+    profile = cProfile.Profile() if args.cprofile else None
+    if profile is not None:
+        loop = engine_mod.Engine._loop
+
+        def profiled(self):
+            profile.enable()
+            try:
+                loop(self)
+            finally:
+                profile.disable()
+        engine_mod.Engine._loop = profiled
+    timer = PhaseTimer()
+    timer.wrap(StepResult, "wait", "wait")
+    eng = Engine(loaded=random_model(args.model_dir or resolve_model_path(None), args.device), device=args.device,
+                 max_running_requests=max(int(b) for b in args.batches.split(",")))
+    timer.wrap(eng.scheduler, "schedule", "schedule")
+    timer.wrap(eng.runner, "forward", "forward launch")
+    timer.wrap(eng.runner, "sample", "sample launch")
+    timer.wrap(eng, "_process", "process (incl. wait)")
+    timer.wrap(eng, "_fill_bitmask", "mask fill")
+    records = []
+    for bs in [int(b) for b in args.batches.split(",")]:
+        prompts = chat_prompts(eng.tokenizer, bs, json_task=True)
+        for kind, grammar in (("plain", None), ("json", GrammarSpec.json_schema(PERSON_SCHEMA))):
+            sp = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+            eng.generate(prompts, sp, grammar)  # warm-up
+            timer.seconds.clear()
+            steps0 = eng.stats.decode_steps
+            t0 = time.perf_counter()
+            eng.generate(prompts, sp, grammar)
+            wall = time.perf_counter() - t0
+            steps = eng.stats.decode_steps - steps0
+            ms = {k: round(1000 * v / steps, 3) for k, v in sorted(timer.seconds.items())}
+            rec = dict(batch=bs, workload=kind, steps=steps, step_ms=round(1000 * wall / steps, 3), phase_ms=ms)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    eng.shutdown()
+    (RESULTS / f"decode_host_{args.device}.json").write_text(json.dumps(records, indent=1))
+    if profile is not None:
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
