@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option, e.g. grammar_mask_threads=15 (repeatable)")
     args = ap.parse_args()
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine
@@ -84,8 +86,9 @@ def main():
         engine_mod.Engine._loop = profiled
     timer = PhaseTimer()
     timer.wrap(StepResult, "wait", "wait")
+    opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
     eng = Engine(loaded=random_model(args.model_dir or resolve_model_path(None), args.device), device=args.device,
-                 max_running_requests=max(int(b) for b in args.batches.split(",")))
+                 max_running_requests=max(int(b) for b in args.batches.split(",")), **opts)
     timer.wrap(eng.scheduler, "schedule", "schedule")
     timer.wrap(eng.runner, "forward", "forward launch")
     timer.wrap(eng.runner, "sample", "sample launch")
@@ -104,7 +107,7 @@ def main():
             wall = time.perf_counter() - t0
             steps = eng.stats.decode_steps - steps0
             ms = {k: round(1000 * v / steps, 3) for k, v in sorted(timer.seconds.items())}
-            rec = dict(batch=bs, workload=kind, steps=steps, step_ms=round(1000 * wall / steps, 3), phase_ms=ms)
+            rec = dict(opts=opts, batch=bs, workload=kind, steps=steps, step_ms=round(1000 * wall / steps, 3), phase_ms=ms)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     eng.shutdown()
