@@ -28,7 +28,7 @@ from ..models import load_model
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .mask_filler import MaskFill, MaskFiller, PendingFill
+from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
@@ -239,11 +239,10 @@ class Engine:
                     continue
                 logits = self.runner.forward(batch)
                 self._launched = batch
-                pending = None
                 if inflight is not None:
-                    pending = self._process(inflight, fill_next=batch)
+                    self._process(inflight)
                     inflight = None
-                fill = self._fill_bitmask(batch, pending)
+                fill = self._fill_bitmask(batch)
                 result = self.runner.sample(batch, logits, fill.bitmask, self.grammar.apply_bitmask, skip=fill.late)
                 if not self._overlapped():
                     self._launched = None
@@ -306,63 +305,35 @@ class Engine:
             self.scheduler.add(req)
         self._compiling = still
 
-    def _fill_bitmask(self, batch, pending: PendingFill | None = None) -> MaskFill:
-        """The step's bitmask rows (`pending`: a fill `_process` already started); requests whose
-        row missed the budget sit the step out: their sample will be discarded (the runner undoes
-        the step for them when it samples)."""
+    def _fill_bitmask(self, batch) -> MaskFill:
+        """Fills the step's bitmask rows; requests whose row missed the budget sit the step out:
+        their sample will be discarded (the runner undoes the step for them when it samples)."""
         reqs = batch.sampling_requests()
         t0 = time.perf_counter()
-        fill = (pending or self.masks.start(reqs)).result()
+        fill = self.masks.fill(reqs)
         if fill.bitmask is not None:
-            self.stats.grammar_mask_seconds += fill.seconds if fill.seconds is not None else time.perf_counter() - t0
+            self.stats.grammar_mask_seconds += time.perf_counter() - t0
         for i in fill.late:
             reqs[i].discard_inflight = True
         self.stats.grammar_late_rows += len(fill.late)
         return fill
 
-    def _process(self, result: StepResult, fill_next=None) -> PendingFill | None:
-        """Hands a step's tokens to their requests. With `fill_next` (the batch launched since), the
-        grammar matchers accept the tokens first, then the next step's bitmask fill starts on the
-        mask helper thread while this thread detokenizes, streams and finishes requests; returns
-        that fill. (Not with jump-forward, which moves matchers while emitting.)"""
+    def _process(self, result: StepResult) -> None:
         tokens, logprobs = result.wait()
-        live = []
         for i, req in enumerate(result.batch.sampling_requests()):
             if req.finished:
                 continue  # finished while this step was in flight; its sample is moot
             if req.discard_inflight:
                 req.discard_inflight = False
                 continue
-            live.append((req, tokens[i], None if logprobs is None else logprobs[i]))
-        if fill_next is None or self.config.jump_forward:
-            for req, token, logprob in live:
-                self._append_token(req, token, logprob)
-            return None
-        grammar = [self._accept_into_grammar(req, token) for req, token, _ in live]
-        pending = self.masks.start(fill_next.sampling_requests())
-        for (req, token, logprob), state in zip(live, grammar):
-            self._append_token(req, token, logprob, state)
-        return pending
+            self._append_token(req, tokens[i], None if logprobs is None else logprobs[i])
 
-    @staticmethod
-    def _accept_into_grammar(req: Request, token: int) -> tuple[bool, bool]:
-        """(accepted, terminated): the request's matcher after the token (no grammar: (True, False))."""
-        m = req.matcher
-        if m is None:
-            return True, False
-        return (True, m.is_terminated()) if m.accept_token(token) else (False, False)
-
-    def _append_token(self, req: Request, token: int, logprob: dict | None,
-                      grammar: tuple[bool, bool] | None = None) -> None:
-        """`grammar`: `_accept_into_grammar`'s result when the matcher already took the token (it
-        may be filling a bitmask row on another thread now: it is not touched here); None to
-        move it here."""
+    def _append_token(self, req: Request, token: int, logprob: dict | None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             self.stats.on_first_token(req)
         params = req.params
-        accepted, terminated = grammar or self._accept_into_grammar(req, token)
-        if not accepted:
+        if req.matcher is not None and not req.matcher.accept_token(token):
             self._finish(req, FinishReason.ERROR, error=f"internal error: token {token} violates the grammar")
             return
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -377,7 +348,7 @@ class Engine:
         lps = [logprob] if logprob else None
         if stop is not None:
             self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
-        elif req.matcher.is_terminated() if forced else terminated:
+        elif req.matcher is not None and req.matcher.is_terminated():
             self._finish(req, FinishReason.STOP, new_ids=new_ids, logprobs=lps)
         elif len(req.output_ids) >= params.max_tokens or req.total_len >= self.max_context:
             self._finish(req, FinishReason.LENGTH, new_ids=new_ids, logprobs=lps)

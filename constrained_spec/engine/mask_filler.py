@@ -1,13 +1,14 @@
 """Grammar bitmask rows for one step, optionally within a time budget ("bounded mask latency").
 
-Without a budget the rows are filled on one helper thread, so the engine thread can do the rest of
-its per-token work meanwhile (`start` ... `result`): one `GrammarMatcher.fill_next_token_bitmask`
-per row for small batches, xgrammar's `BatchGrammarMatcher` (C++ threads) for larger ones, where its
-fixed cost pays off. Measured on the H100 machine's host (benchmarks/bench_mask_fill.py, SmolLM2
-vocabulary, a JSON schema): 8 rows 0.18 ms one by one, 0.19-0.30 batched on 2-4 threads and 0.8-0.9
-on 8; 32 rows 0.55-0.75 one by one, 0.33-0.49 on 4 threads; 64 rows 0.85-1.4 vs 0.64 on 4 threads.
-More than 4 threads only add fixed cost. Only the rows no matcher writes are set to all-ones:
-xgrammar writes every word of a row it fills (tests/test_mask_latency.py checks it).
+Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
+per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on a single C++ thread for
+larger ones (no Python per row). Measured on the H100 machine's host with 64 requests at fresh
+states every step (benchmarks/profile_decode_host.py, random SmolLM2-shaped weights): 1.2 ms per
+step this way; the batch matcher on 8 threads 1.8 ms; filling on a helper thread while the engine
+thread streams the previous tokens 1.7-2.7 ms (the helper waits for the GIL to enter and leave
+xgrammar, and the two threads slow each other), 4 helper loops 1.4 ms. Only the rows no matcher
+writes are set to all-ones: xgrammar writes every word of a row it fills
+(tests/test_mask_latency.py checks it).
 
 With a budget (`grammar_mask_budget_ms`) every row is a job for worker threads. They run in
 parallel with the engine thread because xgrammar's fill releases the GIL (measured: a thread looping
@@ -25,17 +26,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import xgrammar as xgr
 
-# Up to this many rows a plain loop beats the batch matcher (see above).
-DIRECT_FILL_MAX_ROWS = 16
-# The batch matcher's threads: more only add fixed cost (see above).
-MAX_BATCH_THREADS = 4
+# Up to this many rows a plain loop on the engine thread beats the batch matcher with 2 threads (see
+# above); more threads move the crossover down in proportion (`_direct_fill_max_rows`).
+DIRECT_FILL_MAX_ROWS = 8
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that with few workers the rows that can still make it are not stuck behind it.
 SLOW_SHARE = 0.5
@@ -48,21 +47,6 @@ class MaskFill:
     """The bitmask of a step and the rows that missed the budget."""
     bitmask: torch.Tensor | None  # rows [:n] of the pinned host buffer; None: nothing is constrained
     late: list[int] = field(default_factory=list)  # positions among the requests passed to `fill`
-    seconds: float | None = None  # time spent filling, when it ran off the caller's thread
-
-
-class PendingFill:
-    """A step's fill in progress: a Future of a helper thread, a deferred call, or a done MaskFill."""
-    __slots__ = ("_work",)
-
-    def __init__(self, work: "Future | Callable[[], MaskFill] | MaskFill"):
-        self._work = work
-
-    def result(self) -> MaskFill:
-        work = self._work
-        if isinstance(work, Future):
-            return work.result()
-        return work if isinstance(work, MaskFill) else work()
 
 
 class _Waiter:
@@ -147,8 +131,7 @@ class MaskFiller:
 
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
-        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(threads, MAX_BATCH_THREADS)))
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask-step")
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # more threads measured slower (see above)
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         # One staging row per job; late jobs of finished requests may briefly hold a row each, hence
         # the room beyond one per request. The last row stays all-ones (rows nobody constrains).
@@ -164,20 +147,14 @@ class MaskFiller:
     def fill(self, reqs: Sequence) -> MaskFill:
         """Rows for the requests that sample this step (in this order). Rows that need no mask
         (no grammar, finished, or a sample that will be discarded anyway) allow every token."""
-        return self.start(reqs).result()
-
-    def start(self, reqs: Sequence) -> "PendingFill":
-        """Starts `fill` and returns at once; the matchers of `reqs` must not move until its
-        `result()` is in. Without a budget the rows are filled on the helper thread while the
-        caller goes on; with one, the budget's clock starts when `result()` is called."""
         if not any(r.matcher is not None for r in reqs):
-            return PendingFill(MaskFill(None))
+            return MaskFill(None)
         bitmask = self._bitmask[:len(reqs)]
-        if self.budget_s is not None:
-            return PendingFill(lambda: MaskFill(bitmask, self._fill_within(
-                reqs, bitmask, time.perf_counter() + self.budget_s)))
-        self.settle(reqs)  # fills left from a budgeted step (the budget was switched off since)
-        return PendingFill(self._helper.submit(self._fill_now, reqs, bitmask))
+        if self.budget_s is None:
+            self._fill_now(reqs, bitmask)
+            return MaskFill(bitmask)
+        late = self._fill_within(reqs, bitmask, time.perf_counter() + self.budget_s)
+        return MaskFill(bitmask, late)
 
     def settle(self, reqs: Sequence) -> None:
         """Waits for the fills still running for these requests and drops their rows: the caller is
@@ -189,12 +166,11 @@ class MaskFiller:
                 self._release(job)
 
     def close(self) -> None:
-        self._helper.shutdown()
         self._workers.close()
 
-    # -- without a budget: on the helper thread ---------------------------------------------------
-    def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> MaskFill:
-        t0 = time.perf_counter()
+    # -- without a budget: on the engine thread ---------------------------------------------------
+    def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> None:
+        self.settle(reqs)  # fills left from a budgeted step (the budget was switched off since)
         live = [i for i, r in enumerate(reqs) if _needs_row(r)]
         if len(live) < len(reqs):
             _allow_all(bitmask, [i for i, r in enumerate(reqs) if not _needs_row(r)])
@@ -203,7 +179,6 @@ class MaskFiller:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
             self._batch.batch_fill_next_token_bitmask([reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
-        return MaskFill(bitmask, seconds=time.perf_counter() - t0)
 
     # -- within a budget: on the workers ----------------------------------------------------------
     def _fill_within(self, reqs: Sequence, bitmask: torch.Tensor, deadline: float) -> list[int]:
