@@ -38,6 +38,7 @@ ENGINES = {  # name -> engine options on top of the common ones
     "ngram tree": dict(speculative_algorithm="ngram", ngram_branches=3),
     # every step speculates (no measured fallback): what speculation alone does at each batch size
     "ngram chain always": dict(speculative_algorithm="ngram", speculative_policy="always"),
+    "ngram tree always": dict(speculative_algorithm="ngram", ngram_branches=3, speculative_policy="always"),
 }
 
 

@@ -208,16 +208,25 @@ def test_greedy_accept_matches_torch(seed):
 
 
 # ------------------------------------------------------------------------------ measured policy
-def run_policy(policy, batch, seconds, steps=200, start=0.0):
+def run_policy(policy, batch, seconds, steps=200, start=0.0, launch=None):
     """Drives the policy like the engine: decide, run the step (spec: `seconds[True]` for 3 tokens
-    per request; plain: `seconds[False]` for 1), decide again. Returns the decisions."""
-    now, engine_steps, picks = start, 0, []
+    per request; plain: `seconds[False]` for 1), decide again. Returns the decisions.
+
+    `launch`: model the overlap scheduler, where a plain step's interval ends once it is launched
+    (`launch` seconds) if the pipeline was empty (first step, or after a speculative step), and the
+    next step absorbs the rest of its device time."""
+    now, engine_steps, picks, pending = start, 0, [], 0.0
     for _ in range(steps):
         spec = policy.choose(batch, now, engine_steps)
         picks.append(spec)
         if spec:
             policy.add_tokens(3 * batch)
-        now += seconds[spec]
+            interval, pending = seconds[True] + pending, 0.0
+        elif launch is not None and (not picks[:-1] or picks[-2]):
+            interval, pending = launch, seconds[False] - launch
+        else:
+            interval = seconds[False]
+        now += interval
         engine_steps += 1
     return picks
 
@@ -226,7 +235,8 @@ def test_policy_measures_both_then_keeps_the_faster():
     from constrained_spec.engine.speculative import MeasuredPolicy
     p = MeasuredPolicy(explore_ratio=50, min_samples=1)
     picks = run_policy(p, 1, {True: 0.002, False: 0.001})  # spec: 1500 tok/s, plain: 1000 tok/s
-    assert picks[:3] == [True, False, True]  # speculation measured first, then plain, then the faster
+    # speculation measured first, then plain (the first step of each run is no sample), then the faster
+    assert picks[:5] == [True, True, False, False, True]
     assert sum(picks) / len(picks) > 0.9
     picks = run_policy(MeasuredPolicy(explore_ratio=50, min_samples=1), 32, {True: 0.010, False: 0.001})  # spec loses
     assert sum(picks[10:]) <= 8  # re-measured now and then: ~1/50 of the time
@@ -238,19 +248,31 @@ def test_policy_buckets_and_unclean_samples():
     from constrained_spec.engine.speculative import MeasuredPolicy
     p = MeasuredPolicy(min_samples=1)
     assert p.choose(3, 0.0, 0) is True  # bucket 4
-    assert p.choose(3, 1.0, 5) is True  # 5 engine steps in between: no sample, spec still unmeasured
+    assert p.choose(3, 0.01, 1) is True  # the first step of a run is no sample: spec still unmeasured
     p.add_tokens(12)
-    assert p.choose(4, 1.01, 6) is False  # spec measured for bucket 4 -> plain next
+    assert p.choose(3, 1.0, 7) is True  # 5 engine steps in between: no sample either
+    p.add_tokens(12)
+    assert p.choose(4, 1.01, 8) is False  # spec measured for bucket 4 -> plain next
     assert (4, True) in p.arms and p.arms[(4, True)].tokens_per_s == pytest.approx(1200)
-    assert p.choose(8, 2.0, 7) is True  # bucket 8 is new: speculation first
+    assert p.choose(8, 2.0, 9) is True  # bucket 8 is new: speculation first
 
 
 def test_policy_measures_each_arm_several_times_before_judging():
     from constrained_spec.engine.speculative import MeasuredPolicy
     p = MeasuredPolicy(explore_ratio=50, min_samples=4)
     picks = run_policy(p, 1, {True: 0.002, False: 0.001})
-    assert picks[:8] == [True] * 4 + [False] * 4
+    assert picks[:10] == [True] * 5 + [False] * 5
     first = MeasuredPolicy(explore_ratio=50, min_samples=4)
-    run_policy(first, 1, {True: 0.002, False: 0.001}, steps=9)  # the 9th decision closes the 8th step
+    run_policy(first, 1, {True: 0.002, False: 0.001}, steps=11)  # the 11th decision closes the 10th step
     assert first.arms[(1, True)].samples == 4 and first.arms[(1, False)].samples == 4
-    assert sum(picks[8:]) / len(picks[8:]) > 0.9
+    assert sum(picks[10:]) / len(picks[10:]) > 0.9
+
+
+@pytest.mark.parametrize("spec_seconds,expect_spec", [(0.002, True), (0.004, False)])
+def test_policy_not_fooled_by_the_overlap_pipeline(spec_seconds, expect_spec):
+    """Plain 1 ms/step launched in 0.3 ms: speculation at 2 ms per 3 tokens must win (1500 vs 1000
+    tok/s), at 4 ms lose (750), though the switches make plain look 3x faster and spec slower."""
+    from constrained_spec.engine.speculative import MeasuredPolicy
+    picks = run_policy(MeasuredPolicy(), 1, {True: spec_seconds, False: 0.001}, steps=600, launch=0.0003)
+    share = sum(picks[20:]) / len(picks[20:])
+    assert share > 0.9 if expect_spec else share < 0.1

@@ -82,26 +82,38 @@ class MeasuredPolicy:
     """Speculate or decode plainly, per batch-size bucket, by measured throughput.
 
     A decode step is timed from its decision to the next decision, kept only when the engine ran
-    exactly that one step in between; its tokens/s (B for a plain step, B + accepted drafts for a
-    speculative one) go into the bucket's average for that arm. This measures what speculation
-    really costs at that batch size, the CPU's drafting and grammar work included. Each arm is
-    first measured for `min_samples` clean steps (a single step is noise: the first speculative
-    step of a request also feeds its prompt to the drafter); then the faster arm runs, and the
-    slower one is measured again once the bucket has run `explore_ratio` times as long as one
-    slower step takes, so re-measuring costs about 1/explore_ratio of the time.
+    exactly that one step in between and the step before it was of the same arm and bucket; its
+    tokens/s (B for a plain step, B + accepted drafts for a speculative one) go into the bucket's
+    average for that arm. This measures what speculation really costs at that batch size, the
+    CPU's drafting and grammar work included. Steps right after a switch are not samples: with the
+    overlap scheduler a plain step's interval ends before its device work does, so the step after
+    it absorbs the rest (a speculative step after a plain one looks slow, a plain one after a
+    speculative one looks fast). Each arm is first measured for `min_samples` samples (the first
+    speculative step of a request also feeds its prompt to the drafter); then the faster arm runs,
+    and the slower one is measured again for `explore_steps` steps once the bucket has run
+    `explore_ratio` times as long as that takes, so re-measuring costs about 1/explore_ratio of the time.
     """
 
-    def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4):
+    def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4,
+                 explore_steps: int = 3):
         self.explore_ratio, self.smoothing, self.min_samples = explore_ratio, smoothing, min_samples
+        self.explore_steps = explore_steps
         self.arms: dict[tuple[int, bool], _Arm] = {}  # (bucket, speculative) -> measurements
         self._elapsed: dict[int, float] = {}  # bucket -> seconds run since its slower arm was measured
-        self._open: list | None = None  # [(bucket, speculative), start, engine step count, tokens]
+        self._streak: dict[int, tuple[bool, int]] = {}  # bucket -> (arm being re-measured, steps left)
+        self._last: tuple[int, bool] | None = None  # the (bucket, arm) of the step decided last
+        self._open: list | None = None  # [(bucket, speculative), start, engine step count, tokens, clean]
 
     def choose(self, batch_size: int, now: float, engine_steps: int) -> bool:
         self._close(now, engine_steps)
         bucket = 1 << (batch_size - 1).bit_length()
         spec, plain = self.arms.get((bucket, True)), self.arms.get((bucket, False))
-        if spec is None or spec.samples < self.min_samples:
+        streak = self._streak.pop(bucket, None)
+        if streak is not None:
+            speculate, left = streak
+            if left > 1:
+                self._streak[bucket] = (speculate, left - 1)
+        elif spec is None or spec.samples < self.min_samples:
             speculate = True  # measure speculation first, then plain decoding
         elif plain is None or plain.samples < self.min_samples:
             speculate = False
@@ -109,10 +121,14 @@ class MeasuredPolicy:
             faster = spec.tokens_per_s >= plain.tokens_per_s
             slower = plain if faster else spec
             speculate = faster
-            if self._elapsed.get(bucket, 0.0) >= self.explore_ratio * slower.step_seconds:
+            if self._elapsed.get(bucket, 0.0) >= self.explore_ratio * self.explore_steps * slower.step_seconds:
                 speculate = not faster
                 self._elapsed[bucket] = 0.0
-        self._open = [(bucket, speculate), now, engine_steps, 0 if speculate else batch_size]
+                if self.explore_steps > 1:
+                    self._streak[bucket] = (speculate, self.explore_steps - 1)
+        key = (bucket, speculate)
+        self._open = [key, now, engine_steps, 0 if speculate else batch_size, self._last == key]
+        self._last = key
         return speculate
 
     def add_tokens(self, n: int) -> None:
@@ -122,15 +138,15 @@ class MeasuredPolicy:
 
     def forget_open(self) -> None:
         """The step decided last did not run as decided (e.g. another rule overruled it)."""
-        self._open = None
+        self._open = self._last = None
 
     def _close(self, now: float, engine_steps: int) -> None:
         if self._open is None:
             return
-        key, start, steps, tokens = self._open
+        key, start, steps, tokens, clean = self._open
         self._open = None
-        if engine_steps != steps + 1 or tokens <= 0 or now <= start:
-            return  # another step ran in between (a prefill), or nothing was emitted: not a clean sample
+        if not clean or engine_steps != steps + 1 or tokens <= 0 or now <= start:
+            return  # after a switch, another step ran in between (a prefill), or nothing was emitted
         seconds = now - start
         arm = self.arms.get(key)
         if arm is None:
