@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from common import PERSON_SCHEMA, RESULTS, bar_plot, chat_prompts, hf_generate, machine, markdown_table, write_results
+from common import (PERSON_SCHEMA, RESULTS, bar_plot, chat_prompts, hf_generate, machine, markdown_table,
+                    random_weights, write_results)
 
 
 def measure(engine, prompts, max_tokens, grammar, fixed_length):
@@ -44,18 +45,12 @@ def copy_bandwidth() -> float:
 
 
 def random_llama3_8b(tokenizer):
-    from constrained_spec.models import LoadedModel
     from constrained_spec.models.config import ModelConfig
-    from constrained_spec.models.loader import build_model
     cfg = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                       rope_scaling=None, max_position=8192, tie_word_embeddings=False, qkv_bias=False,
                       eos_token_ids=[tokenizer.eos_token_id])
-    model = build_model(cfg, torch.bfloat16, "cuda")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    return LoadedModel(model, cfg, tokenizer, [tokenizer.eos_token_id], "llama-3-8b-shapes (random)", "")
+    return random_weights(cfg, tokenizer, torch.bfloat16, "cuda", 0.02, "llama-3-8b-shapes (random)")
 
 
 def main():

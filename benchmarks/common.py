@@ -27,6 +27,21 @@ TOPICS = ["a chef in Lyon", "a retired pilot", "a data engineer", "a marine biol
           "a farmer in Kenya", "a chess coach", "a nurse in Oslo", "a game designer", "a beekeeper"]
 
 
+def random_weights(cfg, tokenizer, dtype, device, std: float, name: str, eos_ids=None, seed: int = 0):
+    """Our model of `cfg`'s shapes with random weights (norms at one), as a LoadedModel: throughput
+    work times the same as with real weights and needs none of them on the GPU machine."""
+    import torch
+    from constrained_spec.models import LoadedModel
+    from constrained_spec.models.loader import build_model
+    torch.manual_seed(seed)
+    model = build_model(cfg, dtype, device)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in pname else std * torch.randn_like(p))
+    eos = list(eos_ids) if eos_ids is not None else list(cfg.eos_token_ids)
+    return LoadedModel(model, cfg, tokenizer, eos, name, "")
+
+
 def chat_prompts(tokenizer, n: int, json_task: bool) -> list[list[int]]:
     out = []
     for i in range(n):

@@ -11,10 +11,10 @@ import torch
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine
 from constrained_spec.grammar import GrammarSpec
-from constrained_spec.models import LoadedModel
 from constrained_spec.models.config import ModelConfig
-from constrained_spec.models.loader import build_model
 from transformers import AutoTokenizer
+
+from common import random_weights
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
           "required": ["name", "n"], "additionalProperties": False}
@@ -25,12 +25,7 @@ def random_smollm2(tok):
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                       rope_scaling=None, max_position=8192, tie_word_embeddings=True, qkv_bias=False,
                       eos_token_ids=[2])
-    torch.manual_seed(0)
-    model = build_model(cfg, torch.bfloat16, "cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.05)
-    return LoadedModel(model, cfg, tok, [2], "random-smollm2", "")
+    return random_weights(cfg, tok, torch.bfloat16, "cuda", 0.05, "random-smollm2")
 
 
 def timed(engine, prompts, sp, grammar):

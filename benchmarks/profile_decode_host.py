@@ -21,20 +21,15 @@ from collections import defaultdict
 
 import torch
 
-from common import PERSON_SCHEMA, RESULTS, chat_prompts
+from common import PERSON_SCHEMA, RESULTS, chat_prompts, random_weights
 
 
 def random_model(folder: str, device: str):
-    from constrained_spec.models import LoadedModel
-    from constrained_spec.models.loader import build_model, collect_eos_ids, load_folder_tokenizer, read_model_config
+    from constrained_spec.models.loader import collect_eos_ids, load_folder_tokenizer, read_model_config
     _, cfg = read_model_config(folder)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build_model(cfg, dtype, device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
     tok = load_folder_tokenizer(folder)
-    return LoadedModel(model, cfg, tok, collect_eos_ids(folder, cfg, tok), "random " + cfg.model_type, folder)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return random_weights(cfg, tok, dtype, device, 0.02, "random " + cfg.model_type, collect_eos_ids(folder, cfg, tok))
 
 
 class PhaseTimer:

@@ -21,9 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine
 from constrained_spec.grammar import GrammarSpec
-from constrained_spec.models import LoadedModel, resolve_model_path
+from constrained_spec.models import resolve_model_path
 from constrained_spec.models.config import ModelConfig
-from constrained_spec.models.loader import build_model
+
+from common import random_weights
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "n": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
@@ -37,12 +38,7 @@ def tiny_model():
                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                       rope_scaling=None, max_position=2048, tie_word_embeddings=True, qkv_bias=False,
                       eos_token_ids=[2])
-    torch.manual_seed(0)
-    model = build_model(cfg, torch.float32, "cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.3)
-    return LoadedModel(model, cfg, tok, [2], "tiny-random", "")
+    return random_weights(cfg, tok, torch.float32, "cpu", 0.3, "tiny-random")
 
 
 class OpCounter(TorchDispatchMode):
@@ -153,7 +149,8 @@ def main():
     torch.set_num_threads(1)
     loaded = tiny_model()
     eng = Engine(loaded=loaded, device="cpu", speculative_algorithm="ngram", speculative_num_draft_tokens=8,
-                 ngram_branches=args.branches, speculative_min_accept=0.0, kv_cache_slots=1 << 15,
+                 ngram_branches=args.branches, speculative_min_accept=0.0, speculative_policy="always",
+                 kv_cache_slots=1 << 15,
                  max_running_requests=16)
     probe = Probe(eng)
     doc = "The station opened in 2019 and houses 14 researchers in winter and 31 in summer. " * 3
