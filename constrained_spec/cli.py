@@ -122,6 +122,26 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                help="per-step time limit for filling grammar masks: a request whose "
                                                     "mask is not ready by then skips the step (its output does not "
                                                     "change) instead of holding the batch (default: none, wait)")),
+    "speculative_algorithm": ("spec", dict(metavar="NAME", choices=["ngram"],
+                                           help="speculative decoding: ngram (n-gram lookahead over prompts and "
+                                                "outputs); default: off, plain decoding")),
+    "speculative_num_draft_tokens": ("spec", dict(metavar="N", help="nodes per draft tree, the last verified token "
+                                                                    "included (default: %(default)s)")),
+    "speculative_max_batch": ("spec", dict(metavar="N", help="decode batches larger than this run plainly "
+                                                             "(default: %(default)s)")),
+    "speculative_min_accept": ("spec", dict(metavar="X", help="mean accepted drafts per request-step below which "
+                                                              "speculation pauses for a while (default: %(default)s)")),
+    "speculative_policy": ("spec", dict(choices=["measured", "always"],
+                                        help="measured: per batch size, speculate while speculative steps measure "
+                                             "faster than plain ones (CPU drafting and grammar work included); "
+                                             "always: whenever the limits above allow (default: %(default)s)")),
+    "ngram_branches": ("spec", dict(metavar="N", help="children per draft node: 1 drafts a chain, more a tree "
+                                                      "(default: %(default)s)")),
+    "ngram_max_match": ("spec", dict(metavar="N", help="longest context suffix matched in the trie "
+                                                       "(default: %(default)s)")),
+    "ngram_min_match": ("spec", dict(metavar="N", help="shortest context suffix matched (default: %(default)s)")),
+    "ngram_capacity": ("spec", dict(metavar="N", help="trie nodes shared by all requests; least recently used "
+                                                      "ones are evicted past it (default: %(default)s)")),
     "disable_overlap": ("perf", dict(help="process each step's results before launching the next (debugging)")),
     "disable_cuda_graph": ("perf", dict(help="run decode steps eagerly instead of replaying CUDA graphs")),
     "seed": ("perf", dict(metavar="N", help="base seed for requests that give none (default: %(default)s)")),
