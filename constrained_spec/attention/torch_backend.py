@@ -19,17 +19,23 @@ class TorchAttention(AttentionBackend):
             meta.scratch["torch"] = (*_token_coords(meta, T), _attention_mask(meta, Q, K, q.device).unsqueeze(1))
         token_batch, token_pos, mask = meta.scratch["torch"]
 
-        qp = q.new_zeros(B, Q, H, D)
-        qp[token_batch, token_pos] = q
-        slots = meta.slot_table[:, :K]
-        kp = kv.k[layer][slots]  # [B, K, KVH, D]
-        vp = kv.v[layer][slots]
+        one_per_seq = Q == 1 and T == B  # decode: the flat tokens are the batch, no padding to undo
+        if one_per_seq:
+            qp = q.view(B, 1, H, D)
+        else:
+            qp = q.new_zeros(B, Q, H, D)
+            qp[token_batch, token_pos] = q
+        # index_select on whole slot rows: several times faster on CPU than advanced indexing
+        slots = meta.slot_table[:, :K].reshape(-1)
+        KVH = kv.k[layer].shape[1]
+        kp = kv.k[layer].index_select(0, slots).view(B, K, KVH, D)
+        vp = kv.v[layer].index_select(0, slots).view(B, K, KVH, D)
 
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
             attn_mask=mask, scale=scale, enable_gqa=True,
-        )  # [B, H, Q, D]
-        return out.transpose(1, 2)[token_batch, token_pos]
+        ).transpose(1, 2)  # [B, Q, H, D]
+        return out.reshape(T, H, D) if one_per_seq else out[token_batch, token_pos]
 
 
 def _token_coords(meta: AttentionMetadata, T: int):
