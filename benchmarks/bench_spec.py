@@ -24,6 +24,7 @@ import time
 import torch
 
 from common import RESULTS, SCHEMAS, bar_plot, machine, markdown_table, write_results
+from constrained_spec.engine.speculative import SPEC_PHASES
 
 DOC = ("The Aurora-7 research station sits 3,200 metres above sea level on the Kaskawulsh plateau. It was opened "
        "in 2019, houses 14 researchers in winter and 31 in summer, and runs on a 420 kW solar array with two backup "
@@ -103,7 +104,7 @@ def generate(engine, work, batch, max_tokens):
 def counters(engine):
     st = engine.spec.stats if engine.spec else None
     spec = dict(steps=st.steps, verified=st.verified_requests, accepted=st.accepted_tokens,
-                **{f"{k}_s": getattr(st, f"{k}_seconds") for k in ("draft", "mask", "launch", "wait", "commit")}) if st else {}
+                **{f"{k}_s": v for k, v in st.phase_seconds().items()}) if st else {}
     return dict(decode_steps=engine.stats.decode_steps, **spec)
 
 
@@ -122,7 +123,7 @@ def measure(engine, work, batch, max_tokens) -> tuple[list, dict]:
         rec.update(spec_steps=d["steps"], spec_share=d["steps"] / max(d["decode_steps"], 1),
                    mean_accepted_len=1 + d["accepted"] / max(d["verified"], 1),
                    cpu_draft_mask_ms=1000 * (d["draft_s"] + d["mask_s"]) / steps,
-                   phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in ("draft", "mask", "launch", "wait", "commit")})
+                   phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in SPEC_PHASES})
     return outs, rec
 
 

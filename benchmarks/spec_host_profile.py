@@ -133,12 +133,11 @@ def measure(engine, probe, prompts, grammar, count_ops: bool):
 
 def _phases(stats, before=None):
     """Per-step host ms of each phase since `before` (SpecStats of the new step only)."""
-    names = ("draft", "mask", "launch", "wait", "commit")
-    now = {n: getattr(stats, f"{n}_seconds", None) for n in names} | {"steps": stats.steps}
-    if before is None or now["draft"] is None:
+    now = stats.phase_seconds() | {"steps": stats.steps}
+    if before is None:
         return now
     steps = max(now["steps"] - before["steps"], 1)
-    return {n: round(1000 * (now[n] - before[n]) / steps, 3) for n in names}
+    return {n: round(1000 * (now[n] - before[n]) / steps, 3) for n in stats.phase_seconds()}
 
 
 def main():

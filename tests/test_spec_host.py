@@ -276,3 +276,14 @@ def test_policy_not_fooled_by_the_overlap_pipeline(spec_seconds, expect_spec):
     picks = run_policy(MeasuredPolicy(), 1, {True: spec_seconds, False: 0.001}, steps=600, launch=0.0003)
     share = sum(picks[20:]) / len(picks[20:])
     assert share > 0.9 if expect_spec else share < 0.1
+
+
+def test_spec_metrics_export_acceptance_and_host_phases():
+    from constrained_spec.engine.speculative import SPEC_PHASES, SpecStats
+    from constrained_spec.server.metrics import _spec_metrics
+    st = SpecStats(steps=4, verified_requests=8, accepted_tokens=12, draft_seconds=0.002, mask_seconds=0.001)
+    st.histogram[1], st.histogram[2] = 4, 4
+    fams = {f.name: f for f in _spec_metrics(st)}
+    assert fams["constrained_spec_spec_mean_accepted_length"].samples[0].value == pytest.approx(2.5)
+    host = {s.labels["phase"]: s.value for s in fams["constrained_spec_spec_host_seconds"].samples}
+    assert set(host) == set(SPEC_PHASES) and host["draft"] == 0.002 and host["mask"] == 0.001

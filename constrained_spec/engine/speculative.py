@@ -39,6 +39,9 @@ from .spec_verify import VerifyIO, VerifyLaunch
 log = logging.getLogger(__name__)
 
 
+SPEC_PHASES = ("draft", "mask", "launch", "wait", "commit")  # host phases of a step (module docstring)
+
+
 @dataclass
 class SpecStats:
     steps: int = 0
@@ -58,16 +61,9 @@ class SpecStats:
         """Tokens emitted per request-step (accepted drafts + the bonus token)."""
         return 1.0 + self.accepted_tokens / max(self.verified_requests, 1)
 
-    @property
-    def cpu_draft_seconds(self) -> float:
-        """The CPU cost of drafting and grammar-masking the trees."""
-        return self.draft_seconds + self.mask_seconds
-
-    def phase_ms(self) -> dict[str, float]:
-        """Mean host milliseconds per step of each phase."""
-        n = max(self.steps, 1)
-        return {name: 1000 * getattr(self, f"{name}_seconds") / n
-                for name in ("draft", "mask", "launch", "wait", "commit")}
+    def phase_seconds(self) -> dict[str, float]:
+        """Host seconds spent in each phase of the speculative steps so far."""
+        return {name: getattr(self, f"{name}_seconds") for name in SPEC_PHASES}
 
 
 @dataclass

@@ -88,6 +88,11 @@ def _spec_metrics(st):
     g = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length", "Tokens emitted per request per verify step")
     g.add_metric([], float(st.mean_accepted))
     yield g
+    c = CounterMetricFamily(f"{PREFIX}_spec_host_seconds", "Host time of speculative steps by phase (draft and "
+                            "mask: drafting and grammar-masking the trees)", labels=["phase"])
+    for phase, seconds in st.phase_seconds().items():
+        c.add_metric([phase], seconds)
+    yield c
     g = GaugeMetricFamily(f"{PREFIX}_spec_accepted_length_count", "Request-steps by number of accepted drafts",
                           labels=["accepted"])
     last = max((i for i, n in enumerate(st.histogram) if n), default=0)
