@@ -161,6 +161,9 @@ def test_completions_endpoint(openai_client, server_engine):
 
 
 def test_metrics(http):
+    r = http.post("/v1/chat/completions", json={"model": MODEL_ID, "max_tokens": 4,
+                                                "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
     text = http.get("/metrics").text
     for name in ("constrained_spec_http_requests_total", "constrained_spec_prompt_tokens_total",
                  "constrained_spec_completion_tokens_total", "constrained_spec_time_to_first_token_seconds_bucket",
