@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..spec.drafter import DraftBatch, Drafter
+from ..spec.grammar_draft import guided_chain, write_chain
 from ..spec.tree import HostTrees
 from ..spec.verify import HostAcceptance, greedy_accept_host, rejection_verify
 from .batch import ScheduledBatch
@@ -180,6 +181,8 @@ class SpeculativeWorker:
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
         self.policy = MeasuredPolicy() if engine.config.speculative_policy == "measured" else None
         self._node_index = np.arange(self.width)
+        # context tokens handed to the drafter's next_tokens (the n-gram drafter reads max_ngram of them)
+        self._context_len = getattr(getattr(drafter, "config", None), "max_ngram", 8)
         self._event = torch.cuda.Event() if self.runner.device.type == "cuda" else None
 
     # -- policy ----------------------------------------------------------------------------------
@@ -281,12 +284,30 @@ class SpeculativeWorker:
 
     # -- drafting and grammar masking ------------------------------------------------------------
     def _draft(self, reqs) -> HostTrees:
+        """The drafter's trees, except grammar-guided chains for requests with a grammar where the
+        drafter can rank next tokens for a context (`Drafter.has_next_tokens`)."""
         self._observe(reqs)
-        tokens, next_token, next_sibling, num_nodes = self.drafter.propose_arrays(
-            DraftBatch([r.request_id for r in reqs]))
+        B, N = len(reqs), self.width
+        tokens, next_token = np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64)
+        next_sibling, num_nodes = np.full((B, N), -1, np.int64), np.ones(B, np.int64)
+        guided = self.drafter.has_next_tokens
+        free = [b for b, r in enumerate(reqs) if r.matcher is None or not guided]
+        if free:
+            drafted = self.drafter.propose_arrays(DraftBatch([reqs[b].request_id for b in free]))
+            for dst, src in zip((tokens, next_token, next_sibling, num_nodes), drafted):
+                dst[free] = src
         # node 0 is the model's input for the last sampled token: never take it from a drafter
         tokens[:, 0] = [r.output_ids[-1] for r in reqs]
-        self._force_grammar_chains(reqs, tokens, next_token, next_sibling, num_nodes)
+        k = self._context_len
+        for b, r in enumerate(reqs):
+            if r.matcher is None or not guided:
+                continue
+            tail = r.output_ids[-k:] if len(r.output_ids) >= k else (r.prompt_ids + r.output_ids)[-k:]
+            chain, forced = guided_chain(r.matcher, self.engine.tokenizer,
+                                         lambda ctx, n, rid=r.request_id: self.drafter.next_tokens(rid, ctx, n),
+                                         tail, N - 1)
+            write_chain(tokens, next_token, next_sibling, num_nodes, b, chain)
+            self.stats.forced_draft_tokens += forced
         return HostTrees.build(tokens, next_token, next_sibling, num_nodes)
 
     def _observe(self, reqs) -> None:
@@ -303,24 +324,6 @@ class SpeculativeWorker:
             self._observed[r.request_id] = len(r.output_ids)
         if ids:
             self.drafter.observe_batch(ids, new_tokens)
-
-    def _force_grammar_chains(self, reqs, tokens, next_token, next_sibling, num_nodes) -> None:
-        """Grammar-forced strings replace a request's draft (in place): they are certain to be legal,
-        so they are drafted as a chain."""
-        n_max = self.width
-        for b, r in enumerate(reqs):
-            if r.matcher is None:
-                continue
-            forced = r.matcher.jump_forward_tokens(self.engine.tokenizer)[:n_max - 1]
-            if not forced:
-                continue
-            n = len(forced) + 1
-            tokens[b, 1:n], tokens[b, n:] = forced, 0
-            next_token[b] = -1
-            next_token[b, :n - 1] = self._node_index[1:n]
-            next_sibling[b] = -1
-            num_nodes[b] = n
-            self.stats.forced_draft_tokens += n - 1
 
     def _mask_trees(self, reqs, trees: HostTrees, io: VerifyIO) -> HostTrees:
         """Fills one bitmask row per node (xgrammar walks each request's tree) into the pinned rows

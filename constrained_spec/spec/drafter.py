@@ -40,6 +40,9 @@ class Drafter(ABC):
     #: tree width N, root included: every returned tree has at most N nodes and the batch is padded
     #: to [B, N] (the static verify width for CUDA graphs).
     num_draft_tokens: int
+    #: whether `next_tokens` works: then requests with a grammar get grammar-guided chains
+    #: (spec/grammar_draft.py) instead of `propose`'s trees
+    has_next_tokens: bool = False
 
     def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
         """Register a request and its prompt."""
@@ -53,6 +56,12 @@ class Drafter(ABC):
         [B, N]; num_nodes [B]): what the speculative step works on. Override to skip the tensors."""
         t = self.propose(batch)
         return tuple(x.numpy().astype(np.int64) for x in (t.tokens, t.next_token, t.next_sibling, t.num_nodes))
+
+    def next_tokens(self, request_id: Hashable, context: Sequence[int], k: int) -> Sequence[int]:
+        """Up to k likely next tokens after `context` (the tail of the request's stream, perhaps
+        followed by drafted tokens), best first: what grammar-guided drafting picks from
+        (spec/grammar_draft.py). Only called when `has_next_tokens` is set."""
+        raise NotImplementedError
 
     def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:
         """Append the tokens emitted by the last verify step (accepted drafts + bonus)."""

@@ -1,0 +1,157 @@
+"""Acceptance replay: how many tokens a drafter would get accepted, without running the verifier.
+
+Greedy verification is lossless, so a speculative run emits exactly the plain greedy tokens. Given
+those tokens, the accepted length of any draft tree is known without a forward pass: follow the
+child whose token is the next true token. This script generates the plain greedy outputs of the
+bench_spec workloads once (cached in benchmarks/results/replay_outputs_<device>.json), then replays
+drafter configurations over them, step by step as the engine would run them at batch 1 (one shared
+trie, reset at the start, requests in turn): draft, count the accepted path, observe the emitted
+tokens, advance the grammar matcher.
+
+  python benchmarks/replay_acceptance.py --device cpu           # SmolLM2 fp32 outputs, ~2 min the first time
+Writes benchmarks/results/replay_acceptance.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from common import RESULTS, markdown_table, write_results
+
+CONFIGS = {  # name -> (NgramConfig overrides, how requests with a grammar are drafted)
+    "chain 8, forced strings as whole chains": (dict(num_draft_tokens=8, branches=1), "forced"),
+    "tree 8 x3, forced strings as whole chains": (dict(num_draft_tokens=8, branches=3), "forced"),
+    "chain 8, trie only": (dict(num_draft_tokens=8, branches=1), "trie"),
+    "tree 8 x3, trie only": (dict(num_draft_tokens=8, branches=3), "trie"),
+    "grammar-guided chain 8 (engine)": (dict(num_draft_tokens=8, branches=1), "guided"),
+    "grammar-guided chain 16 (engine)": (dict(num_draft_tokens=16, branches=1), "guided"),
+}
+
+
+def generate_outputs(args):
+    from bench_spec import WORKLOADS
+    from constrained_spec import SamplingParams
+    from constrained_spec.engine import Engine
+    from constrained_spec.models import resolve_model_path
+    engine = Engine(model=resolve_model_path(args.model), device=args.device, dtype=args.dtype)
+    data = {}
+    for wname, make in WORKLOADS.items():
+        work = make(engine.tokenizer, args.prompts)
+        t0 = time.perf_counter()
+        outs = engine.generate([p for p, _ in work], SamplingParams(max_tokens=args.max_tokens, temperature=0),
+                               [g for _, g in work])
+        print(f"{wname}: {sum(o.completion_tokens for o in outs)} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        data["model"] = f"{engine.model_name} ({engine.runner.dtype})".replace("torch.", "")
+        data[wname] = [dict(prompt=list(p), output=list(o.token_ids)) for (p, _), o in zip(work, outs)]
+    engine.shutdown()
+    return data
+
+
+def replay(work, outputs, tokenizer, grammar_backend, drafter, mode):
+    """Mean accepted length (accepted drafts + bonus per step) over the requests in turn. `mode`:
+    how a request with a grammar is drafted: "guided" as the engine does (spec/grammar_draft.py),
+    "trie" the drafter's tree alone (the grammar prunes it), "forced" the engine before guided
+    drafting (the whole forced string's tokens as the chain, else the drafter's tree)."""
+    from constrained_spec.spec.drafter import DraftBatch
+    from constrained_spec.spec.grammar_draft import guided_chain, write_chain
+    width = drafter.num_draft_tokens
+    k = drafter.config.max_ngram
+    steps = emitted = forced_tokens = 0
+    for i, ((_, spec), rec) in enumerate(zip(work, outputs)):
+        prompt, out = rec["prompt"], rec["output"]
+        matcher = grammar_backend.matcher(grammar_backend.compile(spec)) if spec is not None else None
+        drafter.add_request(i, prompt)
+        stream = list(prompt) + out[:1]  # the first token comes from prefill: node 0 of the first step
+        if matcher is not None:
+            matcher.accept_token(out[0])
+        drafter.observe(i, out[:1])
+        pos = 1
+        while pos < len(out):
+            tokens, next_token, next_sibling, num_nodes = drafter.propose_arrays(DraftBatch([i]))
+            tokens[:, 0] = out[pos - 1]
+            if matcher is not None and mode == "guided":
+                chain, forced = guided_chain(matcher, tokenizer, lambda c, n: drafter.next_tokens(i, c, n),
+                                             stream[-k:], width - 1)
+                write_chain(tokens, next_token, next_sibling, num_nodes, 0, chain)
+                forced_tokens += forced
+            elif matcher is not None and mode == "forced":
+                chain = matcher.jump_forward_tokens(tokenizer)[:width - 1]
+                if chain:
+                    write_chain(tokens, next_token, next_sibling, num_nodes, 0, chain)
+                    forced_tokens += len(chain)
+            acc = accepted_length(tokens[0], next_token[0], next_sibling[0], out[pos:])
+            n = min(acc + 1, len(out) - pos)
+            if matcher is not None:
+                for t in out[pos:pos + n]:
+                    if not matcher.accept_token(t):
+                        break
+            drafter.observe(i, out[pos:pos + n])
+            stream += out[pos:pos + n]
+            pos += n
+            steps += 1
+            emitted += n
+        drafter.finish(i)
+    return dict(steps=steps, tokens=emitted, mean_accepted_len=emitted / max(steps, 1),
+                forced_tokens_per_step=forced_tokens / max(steps, 1))
+
+
+def accepted_length(tokens, next_token, next_sibling, truth) -> int:
+    node, depth = 0, 0
+    while depth < len(truth):
+        child = next_token[node]
+        while child >= 0 and tokens[child] != truth[depth]:
+            child = next_sibling[child]
+        if child < 0:
+            break
+        node, depth = child, depth + 1
+    return depth
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompts", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--regenerate", action="store_true")
+    args = ap.parse_args()
+    from bench_spec import WORKLOADS
+    from constrained_spec.grammar.backend import GrammarBackend
+    from constrained_spec.models import resolve_model_path
+    from constrained_spec.spec.ngram import NgramDrafter
+
+    cache = RESULTS / f"replay_outputs_{args.device}.json"
+    if args.regenerate or not cache.exists():
+        cache.write_text(json.dumps(generate_outputs(args)))
+    outputs = json.loads(cache.read_text())
+    from constrained_spec.models import load_tokenizer, read_model_config
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(path)
+    backend = GrammarBackend(tokenizer, read_model_config(path)[1].vocab_size)
+    records = []
+    for wname, make in WORKLOADS.items():
+        work = make(tokenizer, len(outputs[wname]))
+        for name, (ngram, mode) in CONFIGS.items():
+            if wname != "json" and mode != "guided":
+                continue  # no grammar: every mode drafts the same
+            for first in (4, len(work)):  # bench_spec's batch-1 run uses the first 4 prompts
+                r = replay(work[:first], outputs[wname][:first], tokenizer, backend, NgramDrafter(**ngram), mode)
+                records.append(dict(workload=wname, prompts=first, config=name, **r))
+                print(json.dumps(records[-1]), flush=True)
+    rows = [[r["workload"], r["prompts"], r["config"], r["steps"], r["tokens"], round(r["mean_accepted_len"], 2),
+             round(r["forced_tokens_per_step"], 2)] for r in records]
+    md = ("# Acceptance replay over plain greedy outputs (batch 1, requests in turn)\n\n"
+          f"Greedy outputs of {outputs.get('model', 'the default model')} on {args.device}, cached in "
+          f"{cache.name}. Mean accepted len = tokens emitted per verify step (accepted drafts + bonus), exact for "
+          "greedy verification, which emits the plain greedy tokens whatever the draft.\n\n"
+          + markdown_table(["workload", "prompts", "drafter", "steps", "tokens", "mean accepted len",
+                            "forced draft tokens per step"], rows))
+    write_results("replay_acceptance", {"args": vars(args), "results": records}, md)
+
+
+if __name__ == "__main__":
+    main()
