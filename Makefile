@@ -9,7 +9,7 @@ ARGS ?=
 
 .PHONY: serve test install install-dev bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.cpp native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU torch from the pinned release; an unpinned torch would pull a multi-GB CUDA build.

@@ -101,6 +101,20 @@ NgramTrie(max_ngram=8, min_ngram=1, num_draft_tokens=8, branches=1, capacity=2**
 retrieve_next_sibling), int32 arrays of the tree's node count (0 if the context is empty).
 context=None uses the request's stored stream; overrides <= 0 use the config.)doc")
       .def(
+          "next_tokens",
+          [](NgramTrie& t, int64_t request_id, const std::vector<int32_t>& context, int k) {
+            // a tree of k + 1 nodes with k branches holds the root's k best children
+            std::vector<int32_t> tok(k + 1), nxt(k + 1), sib(k + 1);
+            std::vector<int32_t> out;
+            if (k <= 0 || context.empty()) return out;
+            t.propose(request_id, context.data(), context.size(), tok.data(), nxt.data(), sib.data(), k + 1, k, 0, 0);
+            for (int32_t c = nxt[0]; c >= 0; c = sib[c]) out.push_back(tok[c]);
+            return out;
+          },
+          py::arg("request_id"), py::arg("context"), py::arg("k"),
+          R"doc(The k best next tokens after `context` (a list whose last token is the draft root),
+best first, as ranked for draft trees: the request's own continuations, then the shared trie's.)doc")
+      .def(
           "propose_batch",
           [](NgramTrie& t, I64Arr request_ids, std::optional<std::vector<std::optional<IntArr>>> contexts,
              int num_draft_tokens, int branches, int max_ngram, int min_ngram) {

@@ -70,9 +70,13 @@ class SpecStats:
 @dataclass
 class _Arm:
     """Measured throughput of one way of decoding a batch-size bucket (exponential moving averages)."""
-    tokens_per_s: float = 0.0
+    step_tokens: float = 0.0
     step_seconds: float = 0.0
     samples: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.step_tokens / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
 class MeasuredPolicy:
@@ -82,7 +86,11 @@ class MeasuredPolicy:
     exactly that one step in between and the step before it was of the same arm and bucket; its
     tokens/s (B for a plain step, B + accepted drafts for a speculative one) go into the bucket's
     average for that arm. This measures what speculation really costs at that batch size, the
-    CPU's drafting and grammar work included. Steps right after a switch are not samples: with the
+    CPU's drafting and grammar work included. An arm's throughput is the ratio of two moving
+    averages, tokens per step over seconds per step; tokens move slowly (`token_smoothing`):
+    acceptance comes in phases (a JSON key's tokens are drafted right, a free-text value's are
+    not) and a short re-measurement lands in one phase, so a fast average of it flips the decision
+    on whichever phase was sampled last. Steps right after a switch are not samples: with the
     overlap scheduler a plain step's interval ends before its device work does, so the step after
     it absorbs the rest (a speculative step after a plain one looks slow, a plain one after a
     speculative one looks fast). Each arm is first measured for `min_samples` samples (the first
@@ -92,8 +100,9 @@ class MeasuredPolicy:
     """
 
     def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4,
-                 explore_steps: int = 3):
+                 explore_steps: int = 3, token_smoothing: float = 0.03):
         self.explore_ratio, self.smoothing, self.min_samples = explore_ratio, smoothing, min_samples
+        self.token_smoothing = token_smoothing
         self.explore_steps = explore_steps
         self.arms: dict[tuple[int, bool], _Arm] = {}  # (bucket, speculative) -> measurements
         self._elapsed: dict[int, float] = {}  # bucket -> seconds run since its slower arm was measured
@@ -149,9 +158,9 @@ class MeasuredPolicy:
         if arm is None:
             arm = self.arms[key] = _Arm()
         arm.samples += 1
-        a = max(self.smoothing, 1.0 / arm.samples)  # a plain mean over the first samples, then an EMA
-        arm.tokens_per_s += a * (tokens / seconds - arm.tokens_per_s)
-        arm.step_seconds += a * (seconds - arm.step_seconds)
+        # a plain mean over the first samples, then an EMA
+        arm.step_tokens += max(self.token_smoothing, 1.0 / arm.samples) * (tokens - arm.step_tokens)
+        arm.step_seconds += max(self.smoothing, 1.0 / arm.samples) * (seconds - arm.step_seconds)
         self._elapsed[key[0]] = self._elapsed.get(key[0], 0.0) + seconds
 
 

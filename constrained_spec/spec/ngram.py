@@ -76,12 +76,7 @@ class NgramDrafter(Drafter):
         return self.trie.propose_batch(ids, contexts, num_draft_tokens, branches)
 
     def next_tokens(self, request_id: Hashable, context: Sequence[int], k: int) -> Sequence[int]:
-        tokens, next_token, next_sibling, _ = self._propose(DraftBatch([request_id], [context]), k + 1, k)
-        out, child = [], next_token[0, 0]
-        while child >= 0:  # the root's children, in rank order
-            out.append(int(tokens[0, child]))
-            child = next_sibling[0, child]
-        return out
+        return self.trie.next_tokens(self._id(request_id), list(context[-self.config.max_ngram:]), k)
 
     def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:
         self.trie.insert(self._id(request_id), np.asarray(accepted_tokens, dtype=np.int32))
