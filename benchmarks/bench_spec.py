@@ -11,7 +11,8 @@ Each measurement is preceded by a short warm-up on the same prompts (grammar com
 Triton caches, the engine's speculate-or-not measurements); the n-gram drafter is then reset so the
 timed run does not draft from the warm-up's outputs. Batch 1 runs its prompts one after another.
 
-  python benchmarks/bench_spec.py                      # GPU, SmolLM2-135M-Instruct, ~3 minutes on an H100
+  python benchmarks/bench_spec.py                      # GPU, SmolLM2-135M-Instruct, a few minutes on an H100
+  python benchmarks/bench_spec.py --device cpu --batches 1 --min-prompts 4   # CPU, ~3 minutes
   python benchmarks/bench_spec.py --device cpu --quick # end-to-end smoke run on a CPU
 Writes benchmarks/results/spec_<device>[_quick].{json,md,png}.
 """
@@ -51,7 +52,8 @@ def parse_args():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--draft-tokens", type=int, default=8, help="tree width N, root included")
-    ap.add_argument("--min-prompts", type=int, default=4, help="prompts per measurement at least (batch 1: in turn)")
+    ap.add_argument("--min-prompts", type=int, default=30,
+                    help="prompts per measurement at least (batch 1: in turn); 30 = every hand-written schema once")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
     args = ap.parse_args()
     if args.quick:
