@@ -16,20 +16,20 @@ from common import (PERSON_SCHEMA, RESULTS, bar_plot, chat_prompts, hf_generate,
                     random_weights, write_results)
 
 
-def measure(engine, prompts, max_tokens, grammar, fixed_length):
-    from constrained_spec import SamplingParams
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=fixed_length)
+def measure(engine, prompts, params, grammar):
+    """params: one SamplingParams for all prompts, or one per prompt."""
     st = engine.stats
     steps0, mask0 = st.decode_steps + st.extend_steps, st.grammar_mask_seconds
-    torch.cuda.synchronize()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, sp, grammar)
+    outs = engine.generate(prompts, params, grammar)
     dt = time.perf_counter() - t0
     steps = st.decode_steps + st.extend_steps - steps0
     tokens = sum(o.completion_tokens for o in outs)
     return dict(tokens=tokens, seconds=dt, tok_s=tokens / dt, steps=steps, step_ms=1000 * dt / max(steps, 1),
                 mask_ms_per_step=1000 * (st.grammar_mask_seconds - mask0) / max(steps, 1),
-                finish=[o.finish_reason.value for o in outs][:4])
+                finish=[o.finish_reason.value for o in outs][:4], lengths=[o.completion_tokens for o in outs])
 
 
 def copy_bandwidth() -> float:
@@ -53,42 +53,11 @@ def random_llama3_8b(tokenizer):
     return random_weights(cfg, tokenizer, torch.bfloat16, "cuda", 0.02, "llama-3-8b-shapes (random)")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,8,32,64,128")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hf-tokens", type=int, default=64)
-    ap.add_argument("--skip-8b", action="store_true")
-    args = ap.parse_args()
+def run_hf(path, tok, max_new_tokens):
+    """transformers.generate + xgrammar, default and static cache, batch 1 and 32."""
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM
-    from constrained_spec.engine import Engine
-    from constrained_spec.grammar import GrammarSpec
-    from constrained_spec.models import resolve_model_path
-
-    path = resolve_model_path(None)
-    t0 = time.perf_counter()
-    engine = Engine(model=path, device="cuda")
-    startup = time.perf_counter() - t0
-    tok = engine.tokenizer
-    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
-    graphs = engine.runner.graphs
-    modes = {"graphs+overlap": (graphs, False), "graphs, no overlap": (graphs, True), "no graphs, overlap": (None, False)}
     records = []
-    for bs in [int(b) for b in args.batches.split(",")]:
-        for kind in ("plain", "json"):
-            prompts = chat_prompts(tok, bs, json_task=True)  # same prompts: only the constraint differs
-            grammar = spec if kind == "json" else None
-            for mode, (g, no_overlap) in modes.items():
-                engine.runner.graphs, engine.config.disable_overlap = g, no_overlap
-                measure(engine, prompts, 8, grammar, False)  # warm-up
-                r = measure(engine, prompts, args.tokens, grammar, kind == "plain")
-                records.append(dict(model="SmolLM2-135M", batch=bs, workload=kind, mode=mode, **r))
-                print(records[-1], flush=True)
-    engine.runner.graphs, engine.config.disable_overlap = graphs, False
-    engine.shutdown()
-
-    hf_records = []
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(PERSON_SCHEMA)
@@ -100,14 +69,68 @@ def main():
                 g = compiled if kind == "json" else None
                 hf_generate(hf, tok, prompts, 8, g, **kw)
                 hf_generate(hf, tok, prompts, 8, g, **kw)  # warm-up twice (static cache compiles)
-                n, dt = hf_generate(hf, tok, prompts, args.hf_tokens, g, fixed_length=kind == "plain", **kw)
-                hf_records.append(dict(cache=cache, batch=bs, workload=kind, tokens=n, seconds=dt, tok_s=n / dt,
-                                       step_ms=1000 * dt / args.hf_tokens))
-                print(hf_records[-1], flush=True)
+                n, dt = hf_generate(hf, tok, prompts, max_new_tokens, g, fixed_length=kind == "plain", **kw)
+                records.append(dict(cache=cache, batch=bs, workload=kind, tokens=n, seconds=dt, tok_s=n / dt,
+                                    step_ms=1000 * dt / max_new_tokens))
+                print(records[-1], flush=True)
     del hf
     torch.cuda.empty_cache()
+    return records
 
-    bw = copy_bandwidth()
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (graph modes are then all eager)")
+    args = ap.parse_args()
+    from constrained_spec import SamplingParams
+    from constrained_spec.engine import Engine
+    from constrained_spec.grammar import GrammarSpec
+    from constrained_spec.models import resolve_model_path
+
+    path = resolve_model_path(None)
+    t0 = time.perf_counter()
+    engine = Engine(model=path, device=args.device)
+    startup = time.perf_counter() - t0
+    tok = engine.tokenizer
+    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
+    graphs = engine.runner.graphs
+    modes = {"graphs+overlap": (graphs, False), "graphs, no overlap": (graphs, True), "no graphs, overlap": (None, False)}
+    records = []
+    greedy = SamplingParams(max_tokens=args.tokens, temperature=0)
+    for bs in [int(b) for b in args.batches.split(",")]:
+        prompts = chat_prompts(tok, bs, json_task=True)  # same prompts: only the constraint differs
+        json_lengths = None
+        # "plain, json lengths": each request unconstrained for as many tokens as its JSON answer took,
+        # so the batch drains exactly as in the JSON run and the two differ only by the grammar work
+        for kind in ("json", "plain", "plain, json lengths"):
+            grammar = spec if kind == "json" else None
+            if kind == "json":
+                params = greedy
+            elif kind == "plain":
+                params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+            else:
+                params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in json_lengths]
+            for mode, (g, no_overlap) in modes.items():
+                if kind == "plain, json lengths" and mode != "graphs+overlap":
+                    continue
+                engine.runner.graphs, engine.config.disable_overlap = g, no_overlap
+                measure(engine, prompts, SamplingParams(max_tokens=8, temperature=0), grammar)  # warm-up
+                r = measure(engine, prompts, params, grammar)
+                if kind == "json" and json_lengths is None:
+                    json_lengths = r["lengths"]
+                records.append(dict(model="SmolLM2-135M", batch=bs, workload=kind, mode=mode, **r))
+                print(records[-1], flush=True)
+    engine.runner.graphs, engine.config.disable_overlap = graphs, False
+    engine.shutdown()
+
+    hf_records = [] if args.skip_hf else run_hf(path, tok, args.hf_tokens)
+
+    bw = copy_bandwidth() if args.device == "cuda" else float("nan")
     big = []
     if not args.skip_8b:
         loaded = random_llama3_8b(tok)
@@ -117,8 +140,9 @@ def main():
         for bs in (1, 32):
             for kind in ("plain", "json"):
                 grammar = spec if kind == "json" else None
-                measure(eng, prompts[:bs], 8, grammar, False)
-                r = measure(eng, prompts[:bs], 64, grammar, kind == "plain")
+                measure(eng, prompts[:bs], SamplingParams(max_tokens=8, temperature=0), grammar)
+                r = measure(eng, prompts[:bs], SamplingParams(max_tokens=64, temperature=0, ignore_eos=kind == "plain"),
+                            grammar)
                 floor_ms = 1000 * weight_bytes / bw
                 big.append(dict(model="Llama-3-8B shapes (random)", batch=bs, workload=kind, floor_ms=floor_ms,
                                 vs_floor=r["step_ms"] / floor_ms, weight_gb=weight_bytes / 1e9, **r))
@@ -131,15 +155,19 @@ def main():
     rows = []
     for bs in sorted({r["batch"] for r in records}):
         p, j = find(bs, "plain", "graphs+overlap"), find(bs, "json", "graphs+overlap")
+        pj = find(bs, "plain, json lengths", "graphs+overlap")
         jn, pg = find(bs, "json", "graphs, no overlap"), find(bs, "plain", "no graphs, overlap")
-        rows.append([bs, round(p["tok_s"]), round(j["tok_s"]), round(p["step_ms"], 3), round(j["step_ms"], 3),
-                     round(j["step_ms"] / p["step_ms"], 3), round(jn["step_ms"], 3), round(j["mask_ms_per_step"], 3),
-                     round(pg["step_ms"], 3)])
+        rows.append([bs, round(p["tok_s"]), round(pj["tok_s"]), round(j["tok_s"]), round(j["tok_s"] / pj["tok_s"], 3),
+                     round(p["step_ms"], 3), round(j["step_ms"], 3), round(jn["step_ms"], 3),
+                     round(j["mask_ms_per_step"], 3), round(pg["step_ms"], 3)])
     md = ["# GPU: SmolLM2-135M bf16, greedy, CUDA graphs + overlap (default) and ablations\n",
           f"Startup (load + graph capture): {startup:.1f} s. Copy bandwidth {bw / 1e12:.2f} TB/s; "
           f"SmolLM2 floor {1000 * 269e6 / bw:.3f} ms/step.\n",
-          markdown_table(["batch", "plain tok/s", "json tok/s", "plain ms/step", "json ms/step",
-                          "json/plain step", "json ms/step (no overlap)", "grammar CPU ms/step", "plain ms/step (no graphs)"], rows),
+          "plain: 128 tokens per request; plain, json lengths: each request as many tokens as its JSON answer "
+          "(the batch drains as in the JSON run, so json / that = the cost of the grammar alone).\n\n",
+          markdown_table(["batch", "plain tok/s", "plain (json lengths) tok/s", "json tok/s", "json / plain (json lengths)",
+                          "plain ms/step", "json ms/step", "json ms/step (no overlap)", "grammar CPU ms/step",
+                          "plain ms/step (no graphs)"], rows),
           "\n## transformers.generate + xgrammar (bf16)\n",
           markdown_table(["cache", "batch", "workload", "tok/s", "ms/step"],
                          [[r["cache"], r["batch"], r["workload"], round(r["tok_s"], 1), round(r["step_ms"], 2)] for r in hf_records])]
@@ -148,10 +176,12 @@ def main():
                markdown_table(["batch", "workload", "tok/s", "ms/step", "floor ms", "x floor"],
                               [[r["batch"], r["workload"], round(r["tok_s"], 1), round(r["step_ms"], 3),
                                 round(r["floor_ms"], 3), round(r["vs_floor"], 3)] for r in big])]
-    write_results("gpu", {"machine": machine(), "startup_s": startup, "copy_bandwidth": bw, "engine": records,
+    name = "gpu" if args.device == "cuda" else f"gpu_script_smoke_{args.device}"  # never over the GPU results
+    write_results(name, {"machine": machine(), "startup_s": startup, "copy_bandwidth": bw, "engine": records,
                           "hf": hf_records, "llama3_8b_shapes": big}, "".join(md))
     labels = [f"b{r[0]}" for r in rows]
-    bar_plot(RESULTS / "gpu.png", labels, {"plain": [r[1] for r in rows], "json schema": [r[2] for r in rows]},
+    bar_plot(RESULTS / f"{name}.png", labels, {"plain": [r[1] for r in rows], "plain (json lengths)": [r[2] for r in rows],
+                                          "json schema": [r[3] for r in rows]},
              "tokens/s", "constrained-spec on H100, SmolLM2-135M bf16")
 
 

@@ -129,8 +129,9 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                                     "included (default: %(default)s)")),
     "speculative_max_batch": ("spec", dict(metavar="N", help="decode batches larger than this run plainly "
                                                              "(default: %(default)s)")),
-    "speculative_min_accept": ("spec", dict(metavar="X", help="mean accepted drafts per request-step below which "
-                                                              "speculation pauses for a while (default: %(default)s)")),
+    "speculative_min_accept": ("spec", dict(metavar="X", help="with --speculative-policy always: mean accepted drafts per "
+                                                              "request-step below which speculation pauses for 16 steps "
+                                                              "(default: %(default)s)")),
     "speculative_policy": ("spec", dict(choices=["measured", "always"],
                                         help="measured: per batch size, speculate while speculative steps measure "
                                              "faster than plain ones (CPU drafting and grammar work included); "

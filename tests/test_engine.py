@@ -84,6 +84,14 @@ def test_stop_conditions(engine):
     assert eos.finish_reason is FinishReason.STOP
 
 
+def test_generate_takes_params_per_prompt(engine):
+    ps = prompts_mixed(engine)[:3]
+    outs = engine.generate(ps, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 5)])
+    assert [o.completion_tokens for o in outs] == [3, 9, 5]
+    with pytest.raises(ValueError, match="3 prompts, but 2 sampling params"):
+        engine.generate(ps, [SamplingParams(max_tokens=2)] * 2)
+
+
 def test_streaming_matches_generate(engine):
     p = chat(engine, "Describe a sunset in one sentence.")
     sp = SamplingParams(max_tokens=32, temperature=0.8, seed=5)

@@ -292,6 +292,14 @@ def test_policy_with_acceptance_that_comes_in_phases(spec_seconds, expect_spec):
     assert share > 0.8 if expect_spec else share < 0.15
 
 
+def test_policy_leaves_speculation_after_a_lucky_start():
+    """Drafts right for the first 8 steps, then never: 500 tok/s against plain's 1000."""
+    from constrained_spec.engine.speculative import MeasuredPolicy
+    picks = run_policy(MeasuredPolicy(), 1, {True: 0.002, False: 0.001}, steps=300,
+                       spec_tokens=lambda t: 7 if t < 8 else 1)
+    assert not any(picks[40:60]) and sum(picks[40:]) / len(picks[40:]) < 0.1
+
+
 def test_spec_metrics_export_acceptance_and_host_phases():
     from constrained_spec.engine.speculative import SPEC_PHASES, SpecStats
     from constrained_spec.server.metrics import _spec_metrics

@@ -170,3 +170,25 @@ def test_falls_back_when_the_pool_cannot_hold_the_trees(smollm2_dir, engines):
         assert_pool_full(eng)
     finally:
         eng.shutdown()
+
+
+def test_always_policy_pauses_while_drafts_fail(tiny_llama_dir):
+    """Random weights: the n-gram drafts are (nearly) never accepted. With `always`, after 32
+    request-steps of acceptance below speculative_min_accept the engine decodes plainly for 16
+    steps, then speculates again; the output is unchanged."""
+    from constrained_spec.engine.speculative import PAUSE_STEPS
+    kw = dict(model=tiny_llama_dir, device="cpu", max_running_requests=4)
+    sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    prompt = [5, 9, 5, 9, 5, 9, 5, 9]
+    plain = Engine(**kw)
+    eng = Engine(**kw, speculative_algorithm="ngram", speculative_policy="always", speculative_min_accept=0.3)
+    try:
+        expected = plain.generate([prompt], sp)[0].token_ids
+        assert eng.generate([prompt], sp)[0].token_ids == expected
+        st = eng.spec.stats
+        assert st.accepted_tokens / st.verified_requests < 0.3
+        plain_steps = eng.stats.decode_steps - st.steps
+        assert plain_steps >= PAUSE_STEPS and st.steps >= 32
+    finally:
+        plain.shutdown()
+        eng.shutdown()

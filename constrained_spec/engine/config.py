@@ -31,7 +31,7 @@ class EngineConfig:
     speculative_algorithm: str | None = None  # "ngram"; None: plain decoding
     speculative_num_draft_tokens: int = 8  # draft tree width N, root included
     speculative_max_batch: int = 32  # larger decode batches run plain (speculation loses there)
-    speculative_min_accept: float = 0.3  # mean accepted drafts below this: fall back to plain for a while
+    speculative_min_accept: float = 0.3  # policy "always": mean accepted drafts below this pause speculation a while
     speculative_policy: str = "measured"  # "measured": per batch size, speculate while its measured tokens/s beat
     #   plain decoding's (grammar and drafting CPU time included); "always": whenever the rules above allow
     ngram_branches: int = 1  # children per draft node: 1 = chain, >1 = tree

@@ -136,14 +136,19 @@ class Engine:
         refuse a bad schema before it queues anything."""
         return self.grammar.compile(grammar)
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None,
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams | None] | None = None,
                  grammar: GrammarSpec | list[GrammarSpec | None] | None = None) -> list[GenerationOutput]:
-        """Blocking batch generation; all prompts run concurrently."""
+        """Blocking batch generation; all prompts run concurrently. `params` and `grammar` are one
+        for all prompts, or lists with one entry per prompt."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         grammars = grammar if isinstance(grammar, list) else [grammar] * len(plist)
+        params_list = params if isinstance(params, list) else [params] * len(plist)
+        if len(grammars) != len(plist) or len(params_list) != len(plist):
+            raise ValueError(f"{len(plist)} prompts, but {len(params_list)} sampling params and {len(grammars)} grammars")
         collectors = [_Collector() for _ in plist]
-        reqs = [self.add_request(p, params, g, c) for p, g, c in zip(plist, grammars, collectors)]
+        reqs = [self.add_request(p, sp, g, c) for p, sp, g, c in zip(plist, params_list, grammars, collectors)]
         return [c.result(r) for c, r in zip(collectors, reqs)]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 
 SPEC_PHASES = ("draft", "mask", "launch", "wait", "commit")  # host phases of a step (module docstring)
+# `always`'s brake: plain steps after the drafts' mean acceptance fell below speculative_min_accept
+PAUSE_STEPS = 16
 
 
 @dataclass
@@ -87,7 +89,7 @@ class MeasuredPolicy:
     tokens/s (B for a plain step, B + accepted drafts for a speculative one) go into the bucket's
     average for that arm. This measures what speculation really costs at that batch size, the
     CPU's drafting and grammar work included. An arm's throughput is the ratio of two moving
-    averages, tokens per step over seconds per step; tokens move slowly (`token_smoothing`):
+    averages, tokens per step over seconds per step; tokens move more slowly (`token_smoothing`):
     acceptance comes in phases (a JSON key's tokens are drafted right, a free-text value's are
     not) and a short re-measurement lands in one phase, so a fast average of it flips the decision
     on whichever phase was sampled last. Steps right after a switch are not samples: with the
@@ -100,7 +102,7 @@ class MeasuredPolicy:
     """
 
     def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4,
-                 explore_steps: int = 3, token_smoothing: float = 0.03):
+                 explore_steps: int = 3, token_smoothing: float = 0.1):
         self.explore_ratio, self.smoothing, self.min_samples = explore_ratio, smoothing, min_samples
         self.token_smoothing = token_smoothing
         self.explore_steps = explore_steps
@@ -184,7 +186,8 @@ class SpeculativeWorker:
         self.width = drafter.num_draft_tokens
         self.stats = SpecStats()
         self._observed: dict[str, int] = {}  # request id -> output tokens already given to the drafter
-        self._recent: list[float] = []  # accepted drafts per request-step, recent window (fallback rule)
+        self._recent: list[float] = []  # accepted drafts per request-step, recent window (`always`'s brake)
+        self._paused_until = 0  # engine step count before which `always` decodes plainly
         self._io: VerifyIO | None = None  # the verify step's static buffers (shared with the graphs)
         if engine.config.speculative_policy not in ("measured", "always"):
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
@@ -198,14 +201,15 @@ class SpeculativeWorker:
     def should_speculate(self, batch: ScheduledBatch) -> bool:
         """Plain decoding for batches where speculation loses or cannot run: too large a batch, too
         few free KV slots or context left for a whole tree per request, requests that need
-        per-token state we do not verify (penalties, logprobs), drafts that keep failing, or (the
-        measured policy) a batch size where speculative steps have been slower than plain ones."""
+        per-token state we do not verify (penalties, logprobs); then the measured policy's choice
+        (a batch size where speculative steps have been slower than plain ones decodes plainly), or
+        for `always` a pause while drafts keep failing."""
         if not self._can_speculate(batch):
             if self.policy is not None:
                 self.policy.forget_open()
             return False
         if self.policy is None:
-            return True
+            return self._acceptance_holds()
         return self.policy.choose(batch.size, time.perf_counter(), self.engine.stats.steps)
 
     def _can_speculate(self, batch: ScheduledBatch) -> bool:
@@ -219,8 +223,18 @@ class SpeculativeWorker:
         if any(r.params.frequency_penalty or r.params.presence_penalty or r.params.logprobs is not None
                for r in batch.requests):
             return False
-        if len(self._recent) >= 32 and sum(self._recent) / len(self._recent) < cfg.speculative_min_accept:
-            self._recent = self._recent[8:]  # probe again after a few plain steps
+        return True
+
+    def _acceptance_holds(self) -> bool:
+        """The `always` policy's brake: when the recent drafts' mean acceptance falls below
+        `speculative_min_accept`, decode plainly for PAUSE_STEPS engine steps, then try again.
+        (The measured policy needs none: low acceptance shows in its throughput measurements.)"""
+        steps = self.engine.stats.steps
+        if steps < self._paused_until:
+            return False
+        if len(self._recent) >= 32 and sum(self._recent) / len(self._recent) < self.engine.config.speculative_min_accept:
+            self._recent = []
+            self._paused_until = steps + PAUSE_STEPS
             return False
         return True
 
@@ -417,4 +431,5 @@ class SpeculativeWorker:
         st.accepted_tokens += sum(accepted)
         if self.policy is not None:
             self.policy.add_tokens(len(reqs) + sum(accepted))
-        self._recent = (self._recent + accepted)[-256:]
+        else:
+            self._recent = (self._recent + accepted)[-256:]

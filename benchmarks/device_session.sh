@@ -1,0 +1,41 @@
+#!/bin/bash
+# The GPU machine's work for one session, in stages that each fit one `run` (10 minutes).
+# Prepared here, sent as (carry .device/bin .device/wheels, plus the model half named):
+#
+#   1. carry .device/model/smol.part00:  source .device/bin/setup.sh; bash benchmarks/device_session.sh profile
+#      (random weights: host phases of the decode step; no real weights needed)
+#   2. carry .device/model/smol.part01, at once:  source .device/bin/setup.sh; bash benchmarks/device_session.sh tests gpu
+#   3. at once (the model stays in /tmp):  source .device/bin/setup.sh; bash benchmarks/device_session.sh spec
+#
+# Every stage copies what it wrote to $OUT (results/, logs) and prints a short summary last.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/results"
+cd "$(dirname "$0")/.."
+
+stage_profile() {
+  (cd benchmarks && python3 profile_decode_host.py --model-dir ../.device/tok --batches 1,8,32,64,128) \
+    > "$OUT/profile.log" 2>&1
+  tail -n 30 "$OUT/profile.log"
+}
+
+stage_tests() {
+  python3 -m pytest -q -m gpu -x tests > "$OUT/pytest_gpu.log" 2>&1
+  tail -n 15 "$OUT/pytest_gpu.log"
+}
+
+stage_gpu() {
+  (cd benchmarks && python3 bench_gpu.py) > "$OUT/bench_gpu.log" 2>&1
+  tail -n 40 "$OUT/bench_gpu.log"
+}
+
+stage_spec() {
+  (cd benchmarks && python3 bench_spec.py) > "$OUT/bench_spec.log" 2>&1
+  tail -n 50 "$OUT/bench_spec.log"
+}
+
+for stage in "$@"; do
+  echo "== $stage"
+  "stage_$stage"
+  cp -r benchmarks/results/. "$OUT/results/" 2>/dev/null
+done
