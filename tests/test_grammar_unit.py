@@ -230,8 +230,11 @@ def test_rollback_and_termination(backend, tokenizer):
     assert m.accept_token(b_) and m.accept_token(c) and m.accept_token(d)
     eos = backend.tokenizer_info.stop_token_ids[0]
     assert m.accept_token(eos) and m.is_terminated()
-    with pytest.raises(ValueError):
-        backend.matcher(cg, max_rollback_tokens=4)
+    # rollback is unbounded (drafts longer than 64 tokens roll back too)
+    m2 = backend.matcher(backend.compile(GrammarSpec.regex("a{200}")))
+    assert m2.accept_tokens([a] * 150) == 150
+    m2.rollback(150)
+    assert m2.accept_tokens([a] * 200) == 200 and m2.can_terminate()
 
 
 def test_jump_forward_tokens(backend, tokenizer):

@@ -123,6 +123,8 @@ class Engine:
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if grammar is not None:
             req.grammar_future = self.grammar.compile_async(grammar)
+            # an idle engine thread sleeps until woken: a compile finishing must wake it
+            req.grammar_future.add_done_callback(lambda _: self._wake.set())
         self._inbox.put(("add", req))
         self._wake.set()
         return req
@@ -220,6 +222,7 @@ class Engine:
         inflight: StepResult | None = None
         while not self._stopped:
             try:
+                self._wake.clear()  # before looking for work: a wake-up from here on is not lost
                 self._drain_inbox()
                 self._check_compiles()
                 batch = self.scheduler.schedule(can_retract=inflight is None)
@@ -272,7 +275,6 @@ class Engine:
 
     def _idle_wait(self) -> None:
         self._wake.wait(timeout=0.05 if self._compiling else 1.0)
-        self._wake.clear()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -54,13 +54,11 @@ class RequestMatcher:
 
     __slots__ = ("_m", "compiled", "vocab_size", "_bitmask_width")
 
-    def __init__(self, compiled: CompiledGrammar, vocab_size: int, max_rollback_tokens: int = 64):
-        if max_rollback_tokens < 16:
-            raise ValueError("max_rollback_tokens must be >= 16")
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int):
         self.compiled = compiled
         self.vocab_size = vocab_size
         self._bitmask_width = math.ceil(vocab_size / 32)
-        self._m = xgr.GrammarMatcher(compiled.xgr_compiled, max_rollback_tokens=max_rollback_tokens)
+        self._m = xgr.GrammarMatcher(compiled.xgr_compiled)  # xgrammar 0.2.8: rollback is unbounded
 
     @property
     def xgr_matcher(self) -> xgr.GrammarMatcher:
@@ -355,8 +353,8 @@ class GrammarBackend:
             prepare_schema(json.loads(spec.value), spec.strict)
 
     # ---------------------------------------------------------------- matching
-    def matcher(self, compiled: CompiledGrammar, max_rollback_tokens: int = 64) -> RequestMatcher:
-        return RequestMatcher(compiled, self.vocab_size, max_rollback_tokens)
+    def matcher(self, compiled: CompiledGrammar) -> RequestMatcher:
+        return RequestMatcher(compiled, self.vocab_size)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         pin = torch.cuda.is_available()
