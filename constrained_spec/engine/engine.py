@@ -27,6 +27,7 @@ from ..grammar import GrammarBackend, GrammarError, GrammarSpec
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
+from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
@@ -169,9 +170,9 @@ class Engine:
 
     async def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
                       grammar: GrammarSpec | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
+        delivery = LoopDelivery.for_loop(asyncio.get_running_loop())
         q: asyncio.Queue = asyncio.Queue()
-        req = self.add_request(prompt, params, grammar, lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+        req = self.add_request(prompt, params, grammar, lambda out: delivery.put(q.put_nowait, out),
                                request_id=request_id)
         try:
             while True:

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
+from ..engine.delivery import LoopDelivery
 from .constraints import constraint_param, grammar_error, grammar_spec_for
 from .errors import APIError, bad_request, validation_error_to_api
 from .metrics import ServerMetrics
@@ -151,7 +152,7 @@ class _Generation:
     """n engine requests whose updates arrive, tagged with their choice index, on one asyncio queue."""
 
     def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str):
-        loop = asyncio.get_running_loop()
+        delivery = LoopDelivery.for_loop(asyncio.get_running_loop())
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -160,10 +161,7 @@ class _Generation:
 
         def make_cb(i):
             def cb(out):
-                try:
-                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
-                except RuntimeError:  # event loop gone (shutdown): nothing to deliver to
-                    pass
+                delivery.put(self.queue.put_nowait, (i, out))
             return cb
 
         try:
