@@ -55,6 +55,9 @@ def parse_args():
     ap.add_argument("--min-prompts", type=int, default=30,
                     help="prompts per measurement at least (batch 1: in turn); 30 = every hand-written schema once")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    ap.add_argument("--name", default=None, help="results file name (default spec_<device>[_quick])")
     args = ap.parse_args()
     if args.quick:
         args.batches, args.max_tokens, args.min_prompts = "1,4", 24, 2
@@ -152,7 +155,7 @@ def plot(records, path, title):
         if label not in labels:
             labels.append(label)
     series = {name: [next((r["tok_s"] for r in records if f"{r['workload']} b{r['batch']}" == label
-                           and r["engine"] == name), 0.0) for label in labels] for name in ENGINES}
+                           and r["engine"] == name), 0.0) for label in labels] for name in dict.fromkeys(r["engine"] for r in records)}
     bar_plot(path, labels, series, "tokens/s", title)
 
 
@@ -164,11 +167,16 @@ def main():
     common = dict(model=resolve_model_path(args.model), device=args.device, dtype=args.dtype,
                   speculative_num_draft_tokens=args.draft_tokens, speculative_max_batch=64,
                   **({"kv_cache_memory_gb": 4} if args.device != "cpu" else {}))
-    engines = {name: Engine(**common, **extra) for name, extra in ENGINES.items()}
+    chosen = ["plain"] + [e for e in args.engines.split(",") if e and e != "plain"]  # plain first: the reference
+    unknown = [e for e in chosen if e not in ENGINES] + [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown engine or workload: {unknown}")
+    engines = {name: Engine(**common, **ENGINES[name]) for name in chosen}
     tokenizer = engines["plain"].tokenizer
     print(f"engines ready in {time.perf_counter() - t_start:.1f} s", flush=True)
     records = []
-    for wname, make in WORKLOADS.items():
+    for wname in args.workloads.split(","):
+        make = WORKLOADS[wname]
         for batch in [int(b) for b in args.batches.split(",")]:
             work = make(tokenizer, max(batch, args.min_prompts))
             plain = None
@@ -184,7 +192,7 @@ def main():
                 print(json.dumps(rec), flush=True)
     for engine in engines.values():
         engine.shutdown()
-    name = f"spec_{args.device}" + ("_quick" if args.quick else "")
+    name = args.name or f"spec_{args.device}" + ("_quick" if args.quick else "")
     title = f"Speculative decoding: plain vs n-gram lookahead ({engines['plain'].model_name}, greedy, {args.device})"
     payload = {"machine": machine(), "args": vars(args), "seconds": time.perf_counter() - t_start, "results": records}
     write_results(name, payload, table(records, title))

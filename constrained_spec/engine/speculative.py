@@ -102,7 +102,7 @@ class MeasuredPolicy:
     """
 
     def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4,
-                 explore_steps: int = 3, token_smoothing: float = 0.1):
+                 explore_steps: int = 3, token_smoothing: float = 0.03):
         self.explore_ratio, self.smoothing, self.min_samples = explore_ratio, smoothing, min_samples
         self.token_smoothing = token_smoothing
         self.explore_steps = explore_steps
