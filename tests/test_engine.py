@@ -180,3 +180,24 @@ def test_idle_engine_wakes_when_a_grammar_compiles(tiny_llama_dir):
         assert statistics.median(gaps) < 0.03, gaps  # without the wake-up: ~0.05 s
     finally:
         eng.shutdown()
+
+
+def test_jump_forward_keeps_the_models_tokenization(smollm2_dir, engine):
+    """--jump-forward emits grammar-forced text without sampling, all but its last token: the
+    model continues from its own tokenization (`"name` then `":`), so greedy JSON comes out as it
+    does without jump-forward, in fewer steps. (Forcing `name"` whole made SmolLM2 write
+    `"name"   : `.)"""
+    from constrained_spec.grammar import GrammarSpec
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    ps = [chat(engine, f"Give a JSON profile of {t} with name, age and city.") for t in ("a chef", "a pilot")]
+    sp = SamplingParams(max_tokens=60, temperature=0)
+    plain = engine.generate(ps, sp, GrammarSpec.json_schema(schema))
+    jf = Engine(model=smollm2_dir, device="cpu", jump_forward=True)
+    try:
+        forced = jf.generate(ps, sp, GrammarSpec.json_schema(schema))
+        assert [o.text for o in forced] == [o.text for o in plain]
+        assert jf.stats.forced_tokens > 0
+    finally:
+        jf.shutdown()

@@ -26,6 +26,7 @@ import torch
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
 from ..models import load_model
 from ..sampling_params import SamplingParams
+from ..spec.grammar_draft import stable_forced_tokens
 from .config import EngineConfig
 from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer
@@ -367,9 +368,13 @@ class Engine:
         if not self.config.jump_forward or req.matcher is None:
             return []
         room = min(req.params.max_tokens - len(req.output_ids), self.max_context - req.total_len)
-        forced = req.matcher.jump_forward_tokens(self.tokenizer)[:max(room - 1, 0)]
-        for tok in forced:
-            req.matcher.accept_token(tok)
+        # all but the forced string's last token: the model would merge that one with what follows
+        # (`"` + `:` is `":`), and handing it the split form derails it (`"name"   : `)
+        forced = []
+        for tok in stable_forced_tokens(req.matcher, self.tokenizer)[0][:max(room - 1, 0)]:
+            if not req.matcher.accept_token(tok):
+                break
+            forced.append(tok)
         if forced:
             req.output_ids.extend(forced)
             req.num_forced_tokens += len(forced)
