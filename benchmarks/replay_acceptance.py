@@ -192,7 +192,7 @@ def main():
                 r = replay(work[:first], outputs[wname][:first], tokenizer, backend, NgramDrafter(**ngram), mode)
                 records.append(dict(workload=wname, prompts=first, config=name, **r))
                 print(json.dumps(records[-1]), flush=True)
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     json_work = WORKLOADS["json"](tokenizer, len(outputs["json"]))
     per_position = emitted_per_position(json_work, outputs["json"], tokenizer, backend)
     tokens = sum(len(r) - 1 for r in per_position)

@@ -233,7 +233,7 @@ def run_policy(policy, batch, seconds, steps=200, start=0.0, launch=None, spec_t
 
 
 def test_policy_measures_both_then_keeps_the_faster():
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     p = MeasuredPolicy(explore_ratio=50, min_samples=1)
     picks = run_policy(p, 1, {True: 0.002, False: 0.001})  # spec: 1500 tok/s, plain: 1000 tok/s
     # speculation measured first, then plain (the first step of each run is no sample), then the faster
@@ -246,7 +246,7 @@ def test_policy_measures_both_then_keeps_the_faster():
 
 
 def test_policy_buckets_and_unclean_samples():
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     p = MeasuredPolicy(min_samples=1)
     assert p.choose(3, 0.0, 0) is True  # bucket 4
     assert p.choose(3, 0.01, 1) is True  # the first step of a run is no sample: spec still unmeasured
@@ -259,7 +259,7 @@ def test_policy_buckets_and_unclean_samples():
 
 
 def test_policy_measures_each_arm_several_times_before_judging():
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     p = MeasuredPolicy(explore_ratio=50, min_samples=4)
     picks = run_policy(p, 1, {True: 0.002, False: 0.001})
     assert picks[:10] == [True] * 5 + [False] * 5
@@ -273,7 +273,7 @@ def test_policy_measures_each_arm_several_times_before_judging():
 def test_policy_not_fooled_by_the_overlap_pipeline(spec_seconds, expect_spec):
     """Plain 1 ms/step launched in 0.3 ms: speculation at 2 ms per 3 tokens must win (1500 vs 1000
     tok/s), at 4 ms lose (750), though the switches make plain look 3x faster and spec slower."""
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     picks = run_policy(MeasuredPolicy(), 1, {True: spec_seconds, False: 0.001}, steps=600, launch=0.0003)
     share = sum(picks[20:]) / len(picks[20:])
     assert share > 0.9 if expect_spec else share < 0.1
@@ -285,7 +285,7 @@ def test_policy_with_acceptance_that_comes_in_phases(spec_seconds, expect_spec):
     on average. At 2 ms per speculative step that is 2000 tok/s against plain's 1000 and must win
     although the short re-measurements of speculation often land in a slow phase; at 5 ms (800
     tok/s) it must lose."""
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     picks = run_policy(MeasuredPolicy(), 1, {True: spec_seconds, False: 0.001}, steps=3000,
                        spec_tokens=lambda t: 7 if (t // 12) % 2 == 0 else 1)
     share = sum(picks[100:]) / len(picks[100:])
@@ -294,7 +294,7 @@ def test_policy_with_acceptance_that_comes_in_phases(spec_seconds, expect_spec):
 
 def test_policy_leaves_speculation_after_a_lucky_start():
     """Drafts right for the first 8 steps, then never: 500 tok/s against plain's 1000."""
-    from constrained_spec.engine.speculative import MeasuredPolicy
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     picks = run_policy(MeasuredPolicy(), 1, {True: 0.002, False: 0.001}, steps=300,
                        spec_tokens=lambda t: 7 if t < 8 else 1)
     assert not any(picks[40:60]) and sum(picks[40:]) / len(picks[40:]) < 0.1
