@@ -163,7 +163,7 @@ def main():
     md = ["# GPU: SmolLM2-135M bf16, greedy, CUDA graphs + overlap (default) and ablations\n",
           f"Startup (load + graph capture): {startup:.1f} s. Copy bandwidth {bw / 1e12:.2f} TB/s; "
           f"SmolLM2 floor {1000 * 269e6 / bw:.3f} ms/step.\n",
-          "plain: 128 tokens per request; plain, json lengths: each request as many tokens as its JSON answer "
+          f"plain: {args.tokens} tokens per request; plain, json lengths: each request as many tokens as its JSON answer "
           "(the batch drains as in the JSON run, so json / that = the cost of the grammar alone).\n\n",
           markdown_table(["batch", "plain tok/s", "plain (json lengths) tok/s", "json tok/s", "json / plain (json lengths)",
                           "plain ms/step", "json ms/step", "json ms/step (no overlap)", "grammar CPU ms/step",

@@ -2,10 +2,12 @@
 # The GPU machine's work for one session, in stages that each fit one `run` (10 minutes).
 # Prepared here, sent as (carry .device/bin .device/wheels, plus the model half named):
 #
-#   1. carry .device/model/smol.part00:  source .device/bin/setup.sh; bash benchmarks/device_session.sh profile
+#   1. carry .device/model/smol.part00 and .device/tok (config + tokenizer, ~3.5 MB):  source .device/bin/setup.sh; bash benchmarks/device_session.sh profile
 #      (random weights: host phases of the decode step; no real weights needed)
-#   2. carry .device/model/smol.part01, at once:  source .device/bin/setup.sh; bash benchmarks/device_session.sh tests gpu
-#   3. at once (the model stays in /tmp):  source .device/bin/setup.sh; bash benchmarks/device_session.sh spec
+#   2. carry .device/model/smol.part01, at once:  source .device/bin/setup.sh; bash benchmarks/device_session.sh tests
+#   3. at once (the model stays in /tmp while the machine is held):  ... device_session.sh gpu
+#   4. at once:  ... device_session.sh spec
+# (the machine is given back ~30 s after a call: send each call as soon as the last returns)
 #
 # Every stage copies what it wrote to $OUT (results/, logs) and prints a short summary last.
 set -u
