@@ -63,7 +63,7 @@ def replay(work, outputs, tokenizer, grammar_backend, drafter, mode):
     from constrained_spec.spec.drafter import DraftBatch
     from constrained_spec.spec.grammar_draft import guided_chain, write_chain
     width = drafter.num_draft_tokens
-    k = drafter.config.max_ngram
+    k = drafter.context_tokens
     steps = emitted = forced_tokens = 0
     for i, ((_, spec), rec) in enumerate(zip(work, outputs)):
         prompt, out = rec["prompt"], rec["output"]
@@ -119,7 +119,7 @@ def emitted_per_position(work, outputs, tokenizer, grammar_backend, width=8):
         stream, row = list(rec["prompt"]) + out[:1], [1]
         for pos in range(1, len(out)):
             chain, _ = guided_chain(matcher, tokenizer, lambda c, n: drafter.next_tokens(i, c, n),
-                                    stream[-drafter.config.max_ngram:], width - 1)
+                                    stream[-drafter.context_tokens:], width - 1)
             acc = 0
             while acc < len(chain) and pos + acc < len(out) and chain[acc] == out[pos + acc]:
                 acc += 1

@@ -370,11 +370,8 @@ class Engine:
         room = min(req.params.max_tokens - len(req.output_ids), self.max_context - req.total_len)
         # all but the forced string's last token: the model would merge that one with what follows
         # (`"` + `:` is `":`), and handing it the split form derails it (`"name"   : `)
-        forced = []
-        for tok in stable_forced_tokens(req.matcher, self.tokenizer)[0][:max(room - 1, 0)]:
-            if not req.matcher.accept_token(tok):
-                break
-            forced.append(tok)
+        forced = stable_forced_tokens(req.matcher, self.tokenizer)[0][:max(room - 1, 0)]
+        forced = forced[:req.matcher.accept_tokens(forced)]
         if forced:
             req.output_ids.extend(forced)
             req.num_forced_tokens += len(forced)

@@ -97,8 +97,6 @@ class SpeculativeWorker:
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
         self.policy = MeasuredPolicy() if engine.config.speculative_policy == "measured" else None
         self._node_index = np.arange(self.width)
-        # context tokens handed to the drafter's next_tokens (the n-gram drafter reads max_ngram of them)
-        self._context_len = getattr(getattr(drafter, "config", None), "max_ngram", 8)
         self._event = torch.cuda.Event() if self.runner.device.type == "cuda" else None
 
     # -- policy ----------------------------------------------------------------------------------
@@ -225,7 +223,7 @@ class SpeculativeWorker:
                 dst[free] = src
         # node 0 is the model's input for the last sampled token: never take it from a drafter
         tokens[:, 0] = [r.output_ids[-1] for r in reqs]
-        k = self._context_len
+        k = self.drafter.context_tokens
         for b, r in enumerate(reqs):
             if r.matcher is None or not guided:
                 continue

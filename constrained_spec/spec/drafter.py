@@ -43,6 +43,8 @@ class Drafter(ABC):
     #: whether `next_tokens` works: then requests with a grammar get grammar-guided chains
     #: (spec/grammar_draft.py) instead of `propose`'s trees
     has_next_tokens: bool = False
+    #: trailing context tokens `next_tokens` reads (callers pass no more than this)
+    context_tokens: int = 8
 
     def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
         """Register a request and its prompt."""

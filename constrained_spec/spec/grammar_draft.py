@@ -56,12 +56,9 @@ def guided_chain(matcher, tokenizer, next_tokens: Callable[[Sequence[int], int],
     try:
         while len(chain) < max_len:
             forced, fallback = stable_forced_tokens(matcher, tokenizer)
-            took = 0
-            for tok in forced[:max_len - len(chain)]:
-                if not matcher.accept_token(tok):
-                    break
-                chain.append(tok)
-                took += 1
+            forced = forced[:max_len - len(chain)]
+            took = matcher.accept_tokens(forced)
+            chain += forced[:took]
             if took:
                 forced_count += took
                 continue

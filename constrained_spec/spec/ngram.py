@@ -40,6 +40,7 @@ class NgramDrafter(Drafter):
             cfg = NgramConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
         self.num_draft_tokens = cfg.num_draft_tokens
+        self.context_tokens = cfg.max_ngram
         self.trie = NgramTrie(max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
                               num_draft_tokens=cfg.num_draft_tokens, branches=cfg.branches,
                               capacity=cfg.capacity, request_capacity=cfg.request_capacity,
@@ -76,7 +77,7 @@ class NgramDrafter(Drafter):
         return self.trie.propose_batch(ids, contexts, num_draft_tokens, branches)
 
     def next_tokens(self, request_id: Hashable, context: Sequence[int], k: int) -> Sequence[int]:
-        return self.trie.next_tokens(self._id(request_id), list(context[-self.config.max_ngram:]), k)
+        return self.trie.next_tokens(self._id(request_id), list(context[-self.context_tokens:]), k)
 
     def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:
         self.trie.insert(self._id(request_id), np.asarray(accepted_tokens, dtype=np.int32))
