@@ -6,7 +6,8 @@
 #      (random weights: host phases of the decode step; no real weights needed)
 #   2. carry .device/model/smol.part01, at once:  source .device/bin/setup.sh; bash benchmarks/device_session.sh tests
 #   3. at once (the model stays in /tmp while the machine is held):  ... device_session.sh gpu
-#   4. at once:  ... device_session.sh spec
+#   4. at once:  ... device_session.sh spec_json
+#   5. at once:  ... device_session.sh spec_rag
 # (the machine is given back ~30 s after a call: send each call as soon as the last returns)
 #
 # Every stage copies what it wrote to $OUT (results/, logs) and prints a short summary last.
@@ -22,18 +23,28 @@ stage_profile() {
 }
 
 stage_tests() {
-  python3 -m pytest -q -m gpu -x tests > "$OUT/pytest_gpu.log" 2>&1
+  timeout 560 python3 -m pytest -q -m gpu tests --durations=15 > "$OUT/pytest_gpu.log" 2>&1
   tail -n 15 "$OUT/pytest_gpu.log"
 }
 
 stage_gpu() {
-  (cd benchmarks && python3 bench_gpu.py) > "$OUT/bench_gpu.log" 2>&1
+  (cd benchmarks && timeout 560 python3 bench_gpu.py) > "$OUT/bench_gpu.log" 2>&1
   tail -n 40 "$OUT/bench_gpu.log"
 }
 
-stage_spec() {
-  (cd benchmarks && python3 bench_spec.py) > "$OUT/bench_spec.log" 2>&1
+stage_spec() {  # both workloads in one call: may not fit 10 minutes with 30 JSON prompts
+  (cd benchmarks && timeout 560 python3 bench_spec.py) > "$OUT/bench_spec.log" 2>&1
   tail -n 50 "$OUT/bench_spec.log"
+}
+
+stage_spec_json() {
+  (cd benchmarks && timeout 560 python3 bench_spec.py --workloads json --name spec_cuda_json) > "$OUT/bench_spec_json.log" 2>&1
+  tail -n 25 "$OUT/bench_spec_json.log"
+}
+
+stage_spec_rag() {
+  (cd benchmarks && timeout 560 python3 bench_spec.py --workloads rag --name spec_cuda_rag) > "$OUT/bench_spec_rag.log" 2>&1
+  tail -n 25 "$OUT/bench_spec_rag.log"
 }
 
 for stage in "$@"; do
