@@ -47,8 +47,9 @@ stage_spec_rag() {
   tail -n 25 "$OUT/bench_spec_rag.log"
 }
 
+touch "$OUT/.start"  # only what this call wrote goes back ($OUT holds a limited number of files)
 for stage in "$@"; do
   echo "== $stage"
   "stage_$stage"
-  cp -r benchmarks/results/. "$OUT/results/" 2>/dev/null
+  find benchmarks/results -type f -newer "$OUT/.start" -exec cp {} "$OUT/results/" \;
 done
