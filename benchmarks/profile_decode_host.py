@@ -60,6 +60,9 @@ def main():
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option, e.g. grammar_mask_threads=15 (repeatable)")
+    ap.add_argument("--batch-matcher-threads", type=int, default=None,
+                    help="threads of xgrammar's BatchGrammarMatcher in the unbudgeted fill (A/B; the engine uses 1)")
+    ap.add_argument("--name", default=None, help="results file name (default decode_host_<device>)")
     args = ap.parse_args()
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine
@@ -84,6 +87,10 @@ def main():
     opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
     eng = Engine(loaded=random_model(args.model_dir or resolve_model_path(None), args.device), device=args.device,
                  max_running_requests=max(int(b) for b in args.batches.split(",")), **opts)
+    if args.batch_matcher_threads is not None:
+        import xgrammar as xgr
+        eng.masks._batch = xgr.BatchGrammarMatcher(max_threads=args.batch_matcher_threads)
+        opts["batch_matcher_threads"] = args.batch_matcher_threads
     timer.wrap(eng.scheduler, "schedule", "schedule")
     timer.wrap(eng.runner, "forward", "forward launch")
     timer.wrap(eng.runner, "sample", "sample launch")
@@ -106,7 +113,7 @@ def main():
             records.append(rec)
             print(json.dumps(rec), flush=True)
     eng.shutdown()
-    (RESULTS / f"decode_host_{args.device}.json").write_text(json.dumps(records, indent=1))
+    (RESULTS / f"{args.name or 'decode_host_' + args.device}.json").write_text(json.dumps(records, indent=1))
     if profile is not None:
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 

@@ -30,6 +30,11 @@ ENGINES = {
     "ngram always": dict(speculative_algorithm="ngram", speculative_policy="always"),
     "ngram 16": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=16),
 }
+# the measured policy with other parameters (engine name -> MeasuredPolicy keyword arguments)
+POLICY_VARIANTS = {
+    "ngram explore 5": dict(explore_ratio=5.0),
+    "ngram tokens 0.2": dict(token_smoothing=0.2),
+}
 
 
 class StepLog:
@@ -37,17 +42,19 @@ class StepLog:
 
     def __init__(self, engine):
         self.engine, self.rows, self.last = engine, [], None
-        self._spec_steps = 0
+        self._spec_steps = self._accepted = 0
         on_step = engine.stats.on_step
 
         def hook(batch, seconds):
             on_step(batch, seconds)
             now = time.perf_counter()
             spec = engine.spec.stats.steps if engine.spec is not None else 0
+            accepted = engine.spec.stats.accepted_tokens if engine.spec is not None else 0
             kind = "prefill" if batch.mode.value != "decode" else ("spec" if spec > self._spec_steps else "decode")
-            self._spec_steps = spec
+            tokens = batch.size + accepted - self._accepted
+            self._spec_steps, self._accepted = spec, accepted
             if self.last is not None:
-                self.rows.append((kind, batch.size, now - self.last, seconds))
+                self.rows.append((kind, batch.size, now - self.last, seconds, tokens))
             self.last = now
         engine.stats.on_step = hook
 
@@ -74,7 +81,7 @@ def run(engine, work, max_tokens, log: StepLog | None):
 
 def summarize(name, log: StepLog, tokens, seconds, engine):
     kinds = {}
-    for kind, size, period, host in log.rows:
+    for kind, size, period, host, _ in log.rows:
         k = kinds.setdefault(kind, dict(steps=0, period_s=0.0, host_s=0.0))
         k["steps"] += 1
         k["period_s"] += period
@@ -93,6 +100,9 @@ def summarize(name, log: StepLog, tokens, seconds, engine):
             rec["policy_arms"] = {f"b{b} {'spec' if s else 'plain'}": dict(
                 tok_per_ms=round(a.tokens_per_s / 1000, 3), step_ms=round(1000 * a.step_seconds, 3),
                 step_tokens=round(a.step_tokens, 2), samples=a.samples) for (b, s), a in policy.arms.items()}
+    # the step sequence, compact: one letter per step (p prefill, d plain decode, s speculative)
+    rec["sequence"] = "".join(kind[0] for kind, *_ in log.rows)
+    rec["spec_tokens"] = [t for kind, _, _, _, t in log.rows if kind == "spec"]
     return rec
 
 
@@ -126,15 +136,18 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(ENGINES), help="of: " + ", ".join([*ENGINES, *POLICY_VARIANTS]))
     args = ap.parse_args()
     from constrained_spec.engine import Engine
     from constrained_spec.models import resolve_model_path
     common = dict(model=resolve_model_path(args.model), device=args.device, dtype="auto", speculative_max_batch=64,
                   **({"kv_cache_memory_gb": 4} if args.device != "cpu" else {}))
     records, graphs = [], {}
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
     for name in args.engines.split(","):
-        engine = Engine(**{**common, **ENGINES[name]})
+        engine = Engine(**{**common, **ENGINES.get(name, ENGINES["ngram"])})
+        if name in POLICY_VARIANTS:
+            engine.spec.policy = MeasuredPolicy(**POLICY_VARIANTS[name])
         work = json_workload(engine.tokenizer, args.prompts)
         run(engine, work, 16, None)  # warm-up: grammars compiled, caches filled
         if engine.spec is not None:
@@ -145,7 +158,8 @@ def main():
         rec = summarize(name, log, tokens, seconds, engine)
         rec["between_requests_ms"] = round(1000 * between / len(work), 3)
         records.append(rec)
-        print(json.dumps(rec), flush=True)
+        print(json.dumps({k: v for k, v in rec.items() if k not in ("sequence", "spec_tokens")}), flush=True)
+        print(name, rec["sequence"], flush=True)
         if engine.device.type == "cuda" and engine.runner.graphs is not None and name in ("ngram", "ngram 16"):
             graphs[name] = graph_times(engine, 200)
             print(json.dumps({"graph_ms": graphs[name]}), flush=True)

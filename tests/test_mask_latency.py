@@ -14,7 +14,7 @@ import torch
 
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
-from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, MaskFiller
+from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, ROWS_PER_THREAD, MaskFiller
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 
 NORMAL = GrammarSpec.json_schema({
@@ -224,20 +224,22 @@ def test_xgrammar_writes_whole_rows(backend):
 
 
 @pytest.mark.parametrize("budget_ms", [None, 1000.0])
-@pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5])
+@pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5, 4 * ROWS_PER_THREAD + 1])
 def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
-    """Direct loop, batch matcher and worker threads all give the reference rows; rows without a
-    matcher (or finished) allow everything."""
-    ms = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee", "age": 7}), rows)
+    """Direct loop, batch matcher (on one or several threads) and worker threads all give the
+    reference rows; rows without a matcher (or finished) allow everything."""
+    ms = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
             for m in ms]
     reqs[1].matcher = None
     reqs[2].finished = True
     buf = torch.full((rows, 1536), 0x5A5A5A5A, dtype=torch.int32)
-    filler = MaskFiller(buf, threads=2, budget_ms=budget_ms, max_requests=rows)
+    filler = MaskFiller(buf, threads=4, budget_ms=budget_ms, max_requests=rows)
     try:
         fill = filler.fill(reqs)
         assert fill.late == []
+        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS:  # one thread per ROWS_PER_THREAD live rows
+            assert list(filler._batch) == [min(4, (rows - 2) // ROWS_PER_THREAD)]
         expected = reference_rows([r.matcher if not r.finished else None for r in reqs], 1536)
         assert torch.equal(fill.bitmask, expected)
         assert all(r.mask_job is None for r in reqs)

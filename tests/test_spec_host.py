@@ -258,6 +258,21 @@ def test_policy_buckets_and_unclean_samples():
     assert p.choose(8, 2.0, 9) is True  # bucket 8 is new: speculation first
 
 
+def test_policy_counts_the_tokens_of_steps_it_cannot_time():
+    """A speculative step right after a plain one (or with a prefill in between) is no timing, but
+    what it emitted is a sample of acceptance."""
+    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    p = MeasuredPolicy(min_samples=1)
+    assert p.choose(1, 0.0, 0) is True  # first step: no timing
+    p.add_tokens(5)
+    assert p.choose(1, 0.002, 1) is True
+    arm = p.arms[(1, True)]
+    assert (arm.token_samples, arm.samples, arm.step_tokens) == (1, 0, 5)
+    p.add_tokens(3)
+    p.choose(1, 1.0, 9)  # other steps ran in between: tokens yes, timing no
+    assert (arm.token_samples, arm.samples, arm.step_tokens) == (2, 0, 4)
+
+
 def test_policy_measures_each_arm_several_times_before_judging():
     from constrained_spec.engine.spec_policy import MeasuredPolicy
     p = MeasuredPolicy(explore_ratio=50, min_samples=4)

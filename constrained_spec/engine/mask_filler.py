@@ -1,14 +1,16 @@
 """Grammar bitmask rows for one step, optionally within a time budget ("bounded mask latency").
 
 Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
-per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on a single C++ thread for
-larger ones (no Python per row). Measured on the H100 machine's host with 64 requests at fresh
-states every step (benchmarks/profile_decode_host.py, random SmolLM2-shaped weights): 1.2 ms per
-step this way; the batch matcher on 8 threads 1.8 ms; filling on a helper thread while the engine
-thread streams the previous tokens 1.7-2.7 ms (the helper waits for the GIL to enter and leave
-xgrammar, and the two threads slow each other), 4 helper loops 1.4 ms. Only the rows no matcher
-writes are set to all-ones: xgrammar writes every word of a row it fills
-(tests/test_mask_latency.py checks it).
+per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on `threads` C++ threads for
+larger ones (no Python per row, one GIL release). Measured on the H100 machine's 16-core host
+(benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
+benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
+batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
+step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (min(8, cores / 2)):
+with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
+to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
+steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle. Only the rows no matcher writes are set to all-ones:
+xgrammar writes every word of a row it fills (tests/test_mask_latency.py checks it).
 
 With a budget (`grammar_mask_budget_ms`) every row is a job for worker threads. They run in
 parallel with the engine thread because xgrammar's fill releases the GIL (measured: a thread looping
@@ -32,9 +34,10 @@ from typing import Sequence
 import torch
 import xgrammar as xgr
 
-# Up to this many rows a plain loop on the engine thread beats the batch matcher with 2 threads (see
-# above); more threads move the crossover down in proportion (`_direct_fill_max_rows`).
+# Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
+# Rows per thread of the batch matcher (measured at batch 32 to 128 with 1, 4 and 8 threads, above).
+ROWS_PER_THREAD = 8
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that with few workers the rows that can still make it are not stuck behind it.
 SLOW_SHARE = 0.5
@@ -131,7 +134,8 @@ class MaskFiller:
 
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # more threads measured slower (see above)
+        self._threads = threads
+        self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         # One staging row per job; late jobs of finished requests may briefly hold a row each, hence
         # the room beyond one per request. The last row stays all-ones (rows nobody constrains).
@@ -178,7 +182,16 @@ class MaskFiller:
             for i in live:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
-            self._batch.batch_fill_next_token_bitmask([reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
+            self._batch_matcher(len(live)).batch_fill_next_token_bitmask(
+                [reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
+
+    def _batch_matcher(self, rows: int) -> xgr.BatchGrammarMatcher:
+        """A thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each
+        costs more than it saves."""
+        n = max(1, min(self._threads, rows // ROWS_PER_THREAD))
+        if n not in self._batch:
+            self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
+        return self._batch[n]
 
     # -- within a budget: on the workers ----------------------------------------------------------
     def _fill_within(self, reqs: Sequence, bitmask: torch.Tensor, deadline: float) -> list[int]:

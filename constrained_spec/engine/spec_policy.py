@@ -12,7 +12,8 @@ class _Arm:
     """Measured throughput of one way of decoding a batch-size bucket (exponential moving averages)."""
     step_tokens: float = 0.0
     step_seconds: float = 0.0
-    samples: int = 0
+    samples: int = 0  # timed steps
+    token_samples: int = 0  # steps whose tokens were counted (every step that ran as decided)
 
     @property
     def tokens_per_s(self) -> float:
@@ -33,7 +34,9 @@ class MeasuredPolicy:
     on whichever phase was sampled last. Steps right after a switch are not samples: with the
     overlap scheduler a plain step's interval ends before its device work does, so the step after
     it absorbs the rest (a speculative step after a plain one looks slow, a plain one after a
-    speculative one looks fast). Each arm is first measured for `min_samples` samples (the first
+    speculative one looks fast); their tokens still count (what a speculative step emits does not
+    depend on what ran before it, and re-measurements are short: measured on the H100, counting
+    only clean steps left a cold start's low acceptance in the average for whole requests). Each arm is first measured for `min_samples` samples (the first
     speculative step of a request also feeds its prompt to the drafter); then the faster arm runs,
     and the slower one is measured again for `explore_steps` steps once the bucket has run
     `explore_ratio` times as long as that takes, so re-measuring costs about 1/explore_ratio of the time.
@@ -91,14 +94,17 @@ class MeasuredPolicy:
             return
         key, start, steps, tokens, clean = self._open
         self._open = None
-        if not clean or engine_steps != steps + 1 or tokens <= 0 or now <= start:
-            return  # after a switch, another step ran in between (a prefill), or nothing was emitted
-        seconds = now - start
+        if tokens <= 0:
+            return  # nothing was emitted (the batch finished before the step ran)
         arm = self.arms.get(key)
         if arm is None:
             arm = self.arms[key] = _Arm()
+        # plain means over the first samples, then EMAs
+        arm.token_samples += 1
+        arm.step_tokens += max(self.token_smoothing, 1.0 / arm.token_samples) * (tokens - arm.step_tokens)
+        if not clean or engine_steps != steps + 1 or now <= start:
+            return  # after a switch, or another step ran in between (a prefill): not a timing
+        seconds = now - start
         arm.samples += 1
-        # a plain mean over the first samples, then an EMA
-        arm.step_tokens += max(self.token_smoothing, 1.0 / arm.samples) * (tokens - arm.step_tokens)
         arm.step_seconds += max(self.smoothing, 1.0 / arm.samples) * (seconds - arm.step_seconds)
         self._elapsed[key[0]] = self._elapsed.get(key[0], 0.0) + seconds
