@@ -19,10 +19,9 @@ import argparse
 import json
 import time
 
-import torch
-
 from bench_spec import json_workload
 from common import RESULTS, machine
+from constrained_spec.kernels.bench import replay_ms
 
 ENGINES = {
     "plain": {},
@@ -117,16 +116,7 @@ def graph_times(engine, replays: int) -> dict:
     for key in keys:
         if key not in graphs.graphs:
             continue
-        graph = graphs.graphs[key][0]
-        for _ in range(10):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        out[" ".join(map(str, key))] = round(start.elapsed_time(end) / replays, 4)
+        out[" ".join(map(str, key))] = round(replay_ms(graphs.graphs[key][0], replays, warmup=10), 4)
     return out
 
 

@@ -11,6 +11,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 20) -> float:
+    """Device milliseconds per replay of a captured graph (CUDA events around `iters` replays)."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def main(batches=(1, 64), ctx=256, width=512, iters=200):
     from constrained_spec import kernels as K
     from constrained_spec.attention import AttentionMetadata, ForwardMode, KVCache
@@ -67,15 +80,7 @@ def main(batches=(1, 64), ctx=256, width=512, iters=200):
                 g.replay()
                 torch.cuda.synchronize()
                 outs[name] = out.float().clone()
-                for _ in range(20):
-                    g.replay()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(iters):
-                    g.replay()
-                e.record()
-                torch.cuda.synchronize()
-            ms = s.elapsed_time(e) / iters
+                ms = replay_ms(g, iters)
             print(f"B={B:3d} {name:24s} {ms:7.3f} ms/replay  GPU ops/forward={n_kernels:4d} "
                   f"(~{n_kernels / cfg.num_layers:.1f}/layer)")
             del g
