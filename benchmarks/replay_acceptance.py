@@ -10,8 +10,9 @@ tokens, advance the grammar matcher.
 
 The same data replays the engine's speculate-or-not policy (MeasuredPolicy): for every position of
 every JSON output, the tokens a speculative step starting there would emit; the policy then runs over
-the requests on a simulated clock with given plain and speculative step costs (the CPU's and a
-GPU-like pair), against always speculating and never.
+the requests on a simulated clock with given plain, speculative and prefill step costs (the CPU's,
+and the H100's from benchmarks/profile_timeline.py, with the overlap pipeline's effect on switches),
+against always speculating and never.
 
   python benchmarks/replay_acceptance.py --device cpu           # SmolLM2 fp32 outputs, ~2 min the first time
 Writes benchmarks/results/replay_acceptance.{json,md}.
@@ -21,8 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-
-import numpy as np
+from dataclasses import dataclass
 
 from common import RESULTS, markdown_table, write_results
 
@@ -132,20 +132,39 @@ def emitted_per_position(work, outputs, tokenizer, grammar_backend, width=8):
     return rows
 
 
-def simulate_policy(rows, policy, plain_s: float, spec_s: float) -> float:
+@dataclass
+class StepCosts:
+    """Seconds per step on a simulated clock. With overlap (`launch` set) a plain step right after
+    another kind of step ends once launched and the next step absorbs the rest of its device time,
+    as in the engine; every request starts with a prefill step (an engine step the policy does not
+    decide)."""
+    plain: float
+    spec: float
+    prefill: float = 0.0
+    launch: float | None = None
+
+
+def simulate_policy(rows, policy, costs: StepCosts) -> float:
     """Seconds to emit every output at batch 1, requests in turn; policy None = always speculate."""
-    now, steps = 0.0, 0
+    now, steps, pending, plain_before = 0.0, 0, 0.0, False
     for row in rows:
+        now, pending, steps, plain_before = now + costs.prefill + pending, 0.0, steps + 1, False
         pos = 1
         while pos < len(row):
             if policy is None or policy.choose(1, now, steps):
-                n, now = row[pos], now + spec_s
+                n, now, pending, plain_before = row[pos], now + costs.spec + pending, 0.0, False
                 if policy is not None:
                     policy.add_tokens(n)
+            elif costs.launch is not None and not plain_before:
+                n, now, pending, plain_before = 1, now + costs.launch + pending, costs.plain - costs.launch, True
             else:
-                n, now = 1, now + plain_s
+                n, now = 1, now + costs.plain
             pos, steps = pos + n, steps + 1
-    return now
+    return now + pending
+
+
+def plain_seconds(rows, costs: StepCosts) -> float:
+    return sum(costs.prefill + (len(row) - 1) * costs.plain for row in rows)
 
 
 def accepted_length(tokens, next_token, next_sibling, truth) -> int:
@@ -195,17 +214,19 @@ def main():
     from constrained_spec.engine.spec_policy import MeasuredPolicy
     json_work = WORKLOADS["json"](tokenizer, len(outputs["json"]))
     per_position = emitted_per_position(json_work, outputs["json"], tokenizer, backend)
-    tokens = sum(len(r) - 1 for r in per_position)
-    # (plain, speculative) seconds per step: this CPU's (bench_spec --device cpu) and an H100-like pair
-    regimes = {"CPU (55.5 / 93 ms)": (0.0555, 0.093), "GPU-like (1.05 / 1.6 ms)": (0.00105, 0.0016)}
+    # this CPU's step costs (bench_spec --device cpu), and the H100's (profile_timeline.py: plain 0.99
+    # ms, speculative 1.6 ms on one host and 2.0 ms on another, prefill 13 ms, overlap)
+    regimes = {"CPU (55.5 / 93 ms, prefill 220 ms)": StepCosts(0.0555, 0.093, 0.22),
+               "H100 (0.99 / 1.6 ms, prefill 13 ms, overlap)": StepCosts(0.00099, 0.0016, 0.013, 0.0003),
+               "H100 (0.99 / 2.0 ms, prefill 13 ms, overlap)": StepCosts(0.00099, 0.002, 0.013, 0.0003)}
     policy_rows = []
-    for regime, (plain_s, spec_s) in regimes.items():
-        plain_total = tokens * plain_s
+    for regime, costs in regimes.items():
+        plain_total = plain_seconds(per_position, costs)
         policies = {"always": None, "measured (engine default)": MeasuredPolicy(),
                     "measured, token smoothing 0.1": MeasuredPolicy(token_smoothing=0.1),
                     "measured, token smoothing 0.25": MeasuredPolicy(token_smoothing=0.25)}
         for pname, policy in policies.items():
-            policy_rows.append([regime, pname, round(plain_total / simulate_policy(per_position, policy, plain_s, spec_s), 3)])
+            policy_rows.append([regime, pname, round(plain_total / simulate_policy(per_position, policy, costs), 3)])
     rows = [[r["workload"], r["prompts"], r["config"], r["steps"], r["tokens"], round(r["mean_accepted_len"], 2),
              round(r["forced_tokens_per_step"], 2)] for r in records]
     md = ("# Acceptance replay over plain greedy outputs (batch 1, requests in turn)\n\n"

@@ -237,3 +237,17 @@ def test_server_with_speculation(engines):
         client.close()
         handle.stop()
     assert_pool_full(spec)
+
+
+def test_reset_drafter_forgets_what_the_policy_measured(tiny_llama_dir):
+    """A fresh drafter comes with a fresh measured policy: the old measurements were of the old
+    drafter's acceptance (a benchmark's warm-up must not decide its timed run)."""
+    eng = Engine(model=tiny_llama_dir, device="cpu", max_running_requests=4, speculative_algorithm="ngram")
+    try:
+        eng.generate([[5, 9, 5, 9, 5, 9]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert eng.spec.policy.arms  # both ways measured at batch 1
+        old_drafter = eng.spec.drafter
+        eng.spec.reset_drafter()
+        assert eng.spec.drafter is not old_drafter and not eng.spec.policy.arms
+    finally:
+        eng.shutdown()

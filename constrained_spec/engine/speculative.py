@@ -146,10 +146,13 @@ class SpeculativeWorker:
 
     def reset_drafter(self) -> None:
         """A fresh drafter that has seen nothing (benchmarks: a run must not draft from the outputs of
-        an earlier run of the same prompts). Call only while no request is running."""
+        an earlier run of the same prompts), and a fresh policy: what it measured was the old
+        drafter's acceptance. Call only while no request is running."""
         if self._observed:
             raise RuntimeError("reset_drafter while requests are running")
         self.drafter = make_drafter(self.engine.config)
+        if self.policy is not None:
+            self.policy = MeasuredPolicy()
 
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
