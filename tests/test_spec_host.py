@@ -324,3 +324,30 @@ def test_spec_metrics_export_acceptance_and_host_phases():
     assert fams["constrained_spec_spec_mean_accepted_length"].samples[0].value == pytest.approx(2.5)
     host = {s.labels["phase"]: s.value for s in fams["constrained_spec_spec_host_seconds"].samples}
     assert set(host) == set(SPEC_PHASES) and host["draft"] == 0.002 and host["mask"] == 0.001
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_fast_path_matches_the_general_structure(seed):
+    """Chains take a closed form in HostTrees.build and pruned; it must equal the general closure
+    (forced off by a non-chain tree in the same batch, which sends the whole batch down the general
+    path)."""
+    rng = np.random.default_rng(seed)
+    b, n = 6, 8
+    counts = rng.integers(0, n + 1, b)
+    counts[0] = n
+    tok = rng.integers(0, 50, (b, n))
+    idx = np.arange(n)
+    nxt = np.where(idx + 1 < counts[:, None], idx + 1, -1)
+    sib = np.full((b, n), -1)
+    fast = HostTrees.build(tok, nxt, sib, counts)
+    # the same chains plus one extra tree with a sibling: general path for every row
+    tree_nxt, tree_sib = np.array([[1, -1, -1] + [-1] * (n - 3)]), np.array([[-1, 2, -1] + [-1] * (n - 3)])
+    slow = HostTrees.build(np.vstack([tok, tok[:1]]), np.vstack([nxt, tree_nxt]), np.vstack([sib, tree_sib]),
+                           np.append(counts, 3))
+    for field in ("parents", "depth", "mask", "live"):
+        assert np.array_equal(getattr(fast, field), getattr(slow, field)[:b]), field
+    allowed = rng.random((b, n)) < 0.8
+    fast_pruned = fast.pruned(allowed)
+    slow_pruned = slow.pruned(np.vstack([allowed, np.ones((1, n), bool)]))
+    for field in ("next_token", "next_sibling", "parents", "depth", "mask", "live"):
+        assert np.array_equal(getattr(fast_pruned, field), getattr(slow_pruned, field)[:b]), field

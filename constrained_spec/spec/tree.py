@@ -266,6 +266,9 @@ class HostTrees:
             tok, nxt, sib = tok[None], nxt[None], sib[None]
         count = (np.full(tok.shape[0], tok.shape[1], np.int64) if num_nodes is None
                  else np.asarray(num_nodes, dtype=np.int64).reshape(-1))
+        chains = _chain_structure(nxt, sib, count)
+        if chains is not None:
+            return cls(tok, nxt, sib, count, *chains)
         parents = host_parents(nxt, sib, count)
         mask, depth = host_ancestors(parents)
         live = mask[:, :, 0] & (count > 0)[:, None]  # reachable from the root
@@ -309,6 +312,14 @@ class HostTrees:
         b, n = self.shape
         allowed = np.asarray(allowed, dtype=bool).copy()
         allowed[:, 0] = True
+        eye = np.eye(n, dtype=bool)[None]
+        if _is_chain(self.next_token, self.next_sibling, self.num_nodes):  # closed form, as in build
+            keep = np.logical_and.accumulate(allowed, axis=1) & self.live
+            idx = np.arange(n)
+            next_kept = np.concatenate([keep[:, 1:], np.zeros((b, 1), bool)], 1)
+            return HostTrees(self.tokens, np.where(keep & next_kept, idx + 1, -1), self.next_sibling,
+                             self.num_nodes, np.where(keep, self.parents, -1), np.where(keep, self.depth, 0),
+                             (self.mask & keep[:, :, None]) | eye, keep)
         keep = ~(self.mask & ~allowed[:, None, :]).any(-1) & self.live  # every node on the path allowed
         first_kept = _first_kept_sibling(self.next_sibling, keep)
 
@@ -316,7 +327,6 @@ class HostTrees:
             target = np.take_along_axis(first_kept, np.where(links >= 0, links, n), 1)
             return np.where(keep & (target < n), target, -1)
 
-        eye = np.eye(n, dtype=bool)[None]
         return HostTrees(self.tokens, relink(self.next_token), relink(self.next_sibling), self.num_nodes,
                          np.where(keep, self.parents, -1), np.where(keep, self.depth, 0),
                          (self.mask & keep[:, :, None]) | eye, keep)
@@ -329,6 +339,30 @@ class HostTrees:
         t = torch.from_numpy(packed).to(device)
         tok, nxt, sib, count = torch.split(t, [b * n, b * n, b * n, b])
         return DraftTrees(tok.view(b, n), nxt.view(b, n), sib.view(b, n), count)
+
+
+def _chain_structure(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray):
+    """(parents, depth, mask, live) when every tree is a chain (node i's only child is i + 1 up to
+    num_nodes), else None. Chains are what the engine drafts by default (grammar-guided and
+    single-branch trie drafts); their structure has a closed form, several times cheaper than the
+    general closure below on the speculative step's serial host path."""
+    if not _is_chain(next_token, next_sibling, num_nodes):
+        return None
+    b, n = next_token.shape
+    idx = np.arange(n)
+    count = np.minimum(num_nodes, n)[:, None]
+    live = (idx < count) & (count > 0)
+    parents = np.where(live & (idx > 0), idx - 1, -1)
+    depth = np.where(live, idx, 0)
+    mask = (np.tri(n, dtype=bool) & live[:, None, :] & live[:, :, None]) | np.eye(n, dtype=bool)
+    return parents, depth, mask, live
+
+
+def _is_chain(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> bool:
+    """Every tree is a chain in layout order: node i's only child is i + 1, up to num_nodes."""
+    idx = np.arange(next_token.shape[1])
+    chain_next = np.where(idx + 1 < np.minimum(num_nodes, len(idx))[:, None], idx + 1, -1)
+    return not (next_sibling >= 0).any() and np.array_equal(next_token, chain_next)
 
 
 def host_parents(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
