@@ -251,3 +251,18 @@ def test_reset_drafter_forgets_what_the_policy_measured(tiny_llama_dir):
         assert eng.spec.drafter is not old_drafter and not eng.spec.policy.arms
     finally:
         eng.shutdown()
+
+
+def test_jump_forward_with_speculation(engines):
+    """--jump-forward on a speculative engine: plain steps emit forced strings, speculative steps
+    draft them instead (a forced string appended mid-way through a verified path would shift the
+    tokens after it). Greedy JSON comes out as without either; before, the grammar rejected it."""
+    plain = engines("plain")
+    ps = prompts(plain)[1:2] + [plain.chat_prompt([{"role": "user", "content": "Give a JSON profile of a pilot."}])]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    expected = [o.text for o in plain.generate(ps, sp, GrammarSpec.json_schema(SCHEMA))]
+    eng = engines("spec-jump-forward", speculative_algorithm="ngram", speculative_policy="always", jump_forward=True)
+    outs = eng.generate(ps, sp, GrammarSpec.json_schema(SCHEMA))
+    assert [o.error for o in outs] == [None, None]
+    assert [o.text for o in outs] == expected
+    assert eng.spec.stats.steps > 0

@@ -337,7 +337,10 @@ class Engine:
                 continue
             self._append_token(req, tokens[i], None if logprobs is None else logprobs[i])
 
-    def _append_token(self, req: Request, token: int, logprob: dict | None) -> None:
+    def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True) -> None:
+        """One sampled or verified token into the request: grammar, stop conditions, stream.
+        `jump_forward=False` for the speculative step's tokens: the tokens after this one were
+        verified without a forced string in between (its forced strings went into the drafts)."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             self.stats.on_first_token(req)
@@ -351,8 +354,8 @@ class Engine:
             return
         new_ids = [token]
         req.output_ids.append(token)
-        forced = self._jump_forward(req)
-        new_ids += forced
+        if jump_forward:
+            new_ids += self._jump_forward(req)
         stop = req.detok.add(new_ids)
         lps = [logprob] if logprob else None
         if stop is not None:

@@ -321,7 +321,7 @@ class SpeculativeWorker:
             for tok in emitted[b, :lens[b] + 1].tolist():
                 if r.finished:
                     break
-                self.engine._append_token(r, tok, None)
+                self.engine._append_token(r, tok, None, jump_forward=False)
 
     def _count(self, reqs, base, lens) -> None:
         st = self.stats
