@@ -145,7 +145,10 @@ def table(records, title):
             "mean accepted len = tokens emitted per request per verify step (accepted drafts + bonus); spec share = "
             "decode steps that speculated (the engine decodes plainly where that measures faster); CPU draft+mask = "
             "host ms per speculative step drafting the trees and filling their grammar masks (on CUDA the mask part "
-            "overlaps the verify forward).\n\n"
+            "overlaps the verify forward). Identical to plain = outputs equal to the plain engine's token for "
+            "token: in fp32 on the CPU all of them; in bf16 on a GPU a verify forward sums in another order than "
+            "a decode step and near-ties flip, after which the texts diverge (losslessness on the GPU is checked "
+            "by tests/test_engine_gpu.py against an fp32 reference, token by token).\n\n"
             + markdown_table(["workload", "batch", "engine", "tok/s", "speedup", "mean accepted len", "spec share",
                               "CPU draft+mask ms/step", "identical to plain"], rows))
 
