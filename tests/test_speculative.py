@@ -266,3 +266,19 @@ def test_jump_forward_with_speculation(engines):
     assert [o.error for o in outs] == [None, None]
     assert [o.text for o in outs] == expected
     assert eng.spec.stats.steps > 0
+
+
+def test_seeded_sampling_with_speculation_equals_plain_sampling(engines, reference):
+    """Temperature > 0: speculative steps draw each node's token with the plain sampler's noise for
+    that position, so a seeded request emits the same tokens with speculation as without it, run
+    after run (the n-gram trie learns in between, which changes every draft), chains and trees."""
+    ps, _ = reference
+    plain = engines("plain")
+    sp = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=11 + i) for i in range(len(ps))]
+    expected = [o.token_ids for o in plain.generate(ps, sp)]
+    for branches in (1, 3):
+        spec = spec_engine(engines, branches)
+        before = spec.spec.stats.steps
+        for _ in range(2):
+            assert [o.token_ids for o in spec.generate(ps, sp)] == expected
+        assert spec.spec.stats.steps > before

@@ -17,8 +17,9 @@ Host and device split the work so that the device sees few launches and the host
   host    pool and table bookkeeping, tokens into the matchers and the streams -> `commit_seconds`
 Pruning is not needed for the forward: a live node only attends to its ancestors, which are live,
 so pruned nodes never influence what is accepted; the masked argmax never equals a token the
-grammar forbids either. Sampled requests (temperature > 0) are verified on the device by lossless
-rejection sampling, from the tail's masked logits (slower, exact).
+grammar forbids either. Sampled requests (temperature > 0) draw every node's next token on the device
+with the plain sampler's noise and walk the path as greedy does (`_sampled_accept`): rejection
+sampling for single-token drafts, lossless, and a seeded request emits what plain sampling emits.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ import torch
 from ..spec.drafter import DraftBatch, Drafter
 from ..spec.grammar_draft import guided_chain, write_chain
 from ..spec.tree import HostTrees
-from ..spec.verify import HostAcceptance, greedy_accept_host, rejection_verify
+from ..spec.verify import HostAcceptance, greedy_accept_host
 from .batch import ScheduledBatch
-from .sampler import SamplingBatch, target_probs
+from .sampler import SamplingBatch, sample
 from .spec_policy import MeasuredPolicy
 from .spec_verify import VerifyIO, VerifyLaunch
 
@@ -181,7 +182,7 @@ class SpeculativeWorker:
             self._sync()  # the step's one wait on the device
             accepted = greedy_accept_host(trees, io.target[:len(reqs)])
         else:
-            accepted = self._rejection_accept(reqs, trees, logits)
+            accepted = self._sampled_accept(reqs, trees, logits)
         t5 = time.perf_counter()
         self._commit(reqs, launch, io, trees, rows, base, slots, accepted)
         t6 = time.perf_counter()
@@ -266,23 +267,29 @@ class SpeculativeWorker:
         return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
 
     # -- verification ----------------------------------------------------------------------------
-    def _rejection_accept(self, reqs, trees: HostTrees, logits: torch.Tensor) -> HostAcceptance:
-        """Lossless rejection sampling on the device for batches with sampled requests (greedy rows
-        of the batch get the greedy result)."""
-        runner = self.runner
+    def _sampled_accept(self, reqs, trees: HostTrees, logits: torch.Tensor) -> HostAcceptance:
+        """Temperature > 0: rejection sampling for point-mass drafts, with the plain sampler's noise.
+
+        Every node's next token is drawn on the device exactly as a plain decode step at that
+        node's output position would draw it (same seed, same position counter, same masked and
+        filtered distribution), then the path is walked as for greedy: a draft token is accepted
+        iff it equals the draw at its parent, and the draw at the last accepted node is the bonus.
+        For drafts that are single tokens (every drafter here) this is rejection sampling: a draft
+        x is accepted with probability p(x), and after a rejection the draw is distributed as the
+        residual p without the rejected tokens, renormalized (siblings included); so the output
+        distribution is the target's. It also emits, for a seeded request, the very tokens plain
+        sampling emits, whatever was drafted (`spec.verify.rejection_verify` is the general form,
+        for drafters that propose distributions)."""
         B, N = trees.shape
-        logits = logits[:B * N]
-        sb = runner._sampling_batch(reqs, None)
+        sb = self.runner._sampling_batch(reqs, None)
         expand = lambda t: t.repeat_interleave(N)
-        sbn = SamplingBatch(temperature=expand(sb.temperature), top_k=expand(sb.top_k), top_p=expand(sb.top_p),
-                            min_p=expand(sb.min_p), seeds=expand(sb.seeds), steps=expand(sb.steps),
-                            needs_filter=sb.needs_filter)
-        probs = target_probs(logits, sbn).view(B, N, -1)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
-        result = rejection_verify(trees.to_draft_trees(logits.device), probs, greedy=greedy,
-                                  max_steps=int(trees.num_nodes.max()) - 1)
-        host = torch.cat([result.accepted_nodes.reshape(-1), result.accept_lens, result.bonus_tokens]).cpu().numpy()
-        return HostAcceptance(host[:B * N].reshape(B, N), host[B * N:B * N + B], host[B * N + B:])
+        # a plain step draws with num_cached counting its input token: node d's input is cached at base + d
+        depth = torch.from_numpy(trees.depth.reshape(-1) + 1).to(logits.device)
+        per_node = SamplingBatch(temperature=expand(sb.temperature), top_k=expand(sb.top_k),
+                                 top_p=expand(sb.top_p), min_p=expand(sb.min_p), seeds=expand(sb.seeds),
+                                 steps=expand(sb.steps) + depth, needs_filter=sb.needs_filter)
+        drawn = sample(logits[:B * N], per_node).view(B, N).cpu().numpy()  # the step's one read-back
+        return greedy_accept_host(trees, drawn)
 
     # -- after verification ----------------------------------------------------------------------
     def _take_slots(self, reqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,7 +2,8 @@
 
 One trie is shared by all requests (prompts and outputs, frequency counts, LRU-leaf eviction at
 ``capacity`` nodes); each request also has its own small trie whose continuations rank first.
-Drafts are deterministic (no draft distribution): verify with ``greedy_verify`` or
+Drafts are deterministic (no draft distribution): the engine verifies them by path matching against
+the target's greedy or seeded draws (`engine/speculative.py`), the single-token case of
 ``rejection_verify(..., draft_probs=None)``.
 """
 from __future__ import annotations
