@@ -8,6 +8,7 @@ Writes benchmarks/results/gpu.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -86,7 +87,11 @@ def main():
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (graph modes are then all eager)")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for our engine, e.g. grammar_mask_threads=1 (repeatable; A/B runs)")
+    ap.add_argument("--name", default=None, help="results file name (default gpu)")
     args = ap.parse_args()
+    opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine
     from constrained_spec.grammar import GrammarSpec
@@ -94,7 +99,7 @@ def main():
 
     path = resolve_model_path(None)
     t0 = time.perf_counter()
-    engine = Engine(model=path, device=args.device)
+    engine = Engine(model=path, device=args.device, **opts)
     startup = time.perf_counter() - t0
     tok = engine.tokenizer
     spec = GrammarSpec.json_schema(PERSON_SCHEMA)
@@ -176,8 +181,8 @@ def main():
                markdown_table(["batch", "workload", "tok/s", "ms/step", "floor ms", "x floor"],
                               [[r["batch"], r["workload"], round(r["tok_s"], 1), round(r["step_ms"], 3),
                                 round(r["floor_ms"], 3), round(r["vs_floor"], 3)] for r in big])]
-    name = "gpu" if args.device == "cuda" else f"gpu_script_smoke_{args.device}"  # never over the GPU results
-    write_results(name, {"machine": machine(), "startup_s": startup, "copy_bandwidth": bw, "engine": records,
+    name = (args.name or "gpu") if args.device == "cuda" else f"gpu_script_smoke_{args.device}"  # never over GPU results
+    write_results(name, {"machine": machine(), "engine_options": opts, "startup_s": startup, "copy_bandwidth": bw, "engine": records,
                           "hf": hf_records, "llama3_8b_shapes": big}, "".join(md))
     labels = [f"b{r[0]}" for r in rows]
     bar_plot(RESULTS / f"{name}.png", labels, {"plain": [r[1] for r in rows], "plain (json lengths)": [r[2] for r in rows],

@@ -8,6 +8,7 @@
 #   3. at once (the model stays in /tmp while the machine is held):  ... device_session.sh gpu
 #   4. at once:  ... device_session.sh spec_json
 #   5. at once:  ... device_session.sh spec_rag
+#   (A/Bs as needed: `mask_ab` (mask-fill threads at batch 32/64), `timeline` (batch-1 JSON step timeline))
 # (the machine is given back ~30 s after a call: send each call as soon as the last returns)
 #
 # Every stage copies what it wrote to $OUT (results/, logs) and prints a short summary last.
@@ -35,6 +36,20 @@ stage_gpu() {
 stage_spec() {  # both workloads in one call: may not fit 10 minutes with 30 JSON prompts
   (cd benchmarks && timeout 560 python3 bench_spec.py) > "$OUT/bench_spec.log" 2>&1
   tail -n 50 "$OUT/bench_spec.log"
+}
+
+stage_mask_ab() {  # grammar-mask threads: 1 against the default (one per 8 rows), same machine, one run
+  for threads in 1 default; do
+    opt=$([ "$threads" = default ] || echo "--opt grammar_mask_threads=$threads")
+    (cd benchmarks && timeout 250 python3 bench_gpu.py --skip-hf --skip-8b --batches 32,64,128 $opt \
+      --name gpu_mask_threads_$threads) > "$OUT/mask_ab_$threads.log" 2>&1
+    grep "^| [0-9]" "$OUT/mask_ab_$threads.log"
+  done
+}
+
+stage_timeline() {
+  (cd benchmarks && timeout 400 python3 profile_timeline.py) > "$OUT/timeline.log" 2>&1
+  tail -n 12 "$OUT/timeline.log"
 }
 
 stage_spec_json() {
