@@ -9,8 +9,9 @@ batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 
 step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (min(8, cores / 2)):
 with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
 to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
-steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle. Only the rows no matcher writes are set to all-ones:
-xgrammar writes every word of a row it fills (tests/test_mask_latency.py checks it).
+steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.
+Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
+(tests/test_mask_latency.py checks it).
 
 With a budget (`grammar_mask_budget_ms`) every row is a job for worker threads. They run in
 parallel with the engine thread because xgrammar's fill releases the GIL (measured: a thread looping

@@ -96,7 +96,7 @@ class SpeculativeWorker:
         self._io: VerifyIO | None = None  # the verify step's static buffers (shared with the graphs)
         if engine.config.speculative_policy not in ("measured", "always"):
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
-        self.policy = MeasuredPolicy() if engine.config.speculative_policy == "measured" else None
+        self.policy = self._new_policy()
         self._node_index = np.arange(self.width)
         self._event = torch.cuda.Event() if self.runner.device.type == "cuda" else None
 
@@ -152,8 +152,10 @@ class SpeculativeWorker:
         if self._observed:
             raise RuntimeError("reset_drafter while requests are running")
         self.drafter = make_drafter(self.engine.config)
-        if self.policy is not None:
-            self.policy = MeasuredPolicy()
+        self.policy = self._new_policy()
+
+    def _new_policy(self) -> MeasuredPolicy | None:
+        return MeasuredPolicy() if self.engine.config.speculative_policy == "measured" else None
 
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -312,22 +312,20 @@ class HostTrees:
         b, n = self.shape
         allowed = np.asarray(allowed, dtype=bool).copy()
         allowed[:, 0] = True
-        eye = np.eye(n, dtype=bool)[None]
         if _is_chain(self.next_token, self.next_sibling, self.num_nodes):  # closed form, as in build
             keep = np.logical_and.accumulate(allowed, axis=1) & self.live
-            idx = np.arange(n)
             next_kept = np.concatenate([keep[:, 1:], np.zeros((b, 1), bool)], 1)
-            return HostTrees(self.tokens, np.where(keep & next_kept, idx + 1, -1), self.next_sibling,
-                             self.num_nodes, np.where(keep, self.parents, -1), np.where(keep, self.depth, 0),
-                             (self.mask & keep[:, :, None]) | eye, keep)
-        keep = ~(self.mask & ~allowed[:, None, :]).any(-1) & self.live  # every node on the path allowed
-        first_kept = _first_kept_sibling(self.next_sibling, keep)
+            next_token, next_sibling = np.where(keep & next_kept, np.arange(n) + 1, -1), self.next_sibling
+        else:
+            keep = ~(self.mask & ~allowed[:, None, :]).any(-1) & self.live  # every node on the path allowed
+            first_kept = _first_kept_sibling(self.next_sibling, keep)
 
-        def relink(links):
-            target = np.take_along_axis(first_kept, np.where(links >= 0, links, n), 1)
-            return np.where(keep & (target < n), target, -1)
-
-        return HostTrees(self.tokens, relink(self.next_token), relink(self.next_sibling), self.num_nodes,
+            def relink(links):
+                target = np.take_along_axis(first_kept, np.where(links >= 0, links, n), 1)
+                return np.where(keep & (target < n), target, -1)
+            next_token, next_sibling = relink(self.next_token), relink(self.next_sibling)
+        eye = np.eye(n, dtype=bool)[None]
+        return HostTrees(self.tokens, next_token, next_sibling, self.num_nodes,
                          np.where(keep, self.parents, -1), np.where(keep, self.depth, 0),
                          (self.mask & keep[:, :, None]) | eye, keep)
 
