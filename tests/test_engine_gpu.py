@@ -94,6 +94,28 @@ def test_graphs_and_overlap_do_not_change_output(engines, reference):
         eng.runner.graphs, eng.config.disable_overlap = graphs, False
 
 
+def test_prefill_graphs_match_eager(engines):
+    """Single-request prefills replay the bucketed prefill graphs: whole prompts, and (with a small
+    max_prefill_tokens) chunks over a cached prefix. Greedy tokens equal the eager path's."""
+    eng = engines("chunked32", attention_backend="triton", dtype="float32", max_prefill_tokens=64)
+    graphs = eng.runner.graphs
+    assert graphs.prefill_buckets == [16, 32, 64]
+    long = eng.chat_prompt([{"role": "user", "content": "Summarize: " + " ".join(QUESTIONS * 2)}])
+    assert len(long) > 128  # three chunks: 64 + 64 + the rest
+    ps = prompts(eng, 4) + [long]
+    replays = []
+    launch = graphs.launch_prefill
+    graphs.launch_prefill = lambda *a: replays.append(len(a[1])) or launch(*a)
+    grammar = GrammarSpec.json_schema(SCHEMA)
+    try:
+        with_graphs = [greedy(eng, [p], g)[0] for p in ps for g in (None, grammar)]
+        assert len(replays) >= 2 * len(ps) + 4 and max(replays) == 64
+        eng.runner.graphs = None
+        assert [greedy(eng, [p], g)[0] for p in ps for g in (None, grammar)] == with_graphs
+    finally:
+        eng.runner.graphs, graphs.launch_prefill = graphs, launch
+
+
 @pytest.mark.parametrize("branches", [1, 3])
 def test_speculation_lossless_gpu(engines, branches):
     plain = engines("triton32", attention_backend="triton", dtype="float32")

@@ -8,7 +8,9 @@ Graphs exist for
   buffer, masks, samples, writes `last_token` and copies the tokens to a pinned host buffer — so a
   constrained step replays too, and a decode step costs two graph launches and two small copies;
 - the speculative VERIFY step at a fixed tree width, in three parts (forward; bitmask + argmax
-  tail; commit of the accepted path), whose buffers and code live in `spec_verify.py`.
+  tail; commit of the accepted path), whose buffers and code live in `spec_verify.py`;
+- the EXTEND forward of a single request (prefill), per bucket of new tokens, up to the last
+  token's logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it.
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
 K/V to the reserved slot 0 and attend to it alone, so they never touch live data. Attention inside
 a graph must not depend on host values that change per step (the triton backend's contract).
@@ -24,12 +26,15 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
+from .prefill_graph import PrefillIO
 from .sampler import SamplingBatch, mask_logits, sample
 from .spec_verify import VerifyIO
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# New-token buckets of the single-request prefill graphs (capped at max_prefill_tokens).
+DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass
@@ -60,6 +65,8 @@ class CudaGraphRunner:
         self.params_i = torch.zeros(B, 2, dtype=torch.int64, device=dev)  # seeds, steps
         self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
         self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
+        self.prefill_io: dict[int, PrefillIO] = {}  # bucket of new tokens -> the prefill graph's buffers
+        self.prefill_buckets: list[int] = []  # sorted keys of prefill_io
 
     def padded_size(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, batch)
@@ -140,6 +147,17 @@ class CudaGraphRunner:
         log.info("captured verify CUDA graphs (width %d, batch sizes %s) in %.1f s", q_len, sizes,
                  time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def capture_prefill(self, max_tokens: int, buckets=DEFAULT_PREFILL_TOKENS) -> None:
+        t0 = time.perf_counter()
+        sizes = [t for t in buckets if t <= max_tokens]
+        for tokens in reversed(sizes):
+            io = self.prefill_io[tokens] = PrefillIO(self.r, tokens)
+            self._capture(("prefill", tokens), io.forward)
+        self.prefill_buckets = sizes
+        torch.cuda.synchronize()
+        log.info("captured prefill CUDA graphs for %s new tokens in %.1f s", sizes, time.perf_counter() - t0)
+
     # -- replay ----------------------------------------------------------------------------------
     def can_decode(self, batch: int) -> bool:
         bs = self.padded_size(batch)
@@ -168,6 +186,21 @@ class CudaGraphRunner:
             self.params_i[:step.batch_size].copy_(torch.from_numpy(i).pin_memory(), non_blocking=True)
         self.graphs[("sample", step.padded, masked, greedy)][0].replay()
         return self.tokens_host[:step.batch_size]
+
+    def launch_prefill(self, row: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replays the prefill graph of the smallest bucket that holds the new tokens. Returns
+        (logits [1, V], the row [1] on the device), or None when no bucket is large enough."""
+        buckets = self.prefill_buckets
+        i = bisect.bisect_left(buckets, len(ids))
+        if i == len(buckets):
+            return None
+        io = self.prefill_io[buckets[i]]
+        io.set_inputs(row, ids, positions, slots, kv_len)
+        io.copy_inputs()
+        graph, logits = self.graphs[("prefill", io.tokens)]
+        graph.replay()
+        return logits, io.row
 
     def can_verify(self, batch: int, q_len: int) -> bool:
         bs = self.padded_size(batch)

@@ -89,6 +89,7 @@ class ModelRunner:
             return None
         graphs = CudaGraphRunner(self)
         graphs.capture_decode(self.bitmask_host)
+        graphs.capture_prefill(config.max_prefill_tokens)
         return graphs
 
     def _num_kv_slots(self, config: EngineConfig) -> int:
@@ -206,6 +207,14 @@ class ModelRunner:
         p = self.plan(batch)
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_decode(batch.size):
             return self.graphs.launch_decode(p.rows, p.positions, p.out_slots, p.kv_lens)
+        if batch.mode is ForwardMode.EXTEND and self.graphs is not None and batch.size == 1:
+            launched = self.graphs.launch_prefill(int(p.rows[0]), np.asarray(p.host_ids, dtype=np.int64),
+                                                  p.positions, p.out_slots, int(p.kv_lens[0]))
+            if launched is not None:
+                logits, rows_d = launched
+                n = len(batch.sample_index)  # 0 for a prompt chunk that is not the last
+                self._rows_d = rows_d[:n]
+                return logits[:n]
         return self._eager_forward(batch, p)
 
     def _index(self, positions: list[int]) -> torch.Tensor:
