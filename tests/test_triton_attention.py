@@ -163,6 +163,18 @@ def run_interpreter_checks() -> None:
     o1 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=1)
     assert torch.allclose(o8, o1, atol=1e-5) and (o8[1] == 0).all()
     print("ok empty splits", flush=True)
+    # Several non-empty splits (and empty ones at 8), a split count that is no power of 2, repeated
+    # calls: the last split to finish merges, and must leave the counters at zero for the next call.
+    q, k, v, kv, meta, layer, scale = make_case(ForwardMode.DECODE, [300, 0, 64, 129], [1] * 4, 6, 2, 16,
+                                                torch.float32, "cpu", seed=98, zero_rows=(1,))
+    kv.store(layer, meta.out_slots, k, v)
+    args = (q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
+    o1 = decode_attention(*args, num_splits=1)
+    for splits in (5, 8, 3, 5):
+        o = decode_attention(*args, num_splits=splits)
+        assert torch.allclose(o, o1, atol=1e-5) and (o[1] == 0).all(), splits
+    assert_split_counters_zero()
+    print("ok split merge in one launch", flush=True)
     # Split-prefix extend / verify (what short trees over long contexts use on the GPU).
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_kernels import extend_attention
@@ -178,7 +190,14 @@ def run_interpreter_checks() -> None:
         err = (out - ref).abs().max().item()
         assert err < 1e-4, (mode, pre, ql, splits, err)
         print(f"ok split {mode.value} pre={pre} q={ql} splits={splits} err={err:.1e}", flush=True)
+    assert_split_counters_zero()
     print("ALL OK")
+
+
+def assert_split_counters_zero() -> None:
+    from constrained_spec.attention.triton_kernels import decode
+    bufs = [c for cs in decode._COUNTERS.values() for c in cs]
+    assert bufs and all(not c.any() for c in bufs), "split counters not rearmed"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,6 +234,31 @@ def test_gpu_decode(dtype, H, KVH, D):
         zero = (B - 1,) if B > 2 else ()
         case = make_case(ForwardMode.DECODE, pre, [1] * B, H, KVH, D, dtype, "cuda", seed=B, zero_rows=zero)
         compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (32, 8, 128)])
+def test_gpu_decode_split_merge_in_one_launch(H, KVH, D):
+    """Fixed split counts, many programs in flight (B * KVH * splits up to 16k), repeated launches:
+    the last split to finish merges all of them, and the counters return to zero every time."""
+    from constrained_spec.attention.triton_kernels import decode_attention
+    for B in (1, 5, 64):
+        pre = torch.randint(0, 4000, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+        zero = (B - 1,) if B > 1 else ()
+        q, k, v, kv, meta, layer, scale = make_case(ForwardMode.DECODE, pre, [1] * B, H, KVH, D, torch.bfloat16,
+                                                    "cuda", seed=B, zero_rows=zero, table_width=4096)
+        kv.store(layer, meta.out_slots, k, v)
+        args = (q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
+        ref = decode_attention(*args, num_splits=1).float()
+        for splits in (2, 3, 7, 32):
+            for _ in range(3):
+                out = decode_attention(*args, num_splits=splits)
+                torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+                if zero:
+                    assert (out[B - 1] == 0).all()
+    torch.cuda.synchronize()
+    assert_split_counters_zero()
 
 
 @pytest.mark.gpu

@@ -1,9 +1,12 @@
 """Paged decode attention (flash-decoding) over a token-slot pool.
 
 One new query token per sequence. Sequence b's context is `slot_table[b, :kv_lens[b]]`.
-Stage 1: grid (B, KVH, NUM_SPLITS); each program handles all G = H // KVH query heads that share
-one kv head (so every K/V row is read once per kv head) and one contiguous chunk of the context,
-and writes a partial output plus its log-sum-exp. Stage 2: grid (B, H) merges the splits.
+One launch, grid (B, KVH, NUM_SPLITS): each program handles all G = H // KVH query heads that share
+one kv head (so every K/V row is read once per kv head) and one contiguous chunk of the context.
+With one split it writes the output directly. With several, each program writes a partial output
+plus its log-sum-exp and counts itself done on a per-(b, kv head) counter; the last of the splits
+to finish merges them and rearms the counter (flash-decoding without a second launch, which at
+batch 1 costs more than the merge itself).
 
 CUDA-graph capturable: NUM_SPLITS and all grids depend only on B, H, KVH, D and the slot-table
 width, never on host-side kv lengths. The chunk size per split is computed on the device from
@@ -34,19 +37,20 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, K, V, SlotTable, KvLens, MidO, MidLse,
+def _decode_kernel(
+    Q, K, V, SlotTable, KvLens, Out, MidO, MidLse, Counters,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_st,
+    stride_ot, stride_oh,
     stride_mob, stride_moh, stride_mos,
     stride_lb, stride_lh,
     sm_scale_log2,
     NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -62,10 +66,10 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < G
     d_mask = offs_d < D
+    hd_mask = h_mask[:, None] & d_mask[None, :]
     heads = kvh * G + offs_h
 
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -95,13 +99,50 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    nonempty = end > start
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(nonempty & (l_i > 0.0), m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-             out, mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    if not SPLIT:
+        tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=hd_mask)
+    else:
+        lse = tl.where((end > start) & (l_i > 0.0), m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+                 out, mask=hd_mask)
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+        # One thread issues the atomic: the barrier puts every thread's partial stores before its
+        # release, so whichever program counts last sees all of them.
+        tl.debug_barrier()
+        counter = Counters + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            for g in tl.static_range(G):
+                _merge_head(MidO, MidLse, Out, b, kvh * G + g, stride_mob, stride_moh, stride_mos,
+                            stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D)
+            # Only the last program touches the counter after counting, and the next launch starts
+            # after this one ends: a plain store rearms it for the next layer and graph replay.
+            tl.store(counter, 0)
+
+
+@triton.jit
+def _merge_head(MidO, MidLse, Out, row, h, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
+                stride_ot, stride_oh, NUM_SPLITS,
+                D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Log-sum-exp merge of the splits' partial outputs of one (row, head)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < D
+    # .cg reads L2: other SMs wrote the partials during this launch, and L1 is not coherent with them.
+    lse = tl.load(MidLse + row * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"),
+                  cache_modifier=".cg")
+    valid = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(valid, tl.exp2(lse - m), 0.0)
+    o = tl.load(MidO + row * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -113,22 +154,26 @@ def _decode_reduce_kernel(
     NUM_SPLITS,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    d_mask = offs_d < D
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    valid = lse > float("-inf")
-    m = tl.max(lse, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.where(valid, tl.exp2(lse - m), 0.0)
-    o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    """Grid (rows, H): the separate merge launch of split-prefix extend/verify."""
+    _merge_head(MidO, MidLse, Out, tl.program_id(0), tl.program_id(1), stride_mob, stride_moh, stride_mos,
+                stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D)
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, kv head), on which split programs count themselves
+    done. Every launch leaves them at zero, so one buffer per device serves all layers, calls and
+    graph replays. Allocated outside graph capture (the graph runner warms every shape up first);
+    a grown buffer keeps its predecessors alive, since graphs captured earlier point at them."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention: warm up each shape once before CUDA-graph capture")
+        size = max(n, 1024, 2 * bufs[-1].numel() if bufs else 0)
+        bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_splits: int = 32,
@@ -161,27 +206,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     if B == 0:
         return out
-    mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, KVH, num_splits)](
-        q, k_cache, v_cache, slot_table, kv_lens, mid_o, mid_lse,
+    split = num_splits > 1
+    if split:
+        mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+        counters = _split_counters(B * KVH, q.device)
+    else:  # unused: the single split writes `out` directly
+        mid_o = mid_lse = counters = out
+    _decode_kernel[(B, KVH, num_splits)](
+        q, k_cache, v_cache, slot_table, kv_lens, out, mid_o, mid_lse, counters,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         slot_table.stride(0),
+        out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         scale * _LOG2E, num_splits,
         G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split,
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
-    )
-    _decode_reduce_kernel[(B, H)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), num_splits,
-        D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
-        num_warps=4 if BLOCK_D >= 128 else 2,
     )
     return out
