@@ -24,9 +24,10 @@ sys.path.insert(0, str(REPO))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 
-# (rows, width) for the norms / silu, and (T, H, KVH, D) for RoPE
+# (rows, width) for the norms / silu, (T, H, KVH, D) for RoPE, (rows, vocab, words) for the grammar mask
 NORM_SHAPES = [(1, 576), (5, 576), (3, 64), (2, 1000), (4, 1536)]
 ROPE_SHAPES = [(1, 9, 3, 64), (5, 9, 3, 64), (3, 4, 4, 32), (2, 14, 2, 128)]
+MASK_SHAPES = [(4, 64, 2), (2, 50, 4), (5, 1000, 32), (3, 33, 2), (4, 31, 1), (3, 100, 2), (1, 4099, 129)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -37,7 +38,8 @@ def _tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
-def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope_shapes=ROPE_SHAPES) -> None:
+def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope_shapes=ROPE_SHAPES,
+                  mask_shapes=MASK_SHAPES) -> None:
     from constrained_spec.kernels import reference as R
     from constrained_spec.kernels import triton_ops as T
     gen = torch.Generator().manual_seed(0)
@@ -100,6 +102,32 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         untouched = torch.ones(3 * t + 5, dtype=torch.bool, device=device)
         untouched[slots] = False
         assert not k_cache[untouched].any() and not v_cache[untouched].any(), "wrote outside the slots"
+
+    for rows, vocab, words in mask_shapes:
+        # logits as a row-strided view, like a slice of a padded buffer
+        logits = rnd(rows, vocab + 3)[:, :vocab]
+        bitmask = random_bitmask(rows, words, gen).to(device)
+        out = T.mask_logits(logits, bitmask)
+        assert out.dtype == dtype and out.shape == logits.shape
+        assert torch.equal(out, R.mask_logits_ref(logits, bitmask)), (rows, vocab, words)
+        assert torch.equal(out, expected_mask(logits, bitmask))
+
+
+def random_bitmask(rows: int, words: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows cycling through all allowed, none allowed, and random bits (the sign bit included)."""
+    bm = torch.randint(-2 ** 31, 2 ** 31, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bm[0::3] = -1
+    bm[1::3] = 0
+    return bm
+
+
+def expected_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The mask by definition: bit j of word i allows token 32 * i + j; tokens past the words are masked."""
+    bits = (bitmask.cpu().long().unsqueeze(-1) >> torch.arange(32)) & 1  # [rows, words, 32]
+    allowed = torch.zeros(logits.shape, dtype=torch.bool)
+    n = min(logits.shape[1], bits[0].numel())
+    allowed[:, :n] = bits.flatten(1)[:, :n].bool()
+    return torch.where(allowed.to(logits.device), logits, torch.full_like(logits, float("-inf")))
 
 
 def _split_qkv(qkv, h, kvh, d):
@@ -223,6 +251,8 @@ def test_cpu_dispatch_uses_reference():
         assert torch.equal(a, ra) and torch.equal(b, rb) and torch.equal(b, x + r)
         gu = torch.randn(3, 2 * 1536).to(dtype)
         assert torch.equal(K.silu_and_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:])
+        logits, bm = torch.randn(6, 100).to(dtype), random_bitmask(6, 4, torch.Generator().manual_seed(1))
+        assert torch.equal(K.mask_logits(logits, bm), expected_mask(logits, bm))
 
 
 def test_rope_reference_matches_prefusion_tables():
@@ -270,7 +300,31 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and t
 def test_gpu_kernels_match_reference(dtype):
     check_kernels("cuda", dtype,
                   norm_shapes=NORM_SHAPES + [(64, 576), (256, 1536), (300, 4096), (7, 8192)],
-                  rope_shapes=ROPE_SHAPES + [(64, 9, 3, 64), (300, 32, 8, 128), (17, 28, 4, 128)])
+                  rope_shapes=ROPE_SHAPES + [(64, 9, 3, 64), (300, 32, 8, 128), (17, 28, 4, 128)],
+                  mask_shapes=MASK_SHAPES + [(1, 49152, 1536), (128, 49152, 1536), (7, 151936, 4748), (3, 32001, 1001)])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mask_logits_cuda_graph_replay():
+    """The graphed sample tail's shape: masks of fresh bitmask contents on every replay."""
+    from constrained_spec import kernels as K
+    from constrained_spec.kernels import reference as R
+    gen = torch.Generator().manual_seed(3)
+    B, V = 16, 49152
+    logits = torch.randn(B, V, device="cuda")
+    bitmask = torch.zeros(B, (V + 31) // 32, dtype=torch.int32, device="cuda")
+    K.mask_logits(logits, bitmask)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.mask_logits(logits, bitmask)
+    for _ in range(3):
+        logits.normal_()
+        bitmask.copy_(random_bitmask(B, bitmask.shape[1], gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, R.mask_logits_ref(logits, bitmask))
 
 
 @pytest.mark.gpu

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import mask_logits  # noqa: F401 - re-exported: cuda_graph.py and spec_verify.py import it here
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -40,16 +42,6 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     # 23 bits: (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1); with 32 bits the
     # top values round to 1.0, -log(u) becomes 0 and masked tokens would win with 0/0 = NaN.
     return ((x >> 9).to(torch.float32) + 0.5) / 8388608.0
-
-
-def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Grammar mask in plain torch ops (capturable in a CUDA graph): bit t of row b's int32 words
-    says whether token t is allowed. Returns the masked logits (out of place)."""
-    vocab = logits.shape[-1]
-    idx = torch.arange(vocab, device=logits.device)
-    words = bitmask[:, idx >> 5]
-    allowed = (words >> (idx & 31).to(torch.int32)) & 1
-    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Torch references of the fused ops: exactly the math the model ran before fusion (the CPU path)."""
+"""Torch references of the fused ops: exactly the math the model (and sampler) ran before fusion
+(the CPU path)."""
 from __future__ import annotations
 
 import torch
@@ -45,3 +46,15 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def mask_logits_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Grammar mask, out of place: bit t of row b's int32 words, `(word >> (t & 31)) & 1`, allows
+    token t; the others, and columns past the last word, become -inf."""
+    vocab = logits.shape[-1]
+    covered = min(vocab, 32 * bitmask.shape[-1])
+    idx = torch.arange(covered, device=logits.device)
+    allowed = (bitmask[:, idx >> 5] >> (idx & 31).to(torch.int32)) & 1
+    if covered < vocab:
+        allowed = F.pad(allowed, (0, vocab - covered))
+    return logits.masked_fill(allowed == 0, float("-inf"))

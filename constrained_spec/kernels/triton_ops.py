@@ -178,3 +178,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, BLOCK))](x2, out, x2.stride(0), out.stride(0), I,
                                                                    BLOCK=BLOCK, num_warps=4)
     return out.view(*gate_up.shape[:-1], I)
+
+
+@triton.jit
+def _mask_logits_kernel(logits_ptr, mask_ptr, out_ptr, logits_stride, mask_stride, out_stride, V, W,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < V
+    words = cols >> 5
+    # Each column loads its own word: 32 neighbours share it, so that is one cached line, not 32 reads.
+    word = tl.load(mask_ptr + row * mask_stride + words, mask=in_vocab & (words < W), other=0)
+    allowed = ((word >> (cols & 31)) & 1) != 0
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_vocab)
+    tl.store(out_ptr + row * out_stride + cols, tl.where(allowed, x, float("-inf")), mask=in_vocab)
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    B, V = logits.shape
+    if logits.stride(-1) != 1 or bitmask.stride(-1) != 1:
+        raise ValueError("mask_logits needs unit stride over the vocab and the bitmask words")
+    out = torch.empty((B, V), dtype=logits.dtype, device=logits.device)
+    BLOCK = min(2048, triton.next_power_of_2(V))
+    if B > 0:
+        _mask_logits_kernel[(B, triton.cdiv(V, BLOCK))](logits, bitmask, out, logits.stride(0), bitmask.stride(0),
+                                                        out.stride(0), V, bitmask.shape[1], BLOCK=BLOCK,
+                                                        num_warps=4)
+    return out
