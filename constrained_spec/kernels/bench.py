@@ -1,6 +1,7 @@
 """Decode-step timing of a random-weight SmolLM2-135M-shaped model, CUDA-graph replayed:
 pre-fusion forward (legacy, from tests/test_fused_kernels.py) vs torch-reference kernels vs fused
-Triton kernels. `python -m constrained_spec.kernels.bench [batch ...]` on a CUDA machine."""
+Triton kernels; then the grammar mask of the sample tail, torch reference vs the Triton kernel.
+`python -m constrained_spec.kernels.bench [batch ...]` on a CUDA machine."""
 from __future__ import annotations
 
 import sys
@@ -87,6 +88,23 @@ def main(batches=(1, 64), ctx=256, width=512, iters=200):
         ref = outs["legacy (pre-fusion)"]
         for name, o in outs.items():
             print(f"   max|{name} - legacy| = {(o - ref).abs().max().item():.3e} (|legacy| max {ref.abs().max().item():.2f})")
+    K.set_fused_kernels(True)
+    bench_mask(batches, cfg.vocab_size, iters)
+
+
+def bench_mask(batches, vocab: int, iters: int, calls: int = 20) -> None:
+    from constrained_spec import kernels as K
+    for B in batches:
+        logits = torch.randn(B, vocab, device="cuda")
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, (vocab + 31) // 32), dtype=torch.int32, device="cuda")
+        for name, fused in (("torch-reference mask", False), ("triton mask", True)):
+            K.set_fused_kernels(fused)
+            K.mask_logits(logits, bitmask)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(calls):  # a one-op graph would time the host's launch rate
+                    K.mask_logits(logits, bitmask)
+            print(f"B={B:3d} {name:24s} {replay_ms(g, iters) * 1e3 / calls:7.1f} us/call (graphed)")
     K.set_fused_kernels(True)
 
 
