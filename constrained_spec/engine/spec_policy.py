@@ -43,10 +43,11 @@ class MeasuredPolicy:
     """
 
     def __init__(self, explore_ratio: float = 20.0, smoothing: float = 0.25, min_samples: int = 4,
-                 explore_steps: int = 3, token_smoothing: float = 0.03):
+                 explore_steps: int = 3, token_smoothing: float = 0.03, outlier: float = 2.0):
         self.explore_ratio, self.smoothing, self.min_samples = explore_ratio, smoothing, min_samples
         self.token_smoothing = token_smoothing
         self.explore_steps = explore_steps
+        self.outlier = outlier
         self.arms: dict[tuple[int, bool], _Arm] = {}  # (bucket, speculative) -> measurements
         self._elapsed: dict[int, float] = {}  # bucket -> seconds run since its slower arm was measured
         self._streak: dict[int, tuple[bool, int]] = {}  # bucket -> (arm being re-measured, steps left)
@@ -105,6 +106,12 @@ class MeasuredPolicy:
         if not clean or engine_steps != steps + 1 or now <= start:
             return  # after a switch, or another step ran in between (a prefill): not a timing
         seconds = now - start
+        if arm.samples >= self.min_samples:
+            # A step far slower than its arm's average is a hiccup of the host (a garbage
+            # collection, a grammar compile holding the GIL), not the arm's cost: unclipped, one
+            # 20 ms pause quadrupled the speculative arm's average on the H100 and sent the
+            # bucket to plain decoding for hundreds of steps.
+            seconds = min(seconds, self.outlier * arm.step_seconds)
         arm.samples += 1
         arm.step_seconds += max(self.smoothing, 1.0 / arm.samples) * (seconds - arm.step_seconds)
         self._elapsed[key[0]] = self._elapsed.get(key[0], 0.0) + seconds
