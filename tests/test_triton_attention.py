@@ -97,8 +97,9 @@ def clone_kv(kv: KVCache) -> KVCache:
     return new
 
 
-def compare(case, atol: float, rtol: float = 0.0) -> float:
-    """Runs both backends on the case; checks the outputs and the stored KV. Returns max abs err."""
+def compare(case, atol: float, rtol: float = 0.0, **triton_kwargs) -> float:
+    """Runs both backends on the case; checks the outputs and the stored KV. Returns max abs err.
+    `triton_kwargs` go to TritonAttention (decode_merge, target_programs, ...)."""
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_backend import TritonAttention
 
@@ -110,7 +111,7 @@ def compare(case, atol: float, rtol: float = 0.0) -> float:
     kv_ref32 = KVCache.__new__(KVCache)
     kv_ref32.k, kv_ref32.v, kv_ref32.num_slots = kv_ref.k.float(), kv_ref.v.float(), kv_ref.num_slots
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), layer, kv_ref32, meta, scale)
-    out = TritonAttention().forward(q, k, v, layer, kv_tri, meta, scale)
+    out = TritonAttention(**triton_kwargs).forward(q, k, v, layer, kv_tri, meta, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out.float()).all(), "non-finite output"
     kv_ref.store(layer, meta.out_slots, k, v)
@@ -147,34 +148,49 @@ def interpreter_cases():
         yield (mode, pre, ql, H, KVH, Dh, dt, extra, i)
 
 
-def run_interpreter_checks() -> None:
+MERGES = ("last_program", "reduce_kernel")
+
+
+def run_interpreter_checks(merge: str) -> None:
+    """All checks with decode splits merged the `merge` way (decode_attention's `merge`)."""
     for mode, pre, ql, H, KVH, Dh, dt, extra, i in interpreter_cases():
         case = make_case(mode, pre, ql, H, KVH, Dh, dt, "cpu", seed=i, **extra)
         low = dt in (torch.float16, torch.bfloat16)
         atol = (2e-2 if dt == torch.bfloat16 else 2e-3) if low else 1e-4
-        err = compare(case, atol=atol, rtol=1e-2 if low else 1e-4)
+        err = compare(case, atol=atol, rtol=1e-2 if low else 1e-4, decode_merge=merge)
         print(f"ok {mode.value:7s} pre={pre} q={ql} H={H} KVH={KVH} D={Dh} {dt} err={err:.2e}", flush=True)
+    # The split count through the backend's target_programs: 4 splits (the table's 4 blocks) at 512,
+    # 2 at 8, 1 at 4 (B * KVH = 4 programs per split).
+    from constrained_spec.attention.triton_kernels.decode import default_num_splits
+    assert [default_num_splits(2, 2, 256, target_programs=t) for t in (512, 8, 4)] == [4, 2, 1]
+    for tp in (512, 8, 4):
+        case = make_case(ForwardMode.DECODE, [200, 9], [1, 1], 6, 2, 64, torch.float16, "cpu", seed=97,
+                         table_width=256)
+        err = compare(case, atol=2e-3, rtol=1e-2, decode_merge=merge, target_programs=tp)
+        print(f"ok decode target_programs={tp} err={err:.2e}", flush=True)
     # A fixed split count larger than the context (empty splits) must still be exact.
     from constrained_spec.attention.triton_kernels import decode_attention
     q, k, v, kv, meta, layer, scale = make_case(ForwardMode.DECODE, [2, 0], [1, 1], 2, 1, 16,
                                                 torch.float32, "cpu", seed=99, zero_rows=(1,))
     kv.store(layer, meta.out_slots, k, v)
-    o8 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=8)
+    o8 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=8,
+                          merge=merge)
     o1 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=1)
     assert torch.allclose(o8, o1, atol=1e-5) and (o8[1] == 0).all()
     print("ok empty splits", flush=True)
     # Several non-empty splits (and empty ones at 8), a split count that is no power of 2, repeated
-    # calls: the last split to finish merges, and must leave the counters at zero for the next call.
+    # calls: with merge="last_program" the last split to finish merges, and must leave the counters at
+    # zero for the next call; with "reduce_kernel" the counters are never allocated.
     q, k, v, kv, meta, layer, scale = make_case(ForwardMode.DECODE, [300, 0, 64, 129], [1] * 4, 6, 2, 16,
                                                 torch.float32, "cpu", seed=98, zero_rows=(1,))
     kv.store(layer, meta.out_slots, k, v)
     args = (q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
     o1 = decode_attention(*args, num_splits=1)
     for splits in (5, 8, 3, 5):
-        o = decode_attention(*args, num_splits=splits)
+        o = decode_attention(*args, num_splits=splits, merge=merge)
         assert torch.allclose(o, o1, atol=1e-5) and (o[1] == 0).all(), splits
-    assert_split_counters_zero()
-    print("ok split merge in one launch", flush=True)
+    assert_split_counters_zero(merge)
+    print(f"ok split merge ({merge})", flush=True)
     # Split-prefix extend / verify (what short trees over long contexts use on the GPU).
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_kernels import extend_attention
@@ -190,13 +206,18 @@ def run_interpreter_checks() -> None:
         err = (out - ref).abs().max().item()
         assert err < 1e-4, (mode, pre, ql, splits, err)
         print(f"ok split {mode.value} pre={pre} q={ql} splits={splits} err={err:.1e}", flush=True)
-    assert_split_counters_zero()
+    assert_split_counters_zero(merge)
     print("ALL OK")
 
 
-def assert_split_counters_zero() -> None:
+def assert_split_counters_zero(merge: str = "last_program") -> None:
+    """last_program: the counters exist and are all back at zero; reduce_kernel (alone in this
+    process): no counters were ever allocated."""
     from constrained_spec.attention.triton_kernels import decode
     bufs = [c for cs in decode._COUNTERS.values() for c in cs]
+    if merge == "reduce_kernel":
+        assert not bufs, "merge='reduce_kernel' allocated split counters"
+        return
     assert bufs and all(not c.any() for c in bufs), "split counters not rearmed"
 
 
@@ -205,10 +226,11 @@ def assert_split_counters_zero() -> None:
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the interpreter tests need it)")
-def test_triton_interpreter_matches_torch():
+@pytest.mark.parametrize("merge", MERGES)
+def test_triton_interpreter_matches_torch(merge):
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, __file__, "--interpret", merge], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -222,26 +244,47 @@ gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and t
 GPU_SHAPES = [(9, 3, 64), (32, 8, 128), (8, 8, 64), (16, 2, 128), (4, 1, 64)]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_default_num_splits_target_programs():
+    from constrained_spec.attention.triton_kernels.decode import default_num_splits
+    # SmolLM2 (3 kv heads) over the engine's 8192-wide slot table.
+    got = {(B, t): default_num_splits(B, 3, 8192, target_programs=t) for B in (1, 32, 128) for t in (128, 256, 512)}
+    assert got == {(1, 128): 32, (1, 256): 32, (1, 512): 32, (32, 128): 2, (32, 256): 3, (32, 512): 6,
+                   (128, 128): 1, (128, 256): 1, (128, 512): 2}
+    assert default_num_splits(1, 3, 100) == 2  # no more splits than table blocks
+
+
+def test_triton_backend_rejects_unknown_merge():
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    from constrained_spec.attention.triton_backend import TritonAttention
+    with pytest.raises(ValueError):
+        TritonAttention(decode_merge="nope")
+
+
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("H,KVH,D", GPU_SHAPES)
-def test_gpu_decode(dtype, H, KVH, D):
+def test_gpu_decode(dtype, H, KVH, D, merge):
     gen = torch.Generator().manual_seed(H * 131 + D)
     for B in (1, 3, 17, 64):
         pre = torch.randint(0, 3000, (B,), generator=gen).tolist()
         pre[0] = 0
         zero = (B - 1,) if B > 2 else ()
         case = make_case(ForwardMode.DECODE, pre, [1] * B, H, KVH, D, dtype, "cuda", seed=B, zero_rows=zero)
-        compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2)
+        compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2, decode_merge=merge)
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (32, 8, 128)])
-def test_gpu_decode_split_merge_in_one_launch(H, KVH, D):
+def test_gpu_decode_split_merge(H, KVH, D, merge):
     """Fixed split counts, many programs in flight (B * KVH * splits up to 16k), repeated launches:
-    the last split to finish merges all of them, and the counters return to zero every time."""
+    all splits are merged (by the last split to finish, whose counters return to zero every time,
+    or by the reduce launch)."""
     from constrained_spec.attention.triton_kernels import decode_attention
     for B in (1, 5, 64):
         pre = torch.randint(0, 4000, (B,), generator=torch.Generator().manual_seed(B)).tolist()
@@ -253,12 +296,13 @@ def test_gpu_decode_split_merge_in_one_launch(H, KVH, D):
         ref = decode_attention(*args, num_splits=1).float()
         for splits in (2, 3, 7, 32):
             for _ in range(3):
-                out = decode_attention(*args, num_splits=splits)
+                out = decode_attention(*args, num_splits=splits, merge=merge)
                 torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
                 if zero:
                     assert (out[B - 1] == 0).all()
     torch.cuda.synchronize()
-    assert_split_counters_zero()
+    if merge == "last_program":  # (other tests of this process may have allocated them)
+        assert_split_counters_zero()
 
 
 @pytest.mark.gpu
@@ -290,8 +334,10 @@ def test_gpu_verify(dtype, H, KVH, D):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("merge,target_programs", [("last_program", 512), ("reduce_kernel", 512),
+                                                    ("last_program", 128), ("reduce_kernel", 128)])
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (32, 8, 128)])
-def test_gpu_decode_cuda_graph_replay(H, KVH, D):
+def test_gpu_decode_cuda_graph_replay(H, KVH, D, merge, target_programs):
     """Capture decode once; replay with new kv_lens / slot_table / q contents (incl. kv_len 0, 1)."""
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_backend import TritonAttention
@@ -310,7 +356,7 @@ def test_gpu_decode_cuda_graph_replay(H, KVH, D):
     ones = torch.ones(B, dtype=torch.int32, device=dev)
     meta = AttentionMetadata(ForwardMode.DECODE, s_out_slots, torch.arange(B + 1, dtype=torch.int32, device=dev),
                              ones, s_kv_lens, s_table, max_q_len=1, max_kv_len=W)
-    backend = TritonAttention()
+    backend = TritonAttention(decode_merge=merge, target_programs=target_programs)
     scale = D ** -0.5
     backend.forward(s_q, s_k, s_v, 0, kv, meta, scale)  # warm-up / compile
     torch.cuda.synchronize()
@@ -388,4 +434,4 @@ def _float_kv(kv: KVCache) -> KVCache:
 
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
-        run_interpreter_checks()
+        run_interpreter_checks(sys.argv[sys.argv.index("--interpret") + 1])

@@ -25,35 +25,63 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 20) -> floa
     return start.elapsed_time(end) / iters
 
 
-def main(batches=(1, 64), ctx=256, width=512, iters=200):
-    from constrained_spec import kernels as K
-    from constrained_spec.attention import AttentionMetadata, ForwardMode, KVCache
-    from constrained_spec.attention.triton_backend import TritonAttention
+def smollm2_135m_config():
     from constrained_spec.models.config import ModelConfig
-    from constrained_spec.models.loader import build_model
-    from tests.test_fused_kernels import _legacy_forward, _legacy_tables
+    return ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                       rope_scaling=None, max_position=8192, tie_word_embeddings=True, qkv_bias=False)
 
-    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                      rope_scaling=None, max_position=8192, tie_word_embeddings=True, qkv_bias=False)
-    dev = "cuda"
-    model = build_model(cfg, torch.bfloat16, dev)
+
+def random_model(cfg, dev: str = "cuda", dtype=torch.bfloat16):
+    """Our model of `cfg`'s shapes with N(0, 0.02) weights, eval, no grad."""
+    from constrained_spec.models.loader import build_model
+    model = build_model(cfg, dtype, dev)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def decode_inputs(cfg, B: int, ctx: int, width: int, dev: str = "cuda", dtype=torch.bfloat16,
+                  shuffle: bool = False):
+    """One decode step of B sequences of `ctx` tokens (the new one included) over a slot table
+    `width` wide and a pool of B * width + 1 slots: (kv, meta, ids, pos). `shuffle`: each row's
+    slots are scattered over the pool instead of contiguous."""
+    from constrained_spec.attention import AttentionMetadata, ForwardMode, KVCache
+    kv = KVCache(cfg.num_layers, B * width + 1, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+    order = torch.randperm(B * width, device=dev) if shuffle else torch.arange(B * width, device=dev)
+    table = (order.view(B, width) + 1)
+    kv_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    out_slots = table[:, ctx - 1].clone()
+    meta = AttentionMetadata(ForwardMode.DECODE, out_slots, torch.arange(B + 1, dtype=torch.int32, device=dev),
+                             torch.ones(B, dtype=torch.int32, device=dev), kv_lens, table, 1, width)
+    ids = torch.randint(0, cfg.vocab_size, (B,), device=dev)
+    pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=dev)
+    return kv, meta, ids, pos
+
+
+def capture(fn):
+    """One call of `fn` captured in a CUDA graph (call `fn` eagerly first: compiles, allocates):
+    (graph, the captured call's output)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def main(batches=(1, 64), ctx=256, width=512, iters=200):
+    from constrained_spec import kernels as K
+    from constrained_spec.attention.triton_backend import TritonAttention
+    from tests.test_fused_kernels import _legacy_forward, _legacy_tables
+
+    cfg = smollm2_135m_config()
+    dev = "cuda"
+    model = random_model(cfg, dev)
     tables = _legacy_tables(model, dev)
     backend = TritonAttention()
     print(f"device: {torch.cuda.get_device_name()}  ctx={ctx} table_width={width}")
     for B in batches:
-        kv = KVCache(cfg.num_layers, B * width + 1, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
-        table = (torch.arange(B * width, device=dev).view(B, width) + 1)
-        kv_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-        out_slots = table[:, ctx - 1].clone()
-        meta = AttentionMetadata(ForwardMode.DECODE, out_slots, torch.arange(B + 1, dtype=torch.int32, device=dev),
-                                 torch.ones(B, dtype=torch.int32, device=dev), kv_lens, table, 1, width)
-        ids = torch.randint(0, cfg.vocab_size, (B,), device=dev)
-        pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=dev)
+        kv, meta, ids, pos = decode_inputs(cfg, B, ctx, width, dev)
         variants = {
             "legacy (pre-fusion)": lambda: _legacy_forward(model, ids, pos, kv, meta, backend, tables),
             "torch-reference kernels": lambda: model(ids, pos, kv, meta, backend),
@@ -75,9 +103,7 @@ def main(batches=(1, 64), ctx=256, width=512, iters=200):
                 except Exception as ex:  # noqa: BLE001 - no CUPTI: timings still count
                     print("profiler failed:", ex)
                     n_kernels = -1
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    out = fn()
+                g, out = capture(fn)
                 g.replay()
                 torch.cuda.synchronize()
                 outs[name] = out.float().clone()

@@ -4,9 +4,12 @@ One new query token per sequence. Sequence b's context is `slot_table[b, :kv_len
 One launch, grid (B, KVH, NUM_SPLITS): each program handles all G = H // KVH query heads that share
 one kv head (so every K/V row is read once per kv head) and one contiguous chunk of the context.
 With one split it writes the output directly. With several, each program writes a partial output
-plus its log-sum-exp and counts itself done on a per-(b, kv head) counter; the last of the splits
-to finish merges them and rearms the counter (flash-decoding without a second launch, which at
-batch 1 costs more than the merge itself).
+plus its log-sum-exp, and the splits are merged in one of two ways (`merge=`):
+* "last_program" (default): each program counts itself done on a per-(b, kv head) counter; the last
+  of the splits to finish merges them and rearms the counter (flash-decoding without a second launch,
+  which at batch 1 costs more than the merge itself);
+* "reduce_kernel": a second launch, grid (B, H), merges them (the two-kernel path before f503164,
+  kept for A/B timing; with one split it is one launch too).
 
 CUDA-graph capturable: NUM_SPLITS and all grids depend only on B, H, KVH, D and the slot-table
 width, never on host-side kv lengths. The chunk size per split is computed on the device from
@@ -50,7 +53,7 @@ def _decode_kernel(
     NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_MERGES: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -109,6 +112,7 @@ def _decode_kernel(
         tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
                  out, mask=hd_mask)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    if SPLIT and LAST_MERGES:
         # One thread issues the atomic: the barrier puts every thread's partial stores before its
         # release, so whichever program counts last sees all of them.
         tl.debug_barrier()
@@ -116,7 +120,8 @@ def _decode_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
             for g in tl.static_range(G):
                 _merge_head(MidO, MidLse, Out, b, kvh * G + g, stride_mob, stride_moh, stride_mos,
-                            stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D)
+                            stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D,
+                            ".cg")
             # Only the last program touches the counter after counting, and the next launch starts
             # after this one ends: a plain store rearms it for the next layer and graph replay.
             tl.store(counter, 0)
@@ -125,21 +130,22 @@ def _decode_kernel(
 @triton.jit
 def _merge_head(MidO, MidLse, Out, row, h, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
                 stride_ot, stride_oh, NUM_SPLITS,
-                D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Log-sum-exp merge of the splits' partial outputs of one (row, head)."""
+                D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+    """Log-sum-exp merge of the splits' partial outputs of one (row, head). CACHE: the loads' cache
+    modifier, ".cg" inside the launch that wrote the partials (L1 is not coherent with other SMs'
+    writes), "" in a separate launch."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < D
-    # .cg reads L2: other SMs wrote the partials during this launch, and L1 is not coherent with them.
     lse = tl.load(MidLse + row * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"),
-                  cache_modifier=".cg")
+                  cache_modifier=CACHE)
     valid = lse > float("-inf")
     m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(valid, tl.exp2(lse - m), 0.0)
     o = tl.load(MidO + row * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                mask=valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(Out + row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
@@ -154,9 +160,10 @@ def _decode_reduce_kernel(
     NUM_SPLITS,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid (rows, H): the separate merge launch of split-prefix extend/verify."""
+    """Grid (rows, H): the separate merge launch of split-prefix extend/verify and of decode with
+    merge="reduce_kernel"."""
     _merge_head(MidO, MidLse, Out, tl.program_id(0), tl.program_id(1), stride_mob, stride_moh, stride_mos,
-                stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D)
+                stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D, "")
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -176,9 +183,14 @@ def _split_counters(n: int, device: torch.device) -> torch.Tensor:
     return bufs[-1]
 
 
+MERGE_MODES = ("last_program", "reduce_kernel")
+DEFAULT_TARGET_PROGRAMS = 512
+
+
 def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_splits: int = 32,
-                       target_programs: int = 512, block_n: int = 64) -> int:
-    """A static split count: enough programs to fill the GPU, no more splits than table blocks."""
+                       target_programs: int = DEFAULT_TARGET_PROGRAMS, block_n: int = 64) -> int:
+    """A static split count: about `target_programs` programs in all (batch * kv heads * splits),
+    at most `max_splits`, no more splits than table blocks."""
     want = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
     cap = max(1, math.ceil(table_width / block_n))
     return int(max(1, min(max_splits, want, cap)))
@@ -187,10 +199,16 @@ def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_spli
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, max_splits: int = 32,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, merge: str = "last_program",
+                     target_programs: int = DEFAULT_TARGET_PROGRAMS) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W]; kv_lens: [B].
 
+    `merge`: how several splits are merged, "last_program" (in the split launch) or "reduce_kernel"
+    (a second launch); see the module docstring. `target_programs` and `max_splits` choose the split
+    count when `num_splits` is None (`default_num_splits`).
     Returns [B, H, D] in q's dtype. All launch parameters depend only on shapes."""
+    if merge not in MERGE_MODES:
+        raise ValueError(f"decode_attention: merge must be one of {MERGE_MODES}, not {merge!r}")
     B, H, D = q.shape
     KVH = k_cache.shape[1]
     assert H % KVH == 0, "query heads must be a multiple of kv heads"
@@ -201,16 +219,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_H = max(16, triton.next_power_of_2(G))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     if num_splits is None:
-        num_splits = default_num_splits(B, KVH, slot_table.shape[1], max_splits, block_n=BLOCK_N)
+        num_splits = default_num_splits(B, KVH, slot_table.shape[1], max_splits, target_programs, BLOCK_N)
     if out is None:
         out = torch.empty_like(q)
     if B == 0:
         return out
     split = num_splits > 1
+    last_merges = merge == "last_program"
     if split:
         mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
-        counters = _split_counters(B * KVH, q.device)
+        counters = _split_counters(B * KVH, q.device) if last_merges else out  # unused by the reduce kernel
     else:  # unused: the single split writes `out` directly
         mid_o = mid_lse = counters = out
     _decode_kernel[(B, KVH, num_splits)](
@@ -224,8 +243,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse.stride(0), mid_lse.stride(1),
         scale * _LOG2E, num_splits,
         G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, LAST_MERGES=last_merges,
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
+    if split and not last_merges:  # as before f503164
+        _decode_reduce_kernel[(B, H)](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), num_splits,
+            D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
+            num_warps=4 if BLOCK_D >= 128 else 2,
+        )
     return out
