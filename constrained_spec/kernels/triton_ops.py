@@ -6,6 +6,8 @@ and silu(gate) is rounded before the multiply by `up`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -205,3 +207,165 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
                                                         out.stride(0), V, bitmask.shape[1], BLOCK=BLOCK,
                                                         num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Small-M linears with the elementwise op before them fused into the load of the activations.
+#
+# At decode (M = 1..16 rows) a GEMM reads each weight once and is bound by launch latency and the
+# weight stream, so the norm / SiLU-and-mul kernel in front of it is a whole extra launch for
+# almost no work. Here each program owns BLOCK_N output columns for all M rows, streams its
+# [BLOCK_N, K] weight slice once, and builds the activation tile it multiplies from the raw inputs.
+# The dot is "swap AB": weight tile [BLOCK_N, BLOCK_K] x activations^T [BLOCK_K, BLOCK_M], so the
+# tiny M sits on the dot's N side (padded to 16: the tensor-core minimum in older Tritons).
+# ----------------------------------------------------------------------------------------------
+
+# the PROLOGUE constexpr: what builds the activation tile from the kernel's inputs
+RMS_NORM, ADD_RMS_NORM, SILU_MUL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_SMALL_M_BLOCK_M = 16
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _small_m_linear_kernel(a_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr,
+                           M, N, K, a_stride, r_stride, w_stride, y_stride, res_stride, eps,
+                           PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, PRENORM: tl.constexpr,
+                           DOT_F32: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[m, n] = sum_k W[n, k] * act(m, k) (+ b[n]), act one of
+      RMS_NORM:     rms_norm(a)[m, k]
+      ADD_RMS_NORM: rms_norm(a + r)[m, k]; programs of the first N-block also write a + r to res
+                    (a separate tensor: the other programs are still reading a and r)
+      SILU_MUL:     silu(a[m, k]) * a[m, K + k]   (a = the gate_up GEMM output [M, 2K])
+    The RMS of each row is recomputed by every program: K elements per row, nothing next to the
+    weight slice it streams. Unless PRENORM, 1/rms is applied to the fp32 accumulator after the K
+    loop (one pass over the rows, so the weight stream starts at once); the operand is then
+    (x * norm_weight) rounded to the input dtype, which for fp16 could overflow where the normed
+    value would not, so fp16 uses PRENORM: a first pass for the RMS, then the reference's
+    rounding (x * rstd rounded, times the norm weight, rounded).
+    DOT_F32: the dot in fp32 without tf32 (torch's fp32 matmul default) for fp32 inputs; also for bf16
+    under the Triton interpreter, whose dot multiplies bf16 tensors' raw bits (exact either way:
+    bf16 products are exact in fp32)."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_mask = rn < N
+    m_mask = rm < M
+    if PROLOGUE != SILU_MUL and PRENORM:
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask = (rk < K)[:, None] & m_mask[None, :]
+            h = tl.load(a_ptr + rm[None, :] * a_stride + rk[:, None], mask=mask, other=0.0)
+            if PROLOGUE == ADD_RMS_NORM:
+                r = tl.load(r_ptr + rm[None, :] * r_stride + rk[:, None], mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            hf = h.to(tl.float32)
+            ss += tl.sum(hf * hf, axis=0)
+        rstd = tl.math.rsqrt(ss / K + eps)
+    else:
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        mask = k_mask[:, None] & m_mask[None, :]  # the activation tile, transposed: [BLOCK_K, BLOCK_M]
+        a_offs = rm[None, :] * a_stride + rk[:, None]
+        h = tl.load(a_ptr + a_offs, mask=mask, other=0.0)
+        if PROLOGUE == SILU_MUL:
+            u = tl.load(a_ptr + a_offs + K, mask=mask, other=0.0)
+            gf = h.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(h.dtype)  # F.silu rounds to the dtype
+            act = (s.to(tl.float32) * u.to(tl.float32)).to(h.dtype)
+        else:
+            if PROLOGUE == ADD_RMS_NORM:
+                r = tl.load(r_ptr + rm[None, :] * r_stride + rk[:, None], mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # rounded like torch's x + residual
+                if pid == 0:
+                    tl.store(res_ptr + rm[None, :] * res_stride + rk[:, None], h, mask=mask)
+            hf = h.to(tl.float32)
+            nw = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)[:, None]
+            if PRENORM:
+                act = ((hf * rstd[None, :]).to(h.dtype).to(tl.float32) * nw).to(h.dtype)
+            else:
+                ss += tl.sum(hf * hf, axis=0)
+                act = (hf * nw).to(h.dtype)
+        w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), act.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, act, acc)
+
+    if PROLOGUE != SILU_MUL and not PRENORM:
+        acc = acc * tl.math.rsqrt(ss / K + eps)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rm[None, :] * y_stride + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+def small_m_linear_config(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from static shapes only (graphs are captured per
+    batch size). Reasoned, not yet timed on the H100: `python -m constrained_spec.kernels.bench`
+    times these against a sweep. BLOCK_N = 16 gives the most programs (N = 576 -> 36, 960 -> 60,
+    3072 -> 192; Llama-3-8B's 4096 -> 256), which is what fills the SMs when each program streams a
+    thin weight slice; a very wide N has programs to spare, so 32 halves the activation re-reads
+    from L2 there. BLOCK_K = 256 and 3 cp.async stages put two 8 KB bf16 weight tiles per program
+    in flight: SmolLM2's K = 576 rows arrive in about two round trips. fp32 (no tensor cores)
+    uses 32-wide K blocks: wider ones spill registers. (Compiled for sm_90, these use mma.sync and
+    cp.async without spills.)"""
+    if dtype == torch.float32:
+        return 16, 32, 4, 3
+    block_n = 32 if N >= 16384 else 16
+    block_k = min(256, max(16, triton.next_power_of_2(K)))
+    return block_n, block_k, 4, 3
+
+
+def _launch_small_m_linear(prologue: int, a: torch.Tensor, K: int, weight: torch.Tensor, bias, residual=None,
+                           norm_weight=None, eps: float = 0.0, config=None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lead = a.shape[:-1]
+    a2 = _rows(a)
+    M, N = a2.shape[0], weight.shape[0]
+    if weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, {K}] with unit stride over K, got {tuple(weight.shape)}")
+    if M > _SMALL_M_BLOCK_M:
+        raise ValueError(f"small-M linear takes at most {_SMALL_M_BLOCK_M} rows, got {M}")
+    if any(t is not None and t.stride(-1) != 1 for t in (norm_weight, bias)):
+        raise ValueError("the norm weight and the bias must have unit stride")
+    y = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    r2 = _rows(residual) if residual is not None else a2
+    res = torch.empty(M, K, dtype=a.dtype, device=a.device) if residual is not None else None
+    if M > 0:
+        block_n, block_k, num_warps, num_stages = config or small_m_linear_config(M, N, K, a.dtype)
+        dummy = weight  # for the pointer arguments a prologue does not read
+        _small_m_linear_kernel[(triton.cdiv(N, block_n),)](
+            a2, r2, norm_weight if norm_weight is not None else dummy, weight, bias if bias is not None else dummy,
+            y, res if res is not None else y,
+            M, N, K, a2.stride(0), r2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
+            eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, PRENORM=a.dtype == torch.float16,
+            DOT_F32=a.dtype == torch.float32 or (_INTERPRETER and a.dtype == torch.bfloat16),
+            BLOCK_M=_SMALL_M_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return y.view(*lead, N), (res.view(*lead, K) if res is not None else None)
+
+
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """F.linear(rms_norm(x, norm_weight, eps), weight, bias) for at most 16 rows, one launch."""
+    return _launch_small_m_linear(RMS_NORM.value, x, x.shape[-1], weight, bias, norm_weight=norm_weight, eps=eps,
+                                  config=config)[0]
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, config=None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(rms_norm(x + residual), weight, bias), x + residual) for at most 16 rows, one launch.
+    x and residual are only read; the new residual is a new tensor."""
+    return _launch_small_m_linear(ADD_RMS_NORM.value, x, x.shape[-1], weight, bias, residual=residual,
+                                  norm_weight=norm_weight, eps=eps, config=config)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight) from gate_up [..., 2I], for at most 16 rows, one launch."""
+    return _launch_small_m_linear(SILU_MUL.value, gate_up, gate_up.shape[-1] // 2, weight, None, config=config)[0]
