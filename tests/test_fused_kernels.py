@@ -425,9 +425,11 @@ def test_gpu_small_m_linears_match_reference(dtype):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_fused_linear_dispatch():
+def test_gpu_fused_linear_dispatch(monkeypatch):
     """The fused small-M linear is chosen from static shapes only, and every switch turns it off."""
     from constrained_spec import kernels as K
+    assert not K.fused_linear_enabled(), "off by default (slower than the pairs on the H100, kernels/__init__.py)"
+    monkeypatch.setattr(K, "_FUSED_LINEAR", True)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x1, x16, x17 = torch.zeros(1, 576, **bf), torch.zeros(16, 576, **bf), torch.zeros(17, 576, **bf)
     qkv, gate_up = torch.zeros(960, 576, **bf), torch.zeros(3072, 576, **bf)
@@ -466,6 +468,7 @@ def test_gpu_decode_cuda_graph_replay(model_type, B, monkeypatch):
     from constrained_spec import kernels as K
     from constrained_spec.attention import KVCache
     from constrained_spec.attention.triton_backend import TritonAttention
+    monkeypatch.setattr(K, "_FUSED_LINEAR", True)  # off by default; this test is about the fused path
     cfg = _cfg(model_type, vocab_size=1024, num_layers=2)
     model = _random_model(cfg, torch.bfloat16, "cuda")
     calls = {"fused": 0}

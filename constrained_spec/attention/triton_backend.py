@@ -19,7 +19,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, max_splits: int = 32, num_splits: int | None = None,
-                 decode_merge: str = "last_program", target_programs: int = DEFAULT_TARGET_PROGRAMS):
+                 decode_merge: str = "reduce_kernel", target_programs: int = DEFAULT_TARGET_PROGRAMS):
         """`num_splits` fixes the flash-decoding split count; by default it is chosen per launch
         from static shapes only (batch size, kv heads, slot-table width): about `target_programs`
         programs per launch, capped at `max_splits` splits (`default_num_splits`).

@@ -110,10 +110,19 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 # The decision reads only static properties (device, dtypes, shapes): graphs are captured per batch
 # size and replay whatever was chosen at capture. CONSTRAINED_SPEC_FUSED_LINEAR=0 (or
 # set_fused_linear(False)) turns just these off; CONSTRAINED_SPEC_FUSED_LINEAR_MAX_WEIGHT moves the cap.
+# OFF by default: measured on the H100 (`python -m constrained_spec.kernels.bench 1 8`, random SmolLM2
+# weights, graphed), the first block sizes made the decode forward slower, 1.338 vs 0.835 ms at batch
+# 1: a fused kernel took about as long as the pair it replaced (qkv 7.5 vs 5.3 us, gate_up 12.7 vs
+# 6.0, down 11.5 vs 6.7); the best of a block-size sweep only matched the pairs (5.0, 5.5, 10.0 us).
+# CONSTRAINED_SPEC_FUSED_LINEAR=1 turns them on for experiments.
 
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_WEIGHT = int(os.environ.get("CONSTRAINED_SPEC_FUSED_LINEAR_MAX_WEIGHT", 4 << 20))
-_FUSED_LINEAR = os.environ.get("CONSTRAINED_SPEC_FUSED_LINEAR", "1").lower() not in ("0", "false", "no")
+_FUSED_LINEAR = os.environ.get("CONSTRAINED_SPEC_FUSED_LINEAR", "0").lower() in ("1", "true", "yes")
+
+
+def fused_linear_enabled() -> bool:
+    return _FUSED_LINEAR
 
 
 def set_fused_linear(enabled: bool) -> None:
@@ -161,5 +170,5 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 __all__ = ["FUSED_LINEAR_MAX_ROWS", "FUSED_LINEAR_MAX_WEIGHT", "HAS_TRITON", "add_rms_norm", "add_rms_norm_linear",
            "apply_rope", "apply_rope_and_store", "build_cos_sin_cache", "fused_kernels_enabled", "mask_logits",
-           "reference", "rms_norm", "rms_norm_linear", "set_fused_kernels", "set_fused_linear", "silu_and_mul",
+           "reference", "rms_norm", "rms_norm_linear", "set_fused_kernels", "fused_linear_enabled", "set_fused_linear", "silu_and_mul",
            "silu_mul_linear", "use_fused_linear"]

@@ -76,6 +76,7 @@ def main(batches=(1, 64), ctx=256, width=512, iters=200):
     from constrained_spec import kernels as K
     from constrained_spec.attention.triton_backend import TritonAttention
     from tests.test_fused_kernels import _legacy_forward, _legacy_tables
+    linear_default = K.fused_linear_enabled()
 
     cfg = smollm2_135m_config()
     dev = "cuda"
@@ -120,7 +121,7 @@ def main(batches=(1, 64), ctx=256, width=512, iters=200):
         for name, o in outs.items():
             print(f"   max|{name} - legacy| = {(o - ref).abs().max().item():.3e} (|legacy| max {ref.abs().max().item():.2f})")
     K.set_fused_kernels(True)
-    K.set_fused_linear(True)
+    K.set_fused_linear(linear_default)
     bench_mask(batches, cfg.vocab_size, iters)
     bench_small_m_linears()
 

@@ -307,19 +307,13 @@ def _small_m_linear_kernel(a_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr,
 
 def small_m_linear_config(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) from static shapes only (graphs are captured per
-    batch size). Reasoned, not yet timed on the H100: `python -m constrained_spec.kernels.bench`
-    times these against a sweep. BLOCK_N = 16 gives the most programs (N = 576 -> 36, 960 -> 60,
-    3072 -> 192; Llama-3-8B's 4096 -> 256), which is what fills the SMs when each program streams a
-    thin weight slice; a very wide N has programs to spare, so 32 halves the activation re-reads
-    from L2 there. BLOCK_K = 256 and 3 cp.async stages put two 8 KB bf16 weight tiles per program
-    in flight: SmolLM2's K = 576 rows arrive in about two round trips. fp32 (no tensor cores)
-    uses 32-wide K blocks: wider ones spill registers. (Compiled for sm_90, these use mma.sync and
-    cp.async without spills.)"""
+    batch size). From the H100 sweep of `python -m constrained_spec.kernels.bench`: 64-wide N
+    blocks were the best setting at SmolLM2's and Llama-3-8B's shapes (16-wide ones, reasoned
+    first for their number of programs, were 1.5-3x slower). fp32 (no tensor cores) uses 32-wide K
+    blocks: wider ones spill registers."""
     if dtype == torch.float32:
         return 16, 32, 4, 3
-    block_n = 32 if N >= 16384 else 16
-    block_k = min(256, max(16, triton.next_power_of_2(K)))
-    return block_n, block_k, 4, 3
+    return 64, min(256, max(16, triton.next_power_of_2(K))), 4, 3
 
 
 def _launch_small_m_linear(prologue: int, a: torch.Tensor, K: int, weight: torch.Tensor, bias, residual=None,

@@ -5,11 +5,14 @@ One launch, grid (B, KVH, NUM_SPLITS): each program handles all G = H // KVH que
 one kv head (so every K/V row is read once per kv head) and one contiguous chunk of the context.
 With one split it writes the output directly. With several, each program writes a partial output
 plus its log-sum-exp, and the splits are merged in one of two ways (`merge=`):
-* "last_program" (default): each program counts itself done on a per-(b, kv head) counter; the last
-  of the splits to finish merges them and rearms the counter (flash-decoding without a second launch,
-  which at batch 1 costs more than the merge itself);
-* "reduce_kernel": a second launch, grid (B, H), merges them (the two-kernel path before f503164,
-  kept for A/B timing; with one split it is one launch too).
+* "reduce_kernel" (default): a second launch, grid (B, H), merges them (with one split it is one
+  launch);
+* "last_program": each program counts itself done on a per-(b, kv head) counter; the last of the
+  splits to finish merges them and rearms the counter (no second launch). Measured slower on the
+  H100 (benchmarks/bench_decode_ab.py, results/decode_ab.md, SmolLM2 shapes, slot table 8192 wide):
+  the whole graphed decode forward 1.378 vs 1.341 ms at batch 1 and 1.380 vs 1.340 ms at batch 32;
+  one call 6.1 vs 4.7 us at batch 1: the serial merge at the end of the last program and the
+  atomics cost more than a second launch inside a graph. Kept for A/B runs.
 
 CUDA-graph capturable: NUM_SPLITS and all grids depend only on B, H, KVH, D and the slot-table
 width, never on host-side kv lengths. The chunk size per split is computed on the device from
@@ -199,7 +202,7 @@ def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_spli
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, max_splits: int = 32,
-                     out: torch.Tensor | None = None, merge: str = "last_program",
+                     out: torch.Tensor | None = None, merge: str = "reduce_kernel",
                      target_programs: int = DEFAULT_TARGET_PROGRAMS) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W]; kv_lens: [B].
 
