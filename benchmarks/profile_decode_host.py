@@ -1,9 +1,12 @@
 """Where a decode step's host time goes, plain vs JSON schema, on the real engine loop.
 
-Times each phase of the engine thread's loop (schedule, forward launch, processing the previous
-step's tokens, the wait for the device, grammar-mask fill, sample launch) by wrapping those
-methods, and with --cprofile lists the engine thread's top functions. On CUDA with overlap, a
-step is host-bound when `wait` is near zero: the device finished before the host asked.
+Times each phase of the engine thread's loop (schedule, forward launch and the KV plan in it,
+processing the previous step's tokens, the wait for the device, the grammar-mask fill, sample
+launch) by wrapping those methods, and with --cprofile lists the engine thread's top functions.
+In the overlapped loop the fill is made inside the processing, beside the step thread's Python
+work ("mask fill beside step python"); "mask fill" is then what is left to do after it. On CUDA
+with overlap, a step is host-bound when `wait` is near zero: the device finished before the host
+asked. `--overlap` runs the overlapped loop on the CPU too.
 
 Runs on random weights of a model folder's shapes (config.json + tokenizer; the weights are not
 read), so the GPU machine needs no real weights:
@@ -61,8 +64,12 @@ def main():
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option, e.g. grammar_mask_threads=15 (repeatable)")
     ap.add_argument("--batch-matcher-threads", type=int, default=None,
-                    help="threads of xgrammar's BatchGrammarMatcher in the unbudgeted fill (A/B; the engine uses 1)")
+                    help="threads of xgrammar's BatchGrammarMatcher in the unbudgeted fill, whatever the rows (A/B; "
+                         "the engine uses one per 8 rows up to grammar_mask_threads)")
     ap.add_argument("--name", default=None, help="results file name (default decode_host_<device>)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="run the overlapped loop on the CPU too (the next step is launched before the last one's "
+                         "tokens are processed, and its mask fill runs beside that processing)")
     args = ap.parse_args()
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine
@@ -87,15 +94,25 @@ def main():
     opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
     eng = Engine(loaded=random_model(args.model_dir or resolve_model_path(None), args.device), device=args.device,
                  max_running_requests=max(int(b) for b in args.batches.split(",")), **opts)
-    if args.batch_matcher_threads is not None:
+    if args.batch_matcher_threads is not None:  # every batch fill on this many threads
         import xgrammar as xgr
-        eng.masks._batch = xgr.BatchGrammarMatcher(max_threads=args.batch_matcher_threads)
+        fixed = xgr.BatchGrammarMatcher(max_threads=args.batch_matcher_threads)
+        eng.masks._batch_matcher = lambda rows: fixed
         opts["batch_matcher_threads"] = args.batch_matcher_threads
     timer.wrap(eng.scheduler, "schedule", "schedule")
     timer.wrap(eng.runner, "forward", "forward launch")
+    timer.wrap(eng.runner, "plan", "plan (in forward launch)")
     timer.wrap(eng.runner, "sample", "sample launch")
     timer.wrap(eng, "_process", "process (incl. wait)")
     timer.wrap(eng, "_fill_bitmask", "mask fill")
+    if hasattr(eng, "_fill_beside"):  # (older engines fill after the processing)
+        timer.wrap(eng.masks, "start", "mask fill prepare (in process)")
+        timer.wrap(eng, "_fill_beside", "mask fill beside step python (in process)")
+    if hasattr(engine_mod, "batch_accept"):
+        timer.wrap(engine_mod, "batch_accept", "grammar accept (in process)")
+    if args.overlap:
+        eng._overlapped = lambda: True
+        opts["overlap"] = True
     records = []
     for bs in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(eng.tokenizer, bs, json_task=True)

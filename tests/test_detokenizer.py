@@ -55,3 +55,58 @@ def test_stop_string_truncates(tokenizer):
         if stop:
             break
     assert stop == "STOP" and d.take(final=True) == "The answer is 42. "
+
+
+class _Reference:
+    """The detokenizer as it was (whole text kept, two decodes per token), for the one-decode table
+    and the pending-text stop search to be checked against, update by update."""
+
+    def __init__(self, tok, prompt_ids, stop):
+        self.tok = tok
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset, self.read_offset = max(len(self.ids) - 1, 0), len(self.ids)
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.emitted = "", 0
+
+    def add(self, new_ids):
+        self.ids.extend(new_ids)
+        prefix = reference(self.tok, self.ids[self.prefix_offset:self.read_offset])
+        full = reference(self.tok, self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at != -1:
+                self.text = self.text[:at]
+                return s
+        return None
+
+    def take(self, final):
+        end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - self.hold)
+        out, self.emitted = self.text[self.emitted:end], end
+        return out
+
+
+@pytest.mark.parametrize("stop", [[], ["e"], ["the", "\n\n", "ing "], ["<|im_end|>"], ["é"]])
+def test_same_updates_as_the_reference(tokenizer, stop):
+    text = ("The king's engineers were thinking, then: \"Héllo wörld\"\n\n🙂 日本語 {\"a\": [1, 2.5e-3]} "
+            "<|im_end|> and more text after the end, ending here.") * 3
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(len(stop))
+    ids += [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+    for seed in range(3):
+        rng = random.Random(seed)
+        new, ref = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop), _Reference(tokenizer, [1, 2, 3], stop)
+        i = 0
+        while i < len(ids):
+            n = 1 if seed == 0 else rng.randint(1, 4)
+            got, want = new.add(ids[i:i + n]), ref.add(ids[i:i + n])
+            assert got == want, i
+            final = got is not None or i + n >= len(ids)
+            assert new.take(final) == ref.take(final), i
+            assert new.text == ref.text and new.emitted == ref.emitted
+            if got is not None:
+                break
+            i += n

@@ -64,6 +64,16 @@ class CudaGraphRunner:
         self.params_f = torch.zeros(B, 4, dtype=torch.float32, device=dev)  # temperature, top_p, min_p, top_k
         self.params_i = torch.zeros(B, 2, dtype=torch.int64, device=dev)  # seeds, steps
         self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
+        # launch_decode's metadata goes up from one of two pinned buffers, in turn (no pinned block
+        # allocated per step). A buffer is rewritten two launches after it was copied from, once the
+        # event recorded behind its copy has completed. In the engine loop it always has by then:
+        # step N+1 is launched after step N-1's tokens were waited for, and that wait is on an event
+        # recorded after step N-1's sample, which the stream ran after forward N-1's copy. The event
+        # keeps it safe where that wait is skipped (a failed step's results are dropped unread).
+        self._meta_host = [torch.zeros(B, 4, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._meta_host_np = [t.numpy() for t in self._meta_host]
+        self._meta_copied: list[torch.cuda.Event | None] = [None, None]
+        self._meta_turn = 0
         self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
         self.prefill_io: dict[int, PrefillIO] = {}  # bucket of new tokens -> the prefill graph's buffers
         self.prefill_buckets: list[int] = []  # sorted keys of prefill_io
@@ -167,10 +177,18 @@ class CudaGraphRunner:
                       kv_lens: np.ndarray) -> GraphStep:
         B = len(rows)
         bs = self.padded_size(B)
-        host = np.empty((bs, 4), dtype=np.int64)
+        k = self._meta_turn
+        self._meta_turn = 1 - k
+        copied = self._meta_copied[k]
+        if copied is not None:
+            copied.synchronize()  # returns at once in the engine loop (see __init__)
+        host = self._meta_host_np[k][:bs]
         host[B:] = (self.r.pad_row, 0, 0, 1)
         host[:B, 0], host[:B, 1], host[:B, 2], host[:B, 3] = rows, positions, out_slots, kv_lens
-        self.meta[:bs].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        self.meta[:bs].copy_(self._meta_host[k][:bs], non_blocking=True)
+        if copied is None:
+            copied = self._meta_copied[k] = torch.cuda.Event()
+        copied.record()
         graph, logits = self.graphs[("decode", bs)]
         graph.replay()
         return GraphStep(B, bs, logits[:B], self.meta[:B, 0], self)

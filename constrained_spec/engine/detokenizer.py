@@ -7,47 +7,92 @@ This runs for every token of every request on the engine thread, so it calls the
 `tokenizers.Tokenizer` behind a fast Hugging Face tokenizer directly: the same text as
 `tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`, without the
 Python wrapper that costs several times the decoding itself.
+
+Each token decodes two windows: the text before it (usually the one token before it) and the text
+with it. The one-token windows come from a per-tokenizer table of single-token decodes (exact: a
+decode of the same ids is the same text), so a token usually costs one call into the tokenizer.
 """
 from __future__ import annotations
+
+import weakref
+
+# tokenizer -> {token id: decode([id])}; at most one entry per vocabulary entry
+_SINGLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _single_decodes(tokenizer) -> dict:
+    try:
+        table = _SINGLE.get(tokenizer)
+        if table is None:
+            table = _SINGLE[tokenizer] = {}
+        return table
+    except TypeError:  # not weak-referenceable: a table for this detokenizer alone
+        return {}
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        # called as decode(ids, skip_special_tokens) with both arguments positional
         self._decode_ids = (backend.decode if backend is not None else
                             lambda ids, skip_special_tokens: tokenizer.decode(
                                 ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False))
+        self._single = _single_decodes(tokenizer)
         self.ids = list(prompt_ids[-6:])  # a little prompt context for leading-space handling
         self.prefix_offset = max(len(self.ids) - 1, 0)
         self.read_offset = len(self.ids)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""  # all output text decoded so far (before stop truncation)
         self.emitted = 0  # characters of `text` handed to the caller
+        self._pending = ""  # decoded text not handed out yet (the end of `text`)
+        self._out: list[str] = []  # the text handed out, in pieces (joined now and then)
+
+    @property
+    def text(self) -> str:
+        """All output text decoded so far (cut at a stop string once one is found)."""
+        return "".join(self._out) + self._pending
 
     def _decode(self, ids: list[int]) -> str:
-        return self._decode_ids(ids, skip_special_tokens=True)
+        return self._decode_ids(ids, True)
 
     def add(self, new_ids: list[int]) -> str | None:
         """Adds tokens; returns the stop string if one now appears in the output."""
-        self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        ids = self.ids
+        ids.extend(new_ids)
+        start, read = self.prefix_offset, self.read_offset
+        if read - start == 1:
+            prefix = self._single.get(ids[start])
+            if prefix is None:
+                prefix = self._single[ids[start]] = self._decode_ids(ids[start:read], True)
+        else:
+            prefix = self._decode_ids(ids[start:read], True)
+        full = self._decode_ids(ids[start:], True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
+            self._pending += full[len(prefix):]
+            self.prefix_offset = read
+            self.read_offset = len(ids)
+        # A stop string that completes now lies in the pending text: `take` keeps back the last
+        # `hold` characters (a stop string's length - 1), so none of one can have been handed out.
         for s in self.stop:
-            at = self.text.find(s, max(0, self.emitted - len(s)))
+            at = self._pending.find(s)
             if at != -1:
-                self.text = self.text[:at]
+                self._pending = self._pending[:at]
                 return s
         return None
 
     def take(self, final: bool) -> str:
         """The text not yet handed out; keeps back a possible stop-string prefix unless final."""
-        end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted:end]
-        self.emitted = end
+        pending = self._pending
+        if final or not self.stop:
+            out, self._pending = pending, ""
+        else:
+            cut = max(0, len(pending) - self.hold)
+            out, self._pending = pending[:cut], pending[cut:]
+        if out:
+            self.emitted += len(out)
+            parts = self._out
+            parts.append(out)
+            if len(parts) >= 256:  # (text is kept for `text` only; a list, so no step copies it all)
+                self._out = ["".join(parts)]
         return out

@@ -2,9 +2,19 @@
 thread-safe entry points (`add_request`, `generate`, `stream`, `astream`, `abort`) on top.
 
 Step timeline (design notes, "Overlap"): launch batch N on the device; while it runs, read batch
-N-1's tokens, accept them into the grammar matchers, finish and stream requests; then fill batch
-N's bitmask rows and sample. With `disable_overlap`, batch N's results are processed right after
-its own sampling instead.
+N-1's tokens and accept them into the grammar matchers (one xgrammar call); then fill batch N's
+bitmask rows on this thread (one xgrammar call, GIL released) while the step thread
+(`step_thread.py`) finishes and streams batch N-1's requests; then sample. With `disable_overlap`,
+batch N's results are processed right after its own sampling instead (and every fill is made
+before or after the processing, not beside it).
+
+Matcher ownership: a request's matcher is used by one thread at a time. The engine thread owns all
+of them; while the fill beside the step's Python work runs (from `MaskFiller.start` until the call
+it returns has returned) the rows' matchers are the fill call's, and the Python work must not call
+them. So `_process` accepts the step's tokens before it prepares the fill, deals first with every
+request whose matcher it must look at again (a refused token, a grammar stop token on which the
+matcher may have terminated), and the rest is done without a matcher call
+(`_append_token(..., accepted=True)`).
 
 With `grammar_mask_budget_ms`, a request whose bitmask row is not ready within the budget sits the
 step out instead of holding the batch (`mask_filler.py`): its sample is void (`discard_inflight`),
@@ -24,6 +34,7 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
+from ..grammar.backend import batch_accept
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..spec.grammar_draft import stable_forced_tokens
@@ -35,6 +46,7 @@ from .model_runner import ModelRunner, StepResult
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .speculative import SpeculativeWorker, make_drafter
+from .step_thread import StepThread
 from ..attention import ForwardMode
 from .stats import EngineStats
 
@@ -103,6 +115,10 @@ class Engine:
         self._by_id: dict[str, Request] = {}
         self._stopped = False
         self._launched = None  # the batch whose forward is on the device now
+        self._step_thread: StepThread | None = None  # started on first use (`_fill_beside`)
+        # tokens on which a matcher can terminate (xgrammar: a matcher terminates only by accepting
+        # one of its stop tokens; the engine's matchers do not override them)
+        self._grammar_stop_ids = frozenset(self.grammar.tokenizer_info.stop_token_ids)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
         self._thread.start()
         log.info("engine ready: model %s on %s (%s), %d KV slots, max context %d", self.model_name, self.device,
@@ -112,7 +128,8 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     grammar: GrammarSpec | None = None, on_output: Callable[[RequestOutput], None] | None = None,
                     request_id: str | None = None) -> Request:
-        """Queues a request; `on_output` is called from the engine thread with each update."""
+        """Queues a request; `on_output` is called with each update from the engine thread (or its
+        step thread, which runs while the engine thread fills grammar masks: never both at once)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self._check_length(ids, params)
@@ -200,6 +217,8 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._step_thread is not None:
+            self._step_thread.close()
         self.masks.close()
         self.grammar.close()
 
@@ -250,7 +269,7 @@ class Engine:
                 logits = self.runner.forward(batch)
                 self._launched = batch
                 if inflight is not None:
-                    self._process(inflight)
+                    self._process(inflight, launched=batch)
                     inflight = None
                 fill = self._fill_bitmask(batch)
                 result = self.runner.sample(batch, logits, fill.bitmask, self.grammar.apply_bitmask, skip=fill.late)
@@ -263,6 +282,7 @@ class Engine:
             except Exception:  # keep serving: fail the requests of this step, not the engine
                 log.exception("engine step failed")
                 inflight = None
+                self.masks.cancel()  # a fill prepared for the failed step: drop it
                 self._fail_running("internal error in the engine step; see the server log")
 
     def _can_speculate(self, batch) -> bool:
@@ -327,25 +347,100 @@ class Engine:
         self.stats.grammar_late_rows += len(fill.late)
         return fill
 
-    def _process(self, result: StepResult) -> None:
-        tokens, logprobs = result.wait()
-        for i, req in enumerate(result.batch.sampling_requests()):
-            if req.finished:
+    def _process(self, result: StepResult, launched=None) -> None:
+        """The step's tokens into its requests. `launched`: the batch on the device now (overlap
+        mode); its mask fill runs beside this step's Python work once the matchers have this
+        step's tokens (ownership: module docstring)."""
+        tokens, logprobs = result.wait()  # from here the device is done with the bitmask buffer
+        reqs = result.batch.sampling_requests()
+        live: list[int] = []
+        for i, req in enumerate(reqs):
+            if req.status is Status.FINISHED:
                 continue  # finished while this step was in flight; its sample is moot
             if req.discard_inflight:
                 req.discard_inflight = False
                 continue
-            self._append_token(req, tokens[i], None if logprobs is None else logprobs[i])
+            live.append(i)
+        if self.config.jump_forward:
+            # forced strings move the matchers request by request: the plain sequential path
+            for i in live:
+                self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i])
+            return
+        grammar = [i for i in live if reqs[i].matcher is not None]
+        if grammar:
+            refused = batch_accept([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar])
+            for j in refused:
+                i = grammar[j]
+                self._finish(reqs[i], FinishReason.ERROR,
+                             error=f"internal error: token {tokens[i]} violates the grammar")
+            stop_ids = self._grammar_stop_ids
+            first = [i for i in grammar if tokens[i] in stop_ids and not reqs[i].finished]
+            for i in first:  # accepted a stop token: its matcher may have terminated
+                self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i], accepted=True)
+            if refused or first:
+                done = set(first)
+                live = [i for i in live if i not in done and not reqs[i].finished]
+        fill = self.masks.start(launched.sampling_requests()) if launched is not None else None
+        if fill is None:
+            self._append_accepted(reqs, live, tokens, logprobs)
+        else:
+            self._fill_beside(fill, reqs, live, tokens, logprobs)
 
-    def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True) -> None:
+    def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
+        """Makes the mask fill on this thread while the step thread appends the step's tokens. The
+        fill drops the GIL at once, so the step thread, waking meanwhile, finds it free
+        (`step_thread.py` says why not the other way round)."""
+        if self._step_thread is None:
+            self._step_thread = StepThread()
+        self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
+        fill()  # never raises: `masks.fill` raises what it raised
+        self._step_thread.wait()
+
+    def _append_accepted(self, reqs, live, tokens, logprobs) -> None:
+        """`_append_token(..., accepted=True)` for the live positions, whose tokens are in their
+        matchers already and are no grammar stop token (`_process` dealt with those): calls no
+        matcher (a fill may be running on them). The common case, a request that goes on, is
+        inlined (the same steps as `_append_token` and `_emit`); anything else takes
+        `_append_token`. This runs for every request of every step: keep it lean."""
+        eos = self.eos_token_ids
+        max_context = self.max_context
+        general = self._append_token
+        for i in live:
+            req = reqs[i]
+            token = tokens[i]
+            lp = None if logprobs is None else logprobs[i]
+            params = req.params
+            out = req.output_ids
+            n = len(out) + 1
+            if (req.first_token_time is None or token in eos or params.stop_token_ids
+                    or n >= params.max_tokens or len(req.prompt_ids) + n >= max_context):
+                general(req, token, lp, accepted=True)  # first token, a stop, or the last token
+                continue
+            out.append(token)
+            new_ids = [token]
+            detok = req.detok
+            stop = detok.add(new_ids)
+            lps = [lp] if lp else None
+            if stop is not None:
+                self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
+                continue
+            req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
+                                        len(req.prompt_ids), n, lps, None))
+
+    def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True,
+                      accepted: bool = False) -> None:
         """One sampled or verified token into the request: grammar, stop conditions, stream.
         `jump_forward=False` for the speculative step's tokens: the tokens after this one were
-        verified without a forced string in between (its forced strings went into the drafts)."""
+        verified without a forced string in between (its forced strings went into the drafts).
+        `accepted`: the caller accepted the token into the matcher already; the matcher is then
+        looked at again only if the token is one of the grammar's stop tokens (it may have
+        terminated on it), so that a matcher a running fill holds is not called."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             self.stats.on_first_token(req)
         params = req.params
-        if req.matcher is not None and not req.matcher.accept_token(token):
+        matcher = req.matcher
+        if matcher is not None and not accepted and not matcher.accept_token(token):
             self._finish(req, FinishReason.ERROR, error=f"internal error: token {token} violates the grammar")
             return
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -354,13 +449,14 @@ class Engine:
             return
         new_ids = [token]
         req.output_ids.append(token)
-        if jump_forward:
+        if jump_forward and self.config.jump_forward:
             new_ids += self._jump_forward(req)
         stop = req.detok.add(new_ids)
         lps = [logprob] if logprob else None
         if stop is not None:
             self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
-        elif req.matcher is not None and req.matcher.is_terminated():
+        elif (matcher is not None and (not accepted or token in self._grammar_stop_ids)
+              and matcher.is_terminated()):
             self._finish(req, FinishReason.STOP, new_ids=new_ids, logprobs=lps)
         elif len(req.output_ids) >= params.max_tokens or req.total_len >= self.max_context:
             self._finish(req, FinishReason.LENGTH, new_ids=new_ids, logprobs=lps)

@@ -13,6 +13,16 @@ steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious 
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
+Started fills (`start`, the overlapped loop without a budget): `start` prepares the fill of the
+step already on the device as one call into xgrammar and hands it to the engine, which makes the
+call on its own thread while its step thread finishes and streams the requests of the step before
+(`engine.py`); `fill` then hands out the rows. xgrammar releases the GIL inside the call, and the
+call's arguments are converted in `start`, so the call drops the GIL at once and the step thread,
+waking meanwhile, finds it free. Ownership: from `start` until the call returns, the matchers of its
+rows and the step's bitmask rows belong to the call; no other thread may call them (not even
+`is_terminated`: a fill moves a matcher's state and rolls it back). A row whose request finishes in
+the meantime is filled anyway and unused (its sample is discarded).
+
 With a budget (`grammar_mask_budget_ms`) every row is a job for worker threads. They run in
 parallel with the engine thread because xgrammar's fill releases the GIL (measured: a thread looping
 over 9.5 ms fills leaves the engine thread's sleep(0) latency at 0.06 ms). The engine thread waits
@@ -30,10 +40,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import xgrammar as xgr
+
+from ..grammar.backend import batch_fill_call
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
@@ -44,6 +56,9 @@ ROWS_PER_THREAD = 8
 SLOW_SHARE = 0.5
 # Workers started beyond `threads` to stand in for workers held by late fills (one per late fill).
 MAX_EXTRA_WORKERS = 32
+# A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
+# Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
+BACKGROUND_MIN_ROWS = 4
 
 
 @dataclass
@@ -127,6 +142,16 @@ class _Workers:
                         waiter.event.set()
 
 
+class _Started:
+    """A fill prepared by `MaskFiller.start`: its requests, and whether its call ran (and how)."""
+    __slots__ = ("reqs", "done", "error")
+
+    def __init__(self, reqs: list):
+        self.reqs = reqs
+        self.done = False
+        self.error: Exception | None = None
+
+
 class MaskFiller:
     """Fills the grammar bitmask rows of a step into `bitmask` (the runner's pinned host buffer).
 
@@ -147,11 +172,54 @@ class MaskFiller:
         self._lock = threading.Lock()
         self._workers = _Workers(max(2, threads), self._staging, self._lock)
         self._outstanding: set[_Job] = set()  # jobs whose row has not been used yet
+        self._started: _Started | None = None
 
     # -- the step --------------------------------------------------------------------------------
+    def start(self, reqs: Sequence) -> Callable[[], None] | None:
+        """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as one call
+        into xgrammar and returns it; None when there are fewer than BACKGROUND_MIN_ROWS rows to
+        fill, or with a budget (its per-row jobs run on workers anyway). The caller makes the call
+        (on any one thread; it never raises) before the step samples; `fill(reqs)` then returns the
+        rows or raises what the call raised. Call `start` only once the device has read the previous
+        step's bitmask (the engine waits for its tokens first) and every matcher is up to date.
+        From here until the call returns, the rows' matchers are the call's (module docstring)."""
+        if self.budget_s is not None or self._started is not None:
+            return None
+        live = [i for i, r in enumerate(reqs)  # _needs_row, inlined (every step, every request)
+                if r.matcher is not None and not r.discard_inflight and not r.finished]
+        if len(live) < BACKGROUND_MIN_ROWS:
+            return None
+        self.settle(reqs)  # fills left from a budgeted step (the budget was switched off since)
+        bitmask = self._bitmask[:len(reqs)]
+        if len(live) < len(reqs):
+            _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
+        call = batch_fill_call(self._batch_matcher(len(live)), [reqs[i].matcher for i in live], bitmask, live)
+        started = self._started = _Started(list(reqs))
+
+        def run() -> None:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
+                started.error = e
+            started.done = True
+        return run
+
+    def cancel(self) -> None:
+        """Drops a started fill (the step it was for will not sample: an engine step failed). Its
+        call must have returned, or never be made."""
+        self._started = None
+
     def fill(self, reqs: Sequence) -> MaskFill:
         """Rows for the requests that sample this step (in this order). Rows that need no mask
         (no grammar, finished, or a sample that will be discarded anyway) allow every token."""
+        if self._started is not None:
+            started, self._started = self._started, None
+            if started.done:
+                if started.error is not None:
+                    raise started.error
+                if len(started.reqs) == len(reqs) and all(a is b for a, b in zip(started.reqs, reqs)):
+                    return MaskFill(self._bitmask[:len(reqs)])
+            # not made, or for other requests (neither is expected): fill anew
         if not any(r.matcher is not None for r in reqs):
             return MaskFill(None)
         bitmask = self._bitmask[:len(reqs)]
@@ -164,6 +232,9 @@ class MaskFiller:
     def settle(self, reqs: Sequence) -> None:
         """Waits for the fills still running for these requests and drops their rows: the caller is
         about to move their matchers (the speculative step drafts and accepts on them)."""
+        self.cancel()
+        if not self._outstanding:
+            return
         jobs = [r.mask_job for r in reqs if r.mask_job is not None]
         if jobs:
             self._wait(jobs, deadline=None)
@@ -171,6 +242,7 @@ class MaskFiller:
                 self._release(job)
 
     def close(self) -> None:
+        self.cancel()
         self._workers.close()
 
     # -- without a budget: on the engine thread ---------------------------------------------------

@@ -42,7 +42,7 @@ class RequestOutput:
     matched_stop: str | int | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running`, `running.remove(req)` must not compare every field
 class Request:
     prompt_ids: list[int]
     params: SamplingParams

@@ -1,0 +1,503 @@
+"""The overlapped step's grammar work: a step's tokens go into the matchers in one call, and the next
+step's mask fill runs on the engine thread while its step thread finishes and streams requests.
+
+The engine runs the overlapped loop on the CUDA device only; these tests force it on the CPU
+(`_overlapped`), where the next step is launched (its forward computed) before the last step's
+tokens are processed, exactly as on the GPU. The reference is the sequential path (no overlap:
+every fill on the engine thread). Models are the suite's tiny random Llama."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from constrained_spec import SamplingParams
+from constrained_spec.engine import Engine, FinishReason
+from constrained_spec.engine.engine import _Collector
+from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
+from constrained_spec.grammar import GrammarBackend, GrammarSpec
+from constrained_spec.grammar.backend import batch_accept
+
+PERSON = GrammarSpec.json_schema({
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"], "additionalProperties": False})
+CHOICE = GrammarSpec.choice(["yes", "no", "maybe"])  # ends after a token or two: its stop token comes early
+DIGITS = GrammarSpec.regex("[0-9]{1,3}")
+PROMPTS = [[1, 17, 230, 4005, 88 + i, 9, 61 + 3 * i] for i in range(14)]
+
+
+def build(tiny_llama_dir, **kw) -> Engine:
+    return Engine(model=tiny_llama_dir, device="cpu", kv_cache_slots=4096, max_running_requests=16,
+                  grammar_mask_threads=2, **kw)
+
+
+def overlapped(engine: Engine) -> list[int]:
+    """Forces the overlapped loop; returns a list that counts the fills made beside the processing."""
+    started = [0]
+    start = engine.masks.start
+
+    def counted(reqs):
+        call = start(reqs)
+        started[0] += call is not None
+        return call
+    engine.masks.start = counted
+    engine._overlapped = lambda: True
+    return started
+
+
+def workload():
+    """Grammars and sampling settings that reach every finish: length, EOS, grammar end with
+    `ignore_eos` (the matcher terminates), stop strings; greedy and seeded sampling."""
+    specs, params = [], []
+    for i in range(len(PROMPTS)):
+        kind = i % 7
+        specs.append([PERSON, PERSON, CHOICE, CHOICE, DIGITS, None, None][kind])
+        params.append(SamplingParams(
+            max_tokens=[28, 20, 12, 12, 10, 24, 16][kind], temperature=0 if i % 2 else 0.9, seed=100 + i,
+            ignore_eos=kind == 3 or kind == 4, stop=["e"] if kind == 6 else []))
+    return specs, params
+
+
+def beside_a_fill() -> bool:
+    """Whether the caller runs on the engine's step thread: while the engine thread fills masks."""
+    return threading.current_thread().name == "constrained-spec-step"
+
+
+def wait_pool_full(engine: Engine, timeout=5.0) -> None:
+    pool = engine.runner.pool
+    end = time.monotonic() + timeout
+    while pool.num_free != pool.capacity and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pool.num_free == pool.capacity
+
+
+def summary(outs):
+    return [(o.token_ids, o.text, o.finish_reason, o.error) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """The workload's outputs on the sequential path."""
+    eng = build(tiny_llama_dir)
+    try:
+        specs, params = workload()
+        outs = eng.generate(PROMPTS, params, specs)
+        again = eng.generate(PROMPTS, params, specs)
+    finally:
+        eng.shutdown()
+    assert summary(outs) == summary(again)
+    reasons = {o.finish_reason for o in outs}
+    assert FinishReason.LENGTH in reasons and FinishReason.STOP in reasons
+    return summary(outs)
+
+
+def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference):
+    eng = build(tiny_llama_dir)
+    try:
+        started = overlapped(eng)
+        specs, params = workload()
+        assert summary(eng.generate(PROMPTS, params, specs)) == reference
+        assert started[0] >= 10  # the fills did run beside the processing
+        # and again, with the batch arriving one request at a time (extend steps between decodes)
+        collectors = [_Collector() for _ in PROMPTS]
+        reqs = []
+        for p, sp, g, c in zip(PROMPTS, params, specs, collectors):
+            reqs.append(eng.add_request(p, sp, g, c))
+            time.sleep(0.003)
+        assert summary([c.result(r) for c, r in zip(collectors, reqs)]) == reference
+        wait_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch):
+    """The ownership rule: the step thread runs while the fill holds the batch's matchers, so it
+    must not call any matcher (a race xgrammar would not report)."""
+    from constrained_spec.grammar.backend import RequestMatcher
+    offenders = []
+    for name in ("accept_token", "accept_tokens", "rollback", "fill_bitmask", "is_terminated", "can_terminate",
+                 "reset", "fork", "jump_forward_string", "jump_forward_tokens", "traverse_draft_tree"):
+        method = getattr(RequestMatcher, name)
+
+        def guarded(self, *args, _method=method, _name=name, **kwargs):
+            if beside_a_fill():
+                offenders.append(_name)
+            return _method(self, *args, **kwargs)
+        monkeypatch.setattr(RequestMatcher, name, guarded)
+    eng = build(tiny_llama_dir)
+    try:
+        started = overlapped(eng)
+        specs, params = workload()
+        assert summary(eng.generate(PROMPTS, params, specs)) == reference
+        assert started[0] >= 10 and offenders == []
+    finally:
+        eng.shutdown()
+
+
+def illegal_token(matcher) -> int:
+    """A token the matcher refuses in its present state."""
+    row = torch.zeros((1, 1536), dtype=torch.int32)
+    matcher.fill_bitmask(row, 0)
+    words = row[0].tolist()
+    return next(t for t in range(49152) if not (words[t >> 5] >> (t & 31)) & 1)
+
+
+def inject(engine: Engine, when) -> None:
+    """Replaces the sampled token of each request for which `when(request)` holds by a token its
+    grammar refuses there. Runs on the engine thread as the step's results are read: before the
+    step's tokens go into the matchers (a fill started in the last step is done by then)."""
+    process = engine._process
+
+    def injected(result, launched=None):
+        wait = result.wait
+
+        def wait_and_replace():
+            tokens, logprobs = wait()
+            for i, r in enumerate(result.batch.sampling_requests()):
+                if not r.finished and not r.discard_inflight and when(r):
+                    tokens[i] = illegal_token(r.matcher)
+            return tokens, logprobs
+        result.wait = wait_and_replace
+        return process(result, launched)
+    engine._process = injected
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_refused_token_fails_its_request_only(tiny_llama_dir, reference, overlap):
+    """A token the grammar refuses (here injected: the sampler never picks one) fails its request
+    with a clear error; the others finish as they would have, and the engine keeps serving."""
+    eng = build(tiny_llama_dir)
+    try:
+        if overlap:
+            overlapped(eng)
+        specs, params = workload()
+        victim = 0  # a JSON request
+        inject(eng, lambda r: r.prompt_ids == PROMPTS[victim] and len(r.output_ids) == 5)
+        outs = summary(eng.generate(PROMPTS, params, specs))
+        ids, text, reason, error = outs[victim]
+        assert reason is FinishReason.ERROR and "violates the grammar" in error
+        assert ids == reference[victim][0][:5]
+        assert outs[:victim] + outs[victim + 1:] == reference[:victim] + reference[victim + 1:]
+        wait_pool_full(eng)
+        del eng._process  # no more injections
+        assert summary(eng.generate(PROMPTS, params, specs)) == reference
+    finally:
+        eng.shutdown()
+
+
+def test_refused_tokens_in_one_step(tiny_llama_dir, reference):
+    """Several refusals in one step (one batch call refuses several positions), next to stop tokens."""
+    eng = build(tiny_llama_dir)
+    try:
+        overlapped(eng)
+        specs, params = workload()
+        victims = {0, 1, 7, 8}  # PERSON requests
+        inject(eng, lambda r: PROMPTS.index(r.prompt_ids) in victims and len(r.output_ids) == 3)
+        outs = summary(eng.generate(PROMPTS, params, specs))
+        for i, (out, ref) in enumerate(zip(outs, reference)):
+            if i in victims:
+                assert out[2] is FinishReason.ERROR and out[0] == ref[0][:3]
+            else:
+                assert out == ref
+        wait_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_abort_while_the_fill_runs(tiny_llama_dir, reference):
+    """An abort that arrives while a step is processed (and the next step's fill runs) takes effect
+    at the next step; everyone else is unaffected."""
+    eng = build(tiny_llama_dir)
+    try:
+        overlapped(eng)
+        specs, params = workload()
+        collectors = [_Collector() for _ in PROMPTS]
+        reqs: list = []
+        victim = 7  # JSON, greedy
+        in_fill = []
+
+        def trigger(out):  # request 0's updates arrive on the step thread, beside a fill
+            collectors[0](out)
+            if len(collectors[0].ids) == 4:
+                in_fill.append(beside_a_fill())
+                eng.abort(reqs[victim].request_id)
+        callbacks = [trigger] + collectors[1:]
+        for p, sp, g, c in zip(PROMPTS, params, specs, callbacks):
+            reqs.append(eng.add_request(p, sp, g, c))
+        outs = summary([c.result(r) for c, r in zip(collectors, reqs)])
+        assert in_fill == [True]  # the abort came while a started fill was running
+        assert outs[victim][2] is FinishReason.ABORT and len(outs[victim][0]) < len(reference[victim][0])
+        assert outs[victim][0] == reference[victim][0][:len(outs[victim][0])]
+        assert outs[:victim] + outs[victim + 1:] == reference[:victim] + reference[victim + 1:]
+        wait_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_failed_step_with_a_started_fill_keeps_serving(tiny_llama_dir, reference):
+    """A step that fails beside its fill (an output callback raises on the step thread): the running
+    requests fail, the prepared rows are dropped, and later requests are exact."""
+    eng = build(tiny_llama_dir)
+    try:
+        overlapped(eng)
+        specs, params = workload()
+        raised = []
+        collector = _Collector()
+
+        def raising(out):
+            collector(out)
+            if len(collector.ids) == 3 and not raised:
+                raised.append(beside_a_fill())
+                raise RuntimeError("injected failure in an output callback")
+        others = [_Collector() for _ in PROMPTS[1:]]
+        reqs = [eng.add_request(PROMPTS[0], params[0], specs[0], raising)]
+        reqs += [eng.add_request(p, sp, g, c) for p, sp, g, c in zip(PROMPTS[1:], params[1:], specs[1:], others)]
+        outs = [collector.result(reqs[0])] + [c.result(r) for c, r in zip(others, reqs[1:])]
+        assert raised == [True]
+        assert outs[0].finish_reason is FinishReason.ERROR
+        assert any(o.finish_reason is FinishReason.ERROR for o in outs[1:])
+        assert eng.masks._started is None
+        wait_pool_full(eng)
+        assert summary(eng.generate(PROMPTS, params, specs)) == reference
+    finally:
+        eng.shutdown()
+
+
+def test_speculative_steps_between_started_fills(tiny_llama_dir):
+    """Speculative steps (drafting moves the matchers) follow overlapped plain steps whose fills
+    started beside the processing (batches above `speculative_max_batch` decode plainly, and the
+    batch shrinks as requests finish); the output is plain greedy's."""
+    specs = [PERSON, PERSON, DIGITS, None] * 2
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0) for i in range(8)]
+    plain = build(tiny_llama_dir)
+    try:
+        ref = summary(plain.generate(PROMPTS[:8], params, specs))
+    finally:
+        plain.shutdown()
+    eng = build(tiny_llama_dir, speculative_algorithm="ngram", speculative_max_batch=4, speculative_policy="always")
+    try:
+        started = overlapped(eng)
+        for _ in range(2):
+            assert summary(eng.generate(PROMPTS[:8], params, specs)) == ref
+        assert eng.spec.stats.steps > 0 and started[0] > 0
+        wait_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+# -- the pieces on their own ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def backend(smollm2_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    b = GrammarBackend(tok, 49152, max_whitespace_cnt=16)
+    yield SimpleNamespace(grammar=b, tokenizer=tok)
+    b.close()
+
+
+def matchers_along(backend, spec: GrammarSpec, text: str, n: int):
+    """n matchers at successive states along a valid text (its first n token prefixes)."""
+    ids = backend.tokenizer.encode(text, add_special_tokens=False)
+    compiled = backend.grammar.compile(spec)
+    out = []
+    for k in range(n):
+        m = backend.grammar.matcher(compiled)
+        assert m.accept_tokens(ids[:k]) == k
+        out.append(m)
+    return out, ids
+
+
+def rows_of(matchers, width=1536) -> torch.Tensor:
+    ref = torch.full((len(matchers), width), -1, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill_bitmask(ref, i)
+    return ref
+
+
+@pytest.fixture(params=["binding", "public wrappers"])
+def xgr_calls(request, monkeypatch):
+    """The batch calls through xgrammar's binding (the engine's way), or through its public wrappers
+    (the fallback for another xgrammar layout)."""
+    if request.param == "public wrappers":
+        from constrained_spec.grammar import backend as backend_mod
+        monkeypatch.setattr(backend_mod, "_BATCH_ACCEPT", None)
+        monkeypatch.setattr(backend_mod, "_FFI_ARRAY", None)
+    return request.param
+
+
+def test_batch_accept_refuses_and_leaves_refused_matchers_alone(backend, xgr_calls):
+    text = json.dumps({"name": "Ann", "age": 41})
+    ms, ids = matchers_along(backend, PERSON, text, 6)
+    tokens = [ids[k] for k in range(6)]
+    tokens[2], tokens[4] = illegal_token(ms[2]), 60000  # a refused token, a token outside the vocabulary
+    before = rows_of(ms)
+    assert batch_accept(ms, tokens) == [2, 4]
+    after = rows_of(ms)
+    assert torch.equal(after[2], before[2]) and torch.equal(after[4], before[4])
+    for k in (0, 1, 3, 5):  # the others moved on by their token
+        assert not torch.equal(after[k], before[k]) or ids[k] == ids[k + 1]
+        fresh, _ = matchers_along(backend, PERSON, text, k + 2)
+        assert torch.equal(after[k], rows_of([fresh[k + 1]])[0])
+    assert batch_accept(ms[:1], [ids[1]]) == []
+
+
+def test_matchers_terminate_only_on_stop_tokens(backend):
+    """The overlapped step asks a matcher whether it terminated only after one of the grammar's stop
+    tokens (xgrammar's rule when stop tokens are not overridden); walks random legal paths."""
+    stop_ids = set(backend.grammar.tokenizer_info.stop_token_ids)
+    rng = random.Random(0)
+    buf = torch.zeros((1, 1536), dtype=torch.int32)
+    for spec in (PERSON, CHOICE, DIGITS):
+        compiled = backend.grammar.compile(spec)
+        for _ in range(4):
+            m = backend.grammar.matcher(compiled)
+            for _ in range(40):
+                m.fill_bitmask(buf, 0)
+                words = buf[0].tolist()
+                legal = [t for t in range(49152) if (words[t >> 5] >> (t & 31)) & 1]
+                tok = rng.choice(legal)
+                assert m.accept_token(tok)
+                assert m.is_terminated() == (tok in stop_ids), (spec.kind, tok)
+                if m.is_terminated():
+                    break
+
+
+class _Req(SimpleNamespace):
+    pass
+
+
+def fake_reqs(matchers):
+    return [_Req(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
+            for m in matchers]
+
+
+@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 19])
+def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls):
+    ms, _ = matchers_along(backend, PERSON, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows + 2)
+    reqs = fake_reqs(ms)
+    reqs[1].matcher = None  # no grammar
+    reqs[2].finished = True  # finished before the start
+    expected = rows_of([r.matcher if not r.finished else None for r in reqs])
+    buf = torch.full((len(reqs), 1536), 0x5A5A5A5A, dtype=torch.int32)
+    filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
+    try:
+        call = filler.start(reqs)
+        assert call is not None and filler.start(reqs) is None  # one at a time
+        worker = threading.Thread(target=call)  # any thread may make the call
+        worker.start()
+        worker.join()
+        fill = filler.fill(reqs)
+        assert fill.late == []
+        assert torch.equal(fill.bitmask, expected)
+        # a fill for other requests than the started ones fills anew
+        buf.fill_(0x5A5A5A5A)
+        filler.start(reqs)()
+        other = reqs[::-1]
+        assert torch.equal(filler.fill(other).bitmask, rows_of([r.matcher if not r.finished else None for r in other]))
+        # a call never made: the fill is made by `fill`
+        buf.fill_(0x5A5A5A5A)
+        assert filler.start(reqs) is not None
+        assert torch.equal(filler.fill(reqs).bitmask, expected)
+        # cancel: nothing pending afterwards
+        filler.start(reqs)()
+        filler.cancel()
+        assert filler._started is None
+        buf.fill_(0x5A5A5A5A)
+        assert torch.equal(filler.fill(reqs).bitmask, expected)
+    finally:
+        filler.close()
+
+
+def test_started_fill_not_used_below_its_threshold_or_with_a_budget(backend):
+    ms, _ = matchers_along(backend, PERSON, json.dumps({"name": "Al", "age": 3}), BACKGROUND_MIN_ROWS)
+    buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
+    filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(ms))
+    budgeted = MaskFiller(buf, threads=2, budget_ms=50.0, max_requests=len(ms))
+    try:
+        reqs = fake_reqs(ms)
+        reqs[0].matcher = None
+        assert filler.start(reqs) is None
+        assert budgeted.start(fake_reqs(ms)) is None
+        assert torch.equal(filler.fill(reqs).bitmask, rows_of([r.matcher for r in reqs]))
+    finally:
+        filler.close()
+        budgeted.close()
+
+
+def test_started_fill_error_reaches_the_engine_thread(backend):
+    """A fill call that fails does not raise (it runs beside the step's Python work); `fill` raises
+    it (the engine fails that step), and the filler works on afterwards."""
+    ms, _ = matchers_along(backend, CHOICE, "yes", 2)  # at the start, after "yes"
+    ms = [backend.grammar.matcher(backend.grammar.compile(CHOICE)) for _ in range(BACKGROUND_MIN_ROWS - 1)] + ms[1:]
+    done = ms[-1]
+    stop = backend.grammar.tokenizer_info.stop_token_ids[0]
+    assert done.accept_token(stop) and done.is_terminated()  # xgrammar refuses to fill a terminated matcher
+    reqs = fake_reqs(ms)
+    buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
+    filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(ms))
+    try:
+        filler.start(reqs)()
+        with pytest.raises(Exception, match="terminated"):
+            filler.fill(reqs)
+        assert filler._started is None
+        assert torch.equal(filler.fill(reqs[:-1]).bitmask, rows_of(ms[:-1]))
+    finally:
+        filler.close()
+
+
+def test_fill_call_releases_the_gil(backend):
+    """The prepared fill call drops the GIL (at once: its arguments are converted beforehand), so
+    Python on another thread runs on while it fills. A thread that wakes from a sleep needs the
+    GIL to go on; with the switch interval raised, a call holding the GIL would hold it back to
+    the end."""
+    import sys
+    text = json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7})
+    ms, _ = matchers_along(backend, PERSON, text, 24)
+    ms = ms * 160
+    reqs = fake_reqs(ms)
+    buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
+    filler = MaskFiller(buf, threads=1, budget_ms=None, max_requests=len(ms))
+    interval = sys.getswitchinterval()
+    try:
+        call = filler.start(reqs)
+        worker = threading.Thread(target=call)
+        sys.setswitchinterval(5.0)
+        ticks = 0
+        t0 = time.perf_counter()
+        worker.start()
+        while worker.is_alive() and time.perf_counter() - t0 < 10:
+            time.sleep(0.0005)
+            ticks += 1
+        worker.join()
+        assert ticks >= 3, ticks
+        assert torch.equal(filler.fill(reqs).bitmask[:24], rows_of(ms[:24]))
+    finally:
+        sys.setswitchinterval(interval)
+        filler.close()
+
+
+def test_step_thread_hands_over_and_raises():
+    from constrained_spec.engine.step_thread import StepThread
+    t = StepThread()
+    try:
+        seen = []
+        t.submit(lambda x: seen.append((x, threading.current_thread().name)), 7)
+        with pytest.raises(RuntimeError):
+            t.submit(print)
+        t.wait()
+        assert seen == [(7, "constrained-spec-step")] and not t.busy
+        t.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            t.wait()
+        t.wait()  # nothing pending
+        t.submit(seen.append, 8)
+        t.wait()
+        assert seen[-1] == 8
+    finally:
+        t.close()
