@@ -62,6 +62,22 @@ stage_spec_rag() {
   tail -n 25 "$OUT/bench_spec_rag.log"
 }
 
+stage_host() {  # random weights: host phases of a decode step, batch 1-128, plain vs JSON
+  (cd benchmarks && timeout 200 python3 profile_decode_host.py --model-dir ../.device/tok --batches 1,32,64,128 \
+    --tokens 96 --name host_final) > "$OUT/host.log" 2>&1
+  tail -n 8 "$OUT/host.log"
+}
+
+stage_engine_tests() {  # the engine's GPU tests (real weights): backends, graphs, prefill graphs, speculation
+  timeout 240 python3 -m pytest -q -m gpu tests/test_engine_gpu.py > "$OUT/pytest_engine_gpu.log" 2>&1
+  tail -n 4 "$OUT/pytest_engine_gpu.log"
+}
+
+stage_gpu_quick() {  # bench_gpu without the HF baselines and the 8B shapes (those change with neither)
+  (cd benchmarks && timeout 240 python3 bench_gpu.py --skip-hf --skip-8b --name gpu_final) > "$OUT/bench_gpu.log" 2>&1
+  grep "^| [0-9]" "$OUT/bench_gpu.log"
+}
+
 touch "$OUT/.start"  # only what this call wrote goes back ($OUT holds a limited number of files)
 for stage in "$@"; do
   echo "== $stage"
