@@ -10,6 +10,10 @@ step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (
 with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
 to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
 steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.
+Since the fill runs beside the step's Python work (below), the cap is all cores but two (14 on the
+H100 host): profile_decode_host.py there, JSON step at batch 64 / 128 1.81 / 4.38 ms with the cap
+at 8 and 1.62 / 3.10 ms at 14 (results/host_final.json, host_final_t14.json); bench_gpu.py with
+14: JSON batch 32 / 64 / 128 20.2k / 25.3k / 33.4k tok/s (results/gpu_final_t14.md).
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
