@@ -20,7 +20,8 @@ from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.engine import _Collector
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
-from constrained_spec.grammar import GrammarBackend, GrammarSpec
+from constrained_spec.grammar import GrammarSpec
+from matcher_states import backend, matchers_along  # noqa: F401 (backend: a fixture)
 from constrained_spec.grammar.backend import batch_accept
 
 PERSON = GrammarSpec.json_schema({
@@ -291,27 +292,6 @@ def test_speculative_steps_between_started_fills(tiny_llama_dir):
 
 
 # -- the pieces on their own ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def backend(smollm2_dir):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    b = GrammarBackend(tok, 49152, max_whitespace_cnt=16)
-    yield SimpleNamespace(grammar=b, tokenizer=tok)
-    b.close()
-
-
-def matchers_along(backend, spec: GrammarSpec, text: str, n: int):
-    """n matchers at successive states along a valid text (its first n token prefixes)."""
-    ids = backend.tokenizer.encode(text, add_special_tokens=False)
-    compiled = backend.grammar.compile(spec)
-    out = []
-    for k in range(n):
-        m = backend.grammar.matcher(compiled)
-        assert m.accept_tokens(ids[:k]) == k
-        out.append(m)
-    return out, ids
-
-
 def rows_of(matchers, width=1536) -> torch.Tensor:
     ref = torch.full((len(matchers), width), -1, dtype=torch.int32)
     for i, m in enumerate(matchers):

@@ -16,6 +16,7 @@ from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, ROWS_PER_THREAD, MaskFiller
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
+from matcher_states import backend, matchers_along  # noqa: F401 (backend: a fixture)
 
 NORMAL = GrammarSpec.json_schema({
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -184,27 +185,6 @@ def test_speculation_with_late_masks_is_lossless(tiny_llama_dir):
 
 
 # -- the filler on its own ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def backend(smollm2_dir):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    b = GrammarBackend(tok, 49152, max_whitespace_cnt=16)
-    yield SimpleNamespace(grammar=b, tokenizer=tok)
-    b.close()
-
-
-def matchers_along(backend, spec: GrammarSpec, text: str, n: int):
-    """n matchers at successive states along a valid text (its first n token prefixes)."""
-    ids = backend.tokenizer.encode(text, add_special_tokens=False)
-    compiled = backend.grammar.compile(spec)
-    out = []
-    for k in range(n):
-        m = backend.grammar.matcher(compiled)
-        assert m.accept_tokens(ids[:k]) == k
-        out.append(m)
-    return out
-
-
 def reference_rows(matchers, width: int) -> torch.Tensor:
     ref = torch.full((len(matchers), width), -1, dtype=torch.int32)
     for i, m in enumerate(matchers):
@@ -216,7 +196,7 @@ def reference_rows(matchers, width: int) -> torch.Tensor:
 def test_xgrammar_writes_whole_rows(backend):
     """The filler does not pre-clear rows a matcher fills: xgrammar must write every word."""
     text = json.dumps({"name": "Ann", "age": 41})
-    ms = matchers_along(backend, NORMAL, text, len(backend.tokenizer.encode(text, add_special_tokens=False)) + 1)
+    ms, _ = matchers_along(backend, NORMAL, text, len(backend.tokenizer.encode(text, add_special_tokens=False)) + 1)
     poisoned = torch.full((len(ms), 1536), 0x5A5A5A5A, dtype=torch.int32)
     for i, m in enumerate(ms):
         m.fill_bitmask(poisoned, i)
@@ -228,7 +208,7 @@ def test_xgrammar_writes_whole_rows(backend):
 def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
     """Direct loop, batch matcher (on one or several threads) and worker threads all give the
     reference rows; rows without a matcher (or finished) allow everything."""
-    ms = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows)
+    ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
             for m in ms]
     reqs[1].matcher = None
@@ -249,7 +229,7 @@ def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
 
 def test_late_row_serves_the_next_fill(backend):
     """A fill that misses the budget keeps running; its row is used by the request's next fill."""
-    ms = matchers_along(backend, NORMAL, json.dumps({"name": "Al", "age": 3}), 3)
+    ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Al", "age": 3}), 3)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
             for m in ms]
     reqs[1].matcher = SlowFills(ms[1], 0.2)

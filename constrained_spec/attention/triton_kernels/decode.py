@@ -250,13 +250,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
-    if split and not last_merges:  # as before f503164
-        _decode_reduce_kernel[(B, H)](
-            mid_o, mid_lse, out,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), num_splits,
-            D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
-            num_warps=4 if BLOCK_D >= 128 else 2,
-        )
+    if split and not last_merges:
+        merge_splits(mid_o, mid_lse, out, num_splits)
     return out
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """The merge launch: out[r, h] from the partial outputs mid_o [R, H, S, D] and their log-sum-exps
+    mid_lse [R, H, S] (decode: a row per sequence; extend and verify: a row per new token)."""
+    R, H, _, D = mid_o.shape
+    BLOCK_D = triton.next_power_of_2(D)
+    _decode_reduce_kernel[(R, H)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), num_splits,
+        D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
+        num_warps=4 if BLOCK_D >= 128 else 2,
+    )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _decode_reduce_kernel, _dot_precision
+from .decode import _dot_precision, merge_splits
 
 _LOG2E = 1.4426950408889634
 # The Triton CPU interpreter computes tl.dot on bf16 wrongly (numpy has no bf16): upcast there.
@@ -221,14 +221,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split:
         # Rows of sequences with fewer than max_q_len tokens are all real tokens (T rows in all),
         # so every (t, h) has been written by every split.
-        _decode_reduce_kernel[(T, H)](
-            mid_o, mid_lse, out,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), num_splits,
-            D=D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D,
-            num_warps=4 if BLOCK_D >= 128 else 2,
-        )
+        merge_splits(mid_o, mid_lse, out, num_splits)
     return out
 
 
