@@ -1,7 +1,8 @@
-"""Shared by the mask-fill tests: a grammar backend on SmolLM2's tokenizer, and matchers at
-successive states of a valid text."""
+"""Shared by the mask-fill tests: a grammar backend on SmolLM2's tokenizer, matchers at successive
+states of a valid text, and the wait for an engine's KV pool to drain."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,3 +29,12 @@ def matchers_along(backend, spec: GrammarSpec, text: str, n: int):
         assert m.accept_tokens(ids[:k]) == k
         out.append(m)
     return out, ids
+
+
+def wait_pool_full(engine, timeout=5.0) -> None:
+    """Finished requests give their KV slots back on the engine thread: wait until all are back."""
+    pool = engine.runner.pool
+    end = time.monotonic() + timeout
+    while pool.num_free != pool.capacity and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pool.num_free == pool.capacity

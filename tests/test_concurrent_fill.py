@@ -21,7 +21,7 @@ from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.engine import _Collector
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
 from constrained_spec.grammar import GrammarSpec
-from matcher_states import backend, matchers_along  # noqa: F401 (backend: a fixture)
+from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
 from constrained_spec.grammar.backend import batch_accept
 
 PERSON = GrammarSpec.json_schema({
@@ -67,14 +67,6 @@ def workload():
 def beside_a_fill() -> bool:
     """Whether the caller runs on the engine's step thread: while the engine thread fills masks."""
     return threading.current_thread().name == "constrained-spec-step"
-
-
-def wait_pool_full(engine: Engine, timeout=5.0) -> None:
-    pool = engine.runner.pool
-    end = time.monotonic() + timeout
-    while pool.num_free != pool.capacity and time.monotonic() < end:
-        time.sleep(0.01)
-    assert pool.num_free == pool.capacity
 
 
 def summary(outs):

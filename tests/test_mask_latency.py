@@ -16,7 +16,7 @@ from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, ROWS_PER_THREAD, MaskFiller
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
-from matcher_states import backend, matchers_along  # noqa: F401 (backend: a fixture)
+from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
 
 NORMAL = GrammarSpec.json_schema({
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -94,14 +94,6 @@ def assert_legal(engine: Engine, spec: GrammarSpec, out) -> None:
     if out.finish_reason is FinishReason.STOP:
         assert m.can_terminate()
         json.loads(out.text)
-
-
-def wait_pool_full(engine: Engine, timeout=5.0) -> None:
-    pool = engine.runner.pool
-    end = time.monotonic() + timeout
-    while pool.num_free != pool.capacity and time.monotonic() < end:
-        time.sleep(0.01)
-    assert pool.num_free == pool.capacity
 
 
 @pytest.mark.parametrize("overlap,jump_forward", [(False, False), (True, False), (True, True)])
