@@ -178,24 +178,21 @@ def tables(att, mdl, targets, calls: int, rounds: int) -> str:
              f"SmolLM2-135M shapes (H={H}, KVH={KVH}, D={D}), bf16, slot table {WIDTH} wide. Cells: median over "
              f"{rounds} interleaved rounds (s = splits). `last` = merge in the split launch (f503164), "
              f"`reduce` = separate reduce launch (before f503164); `/N` = target_programs.\n"]
+    def variant_table(records, key: str, fmt: str) -> str:
+        rows = []
+        for r in records:
+            x = r["variants"]
+            best = min(x, key=lambda k: x[k][key])
+            rows.append([r["B"], r["ctx"]] + [f"{x[n][key]:{fmt}} (s={x[n]['num_splits']})" for n in names]
+                        + [f"{x[old][key] / x[base][key]:.3f}", best])
+        return markdown_table(["B", "ctx"] + names + [f"{old} / {base}", "fastest"], rows)
+
     if att:
         parts.append(f"\n## One decode_attention call (device us; graph of {calls} calls over distinct layers)\n\n")
-        rows = []
-        for r in att:
-            x = r["variants"]
-            best = min(x, key=lambda k: x[k]["us_per_call"])
-            rows.append([r["B"], r["ctx"]] + [f"{x[n]['us_per_call']:.1f} (s={x[n]['num_splits']})" for n in names]
-                        + [f"{x[old]['us_per_call'] / x[base]['us_per_call']:.3f}", best])
-        parts.append(markdown_table(["B", "ctx"] + names + [f"{old} / {base}", "fastest"], rows))
+        parts.append(variant_table(att, "us_per_call", ".1f"))
     if mdl:
         parts.append("\n## Whole decode forward (30 layers + logits, random weights; device ms per graph replay)\n\n")
-        rows = []
-        for r in mdl:
-            x = r["variants"]
-            best = min(x, key=lambda k: x[k]["ms_per_forward"])
-            rows.append([r["B"], r["ctx"]] + [f"{x[n]['ms_per_forward']:.3f} (s={x[n]['num_splits']})" for n in names]
-                        + [f"{x[old]['ms_per_forward'] / x[base]['ms_per_forward']:.3f}", best])
-        parts.append(markdown_table(["B", "ctx"] + names + [f"{old} / {base}", "fastest"], rows))
+        parts.append(variant_table(mdl, "ms_per_forward", ".3f"))
     return "".join(parts)
 
 
