@@ -20,7 +20,10 @@ from common import (PERSON_SCHEMA, RESULTS, bar_plot, chat_prompts, hf_generate,
 def measure(engine, prompts, params, grammar):
     """params: one SamplingParams for all prompts, or one per prompt."""
     st = engine.stats
-    steps0, mask0 = st.decode_steps + st.extend_steps, st.grammar_mask_seconds
+
+    def grammar_s():  # engine-thread grammar time: accepting tokens, filling bitmasks
+        return st.grammar_mask_seconds + st.grammar_accept_seconds
+    steps0, mask0 = st.decode_steps + st.extend_steps, grammar_s()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -29,7 +32,7 @@ def measure(engine, prompts, params, grammar):
     steps = st.decode_steps + st.extend_steps - steps0
     tokens = sum(o.completion_tokens for o in outs)
     return dict(tokens=tokens, seconds=dt, tok_s=tokens / dt, steps=steps, step_ms=1000 * dt / max(steps, 1),
-                mask_ms_per_step=1000 * (st.grammar_mask_seconds - mask0) / max(steps, 1),
+                mask_ms_per_step=1000 * (grammar_s() - mask0) / max(steps, 1),
                 finish=[o.finish_reason.value for o in outs][:4], lengths=[o.completion_tokens for o in outs])
 
 

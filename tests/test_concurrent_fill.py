@@ -96,6 +96,8 @@ def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference):
         specs, params = workload()
         assert summary(eng.generate(PROMPTS, params, specs)) == reference
         assert started[0] >= 10  # the fills did run beside the processing
+        # both halves of the grammar work are timed (bench_gpu's "grammar CPU ms/step", /metrics)
+        assert eng.stats.grammar_accept_seconds > 0 and eng.stats.grammar_mask_seconds > 0
         # and again, with the batch arriving one request at a time (extend steps between decodes)
         collectors = [_Collector() for _ in PROMPTS]
         reqs = []

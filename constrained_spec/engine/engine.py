@@ -368,7 +368,9 @@ class Engine:
             return
         grammar = [i for i in live if reqs[i].matcher is not None]
         if grammar:
+            t0 = time.perf_counter()
             refused = batch_accept([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar])
+            self.stats.grammar_accept_seconds += time.perf_counter() - t0
             for j in refused:
                 i = grammar[j]
                 self._finish(reqs[i], FinishReason.ERROR,
@@ -393,7 +395,9 @@ class Engine:
         if self._step_thread is None:
             self._step_thread = StepThread()
         self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
+        t0 = time.perf_counter()
         fill()  # never raises: `masks.fill` raises what it raised
+        self.stats.grammar_mask_seconds += time.perf_counter() - t0
         self._step_thread.wait()
 
     def _append_accepted(self, reqs, live, tokens, logprobs) -> None:

@@ -66,6 +66,10 @@ class _EngineCollector:
             c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
             c.add_metric([], float(stats.grammar_mask_seconds))
             yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_accept_seconds",
+                                    "Time spent accepting decode steps' tokens into grammar matchers")
+            c.add_metric([], float(stats.grammar_accept_seconds))
+            yield c
         yield from _spec_metrics(getattr(getattr(eng, "spec", None), "stats", None))
 
 
