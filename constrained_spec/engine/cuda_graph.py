@@ -27,7 +27,8 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardMode
 from .prefill_graph import PrefillIO
-from .sampler import SamplingBatch, mask_logits, sample
+from ..kernels import mask_logits
+from .sampler import SamplingBatch, sample
 from .spec_verify import VerifyIO
 
 log = logging.getLogger(__name__)

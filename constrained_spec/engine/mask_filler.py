@@ -6,7 +6,7 @@ larger ones (no Python per row, one GIL release). Measured on the H100 machine's
 (benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
 benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
 batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
-step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (min(8, cores / 2)):
+step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (then min(8, cores / 2)):
 with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
 to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
 steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.

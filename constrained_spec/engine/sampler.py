@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import mask_logits  # noqa: F401 - re-exported: cuda_graph.py and spec_verify.py import it here
-
 _MASK32 = 0xFFFFFFFF
 
 

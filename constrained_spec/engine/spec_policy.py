@@ -36,7 +36,9 @@ class MeasuredPolicy:
     it absorbs the rest (a speculative step after a plain one looks slow, a plain one after a
     speculative one looks fast); their tokens still count (what a speculative step emits does not
     depend on what ran before it, and re-measurements are short: measured on the H100, counting
-    only clean steps left a cold start's low acceptance in the average for whole requests). Each arm is first measured for `min_samples` samples (the first
+    only clean steps left a cold start's low acceptance in the average for whole requests). Once
+    an arm is measured, a timed step counts as at most `outlier` times its average (a host hiccup
+    is not the arm's cost). Each arm is first measured for `min_samples` samples (the first
     speculative step of a request also feeds its prompt to the drafter); then the faster arm runs,
     and the slower one is measured again for `explore_steps` steps once the bucket has run
     `explore_ratio` times as long as that takes, so re-measuring costs about 1/explore_ratio of the time.

@@ -22,7 +22,7 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardMode
 from ..spec.tree import HostTrees
-from .sampler import mask_logits
+from ..kernels import mask_logits
 
 
 class VerifyIO:
@@ -147,7 +147,7 @@ class VerifyIO:
         if masked:
             if self._bitmask is not self.bitmask_rows:
                 self._bitmask[:n].copy_(self.bitmask_rows[:n], non_blocking=True)
-                logits = mask_logits(logits, self._bitmask[:n])  # torch ops: capturable
+                logits = mask_logits(logits, self._bitmask[:n])  # one Triton launch: capturable
             else:
                 logits = _mask_in_place_cpu(logits, self._bitmask[:n])
         self._target[:n].copy_(logits.argmax(-1), non_blocking=True)
