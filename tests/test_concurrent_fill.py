@@ -477,3 +477,39 @@ def test_step_thread_hands_over_and_raises():
         assert seen[-1] == 8
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads):
+    """A speculative step's rows for grammar-guided chains, filled depth by depth in chunks
+    (`MaskFiller.fill_chains`), equal xgrammar's walk of each chain; a chain may end on the
+    grammar's stop token (the row after it is left alone); the matchers are where they were."""
+    import numpy as np
+    from constrained_spec.engine.mask_filler import CHAIN_ROWS_PER_CHUNK
+    text = json.dumps({"name": "Bo Lee of the " * 4 + "Hills", "age": 7})
+    ms, ids = matchers_along(backend, PERSON, text, 24)
+    chains = [[ids[k - 1]] + ids[k:k + 1 + k % 7] for k in range(1, 24)]  # root (accepted) + 1..7 drafts
+    ms = ms[1:]
+    stop = backend.grammar.tokenizer_info.stop_token_ids[0]
+    yes = backend.tokenizer.encode("yes", add_special_tokens=False)
+    choice = backend.grammar.matcher(backend.grammar.compile(CHOICE))
+    ms.append(choice)
+    chains.append([0] + yes + [stop])  # the root stands for a token the matcher has taken
+    N = 8
+    before = rows_of(ms)
+    expected = torch.full((len(ms) * N, 1536), 0x5A5A5A5A, dtype=torch.int32)
+    for b, (m, chain) in enumerate(zip(ms, chains)):
+        n = len(chain)
+        nxt = torch.tensor([i + 1 for i in range(n - 1)] + [-1])
+        m.traverse_draft_tree(nxt, torch.full((n,), -1), torch.tensor(chain), expected[b * N:b * N + n])
+    expected[(len(ms) - 1) * N + len(chains[-1]) - 1] = 0x5A5A5A5A  # after the stop token: left alone
+    buf = torch.full_like(expected, 0x5A5A5A5A)
+    filler = MaskFiller(torch.zeros((1, 1536), dtype=torch.int32), threads=threads, budget_ms=None, max_requests=1)
+    try:
+        filler.fill_chains(ms, [np.array(c) for c in chains], buf, [b * N for b in range(len(ms))],
+                           frozenset(backend.grammar.tokenizer_info.stop_token_ids))
+        assert sum(map(len, chains)) >= 2 * CHAIN_ROWS_PER_CHUNK  # several chunks with 3 threads
+        assert torch.equal(buf, expected)
+        assert torch.equal(rows_of(ms), before) and not choice.is_terminated()
+    finally:
+        filler.close()

@@ -46,13 +46,15 @@ from typing import Callable, Sequence
 import torch
 import xgrammar as xgr
 
-from ..grammar.backend import batch_fill_call
+from ..grammar.backend import batch_fill_call, chain_fill_call
 from .fill_pool import FillPool, split
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
 # Rows per chunk of a fill at least (a thread woken for fewer costs more than it saves).
 ROWS_PER_THREAD = 8
+# Rows per chunk of draft-chain rows at least (`fill_chains`).
+CHAIN_ROWS_PER_CHUNK = 32
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that with few workers the rows that can still make it are not stuck behind it.
 SLOW_SHARE = 0.5
@@ -301,14 +303,31 @@ class MaskFiller:
         else:
             self.chunked([reqs[i].matcher for i in live], bitmask, live)()
 
+    def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
+                    first_rows: Sequence[int], stop_ids: frozenset) -> None:
+        """A speculative step's rows for grammar-guided draft chains (`backend.chain_fill_call`),
+        in chunks of CHAIN_ROWS_PER_CHUNK rows or more, up to `threads` chunks, in parallel. Each
+        chunk makes two calls per draft depth, each taking the GIL to enter: larger chunks than a
+        decode step's keep the threads from queueing for it."""
+        rows = sum(len(c) for c in chains)
+        n = max(1, min(self._threads, rows // CHAIN_ROWS_PER_CHUNK, len(chains)))
+        self._grow(n)
+        parts = split(len(chains), n)
+        calls = [chain_fill_call(self._one_thread[p], [matchers[j] for j in part], [chains[j] for j in part],
+                                 bitmask, [first_rows[j] for j in part], stop_ids) for p, part in enumerate(parts)]
+        ChunkedFill(calls, self._pool)()
+
+    def _grow(self, chunks: int) -> None:
+        while len(self._one_thread) < chunks:
+            self._one_thread.append(xgr.BatchGrammarMatcher(max_threads=1))
+        if chunks > 1 and self._pool is None:
+            self._pool = FillPool(self._threads - 1)
+
     def chunked(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int]) -> "ChunkedFill":
         """The fill of bitmask[rows[i]] for matchers[i] as prepared calls, a chunk per ROWS_PER_THREAD
         rows up to `threads` chunks (waking a thread for a few rows costs more than it saves)."""
         n = max(1, min(self._threads, len(rows) // ROWS_PER_THREAD))
-        while len(self._one_thread) < n:
-            self._one_thread.append(xgr.BatchGrammarMatcher(max_threads=1))
-        if n > 1 and self._pool is None:
-            self._pool = FillPool(self._threads - 1)
+        self._grow(n)
         parts = split(len(rows), n)
         calls = [batch_fill_call(self._one_thread[p], [matchers[j] for j in part], bitmask, [rows[j] for j in part])
                  for p, part in enumerate(parts)]

@@ -94,6 +94,7 @@ class SpeculativeWorker:
         self._recent: list[float] = []  # accepted drafts per request-step, recent window (`always`'s brake)
         self._paused_until = 0  # engine step count before which `always` decodes plainly
         self._io: VerifyIO | None = None  # the verify step's static buffers (shared with the graphs)
+        self._guided: list[int] = []  # rows of the step's batch drafted as grammar-guided chains
         if engine.config.speculative_policy not in ("measured", "always"):
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
         self.policy = self._new_policy()
@@ -230,9 +231,9 @@ class SpeculativeWorker:
         # node 0 is the model's input for the last sampled token: never take it from a drafter
         tokens[:, 0] = [r.output_ids[-1] for r in reqs]
         k = self.drafter.context_tokens
-        for b, r in enumerate(reqs):
-            if r.matcher is None or not guided:
-                continue
+        self._guided = [b for b, r in enumerate(reqs) if r.matcher is not None and guided]
+        for b in self._guided:
+            r = reqs[b]
             tail = r.output_ids[-k:] if len(r.output_ids) >= k else (r.prompt_ids + r.output_ids)[-k:]
             chain, forced = guided_chain(r.matcher, self.engine.tokenizer,
                                          lambda ctx, n, rid=r.request_id: self.drafter.next_tokens(rid, ctx, n),
@@ -257,15 +258,23 @@ class SpeculativeWorker:
             self.drafter.observe_batch(ids, new_tokens)
 
     def _mask_trees(self, reqs, trees: HostTrees, io: VerifyIO) -> HostTrees:
-        """Fills one bitmask row per node (xgrammar walks each request's tree) into the pinned rows
-        the tail copies, and prunes the nodes whose path the grammar forbids."""
+        """Fills one bitmask row per node into the pinned rows the tail copies, and prunes the nodes
+        whose path the grammar forbids. Grammar-guided chains (every token legal) are filled depth
+        by depth for the whole batch on the fill pool's threads; other trees of requests with a
+        grammar (a drafter without ranked next tokens) by xgrammar's walk of the tree."""
         N = self.width
+        guided = set(self._guided)
         for b, r in enumerate(reqs):
             if r.matcher is None:
                 io.bitmask[b] = -1  # all tokens allowed (the tail masks the whole batch)
-            else:
+            elif b not in guided:
                 layout = trees.layout(b)
                 r.matcher.traverse_draft_tree(*layout, io.bitmask_rows[b * N:b * N + len(layout[0])])
+        if self._guided:
+            self.engine.masks.fill_chains([reqs[b].matcher for b in self._guided],
+                                          [trees.tokens[b, :trees.num_nodes[b]] for b in self._guided],
+                                          io.bitmask_rows, [b * N for b in self._guided],
+                                          self.engine._grammar_stop_ids)
         return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
 
     # -- verification ----------------------------------------------------------------------------

@@ -28,9 +28,10 @@ try:  # xgrammar's bindings behind BatchGrammarMatcher (see `batch_accept`, `bat
     import tvm_ffi
     from xgrammar.base import _core as _xgr_core
     _BATCH_ACCEPT = _xgr_core.BatchGrammarMatcher.batch_accept_token
+    _BATCH_ROLLBACK = _xgr_core.BatchGrammarMatcher.batch_rollback
     _FFI_ARRAY = tvm_ffi.Array
 except (ImportError, AttributeError):  # another xgrammar layout: the public wrappers do it
-    _BATCH_ACCEPT = _FFI_ARRAY = None
+    _BATCH_ACCEPT = _BATCH_ROLLBACK = _FFI_ARRAY = None
 
 
 @dataclass
@@ -186,6 +187,59 @@ def batch_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[R
     xgr_matchers = [m.xgr_matcher for m in matchers]
     rows = list(rows)
     return lambda: batch_matcher.batch_fill_next_token_bitmask(xgr_matchers, bitmask, rows)
+
+
+def chain_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[RequestMatcher],
+                    chains: Sequence[Sequence[int]], bitmask: torch.Tensor, first_rows: Sequence[int],
+                    stop_ids: frozenset) -> Callable[[], None]:
+    """The bitmask rows of draft chains, as a call prepared for later: matchers[i] (which has
+    accepted the chain's root) fills row first_rows[i] + d after accepting chains[i][1:d + 1], for
+    every d < len(chains[i]), and is rolled back at the end. Depth by depth, one fill and one
+    accept call for all the chains, so the call holds the GIL only while it enters them. Every
+    chain token must be one the matcher accepts (grammar-guided drafts are); a matcher ends only
+    on one of `stop_ids` (the grammar's stop tokens), so only a chain's last token may be one, and
+    the row after it is left alone (xgrammar fills no row for an ended matcher)."""
+    depth = max((len(c) for c in chains), default=0)
+    fill_at, accept_at = [], []  # per depth: (matchers, rows), (matchers, tokens)
+    for d in range(depth):
+        live = [i for i, c in enumerate(chains) if len(c) > d]
+        accept_at.append(([matchers[i] for i in live], [int(chains[i][d]) for i in live]) if d else None)
+        filled = [i for i in live if not (d == len(chains[i]) - 1 and d and int(chains[i][d]) in stop_ids)]
+        fill_at.append(([matchers[i] for i in filled], [first_rows[i] + d for i in filled]))
+    back = [len(c) - 1 for c in chains]
+    if _FFI_ARRAY is not None:
+        fill = batch_matcher._handle.batch_fill_next_token_bitmask
+        arr = _FFI_ARRAY
+        fills = [(arr([m._m._handle for m in ms]), arr(rows)) for ms, rows in fill_at]
+        accepts = [None if a is None else (arr([m._m._handle for m in a[0]]), a[1]) for a in accept_at]
+        everyone = arr([m._m._handle for m in matchers])
+
+        def run() -> None:
+            try:
+                for d in range(depth):
+                    if accepts[d] is not None and 0 in _BATCH_ACCEPT(*accepts[d], False):
+                        raise RuntimeError("a draft chain token was refused by its grammar")
+                    handles, rows = fills[d]
+                    if len(rows):
+                        fill(handles, bitmask, rows, False)
+            finally:
+                _BATCH_ROLLBACK(everyone, back)
+        return run
+
+    def run_public() -> None:
+        try:
+            for d in range(depth):
+                if accept_at[d] is not None:
+                    ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in accept_at[d][0]],
+                                                                    accept_at[d][1])
+                    if not all(ok):
+                        raise RuntimeError("a draft chain token was refused by its grammar")
+                if fill_at[d][1]:
+                    batch_matcher.batch_fill_next_token_bitmask([m.xgr_matcher for m in fill_at[d][0]], bitmask,
+                                                                fill_at[d][1])
+        finally:
+            xgr.BatchGrammarMatcher.batch_rollback([m.xgr_matcher for m in matchers], back)
+    return run_public
 
 
 def _as_i64(x) -> torch.Tensor:

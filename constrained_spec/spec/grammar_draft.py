@@ -16,6 +16,7 @@ draft from 2.4 (trie chain, forced strings as whole chains) to 3.0.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -26,11 +27,25 @@ __all__ = ["CANDIDATES", "guided_chain", "stable_forced_tokens", "write_chain"]
 CANDIDATES = 3
 
 
+# Encodings of forced strings, per tokenizer: the same few (a schema's keys and punctuation) come
+# back in every request and step, and an encode costs ~18 us (CPU, SmolLM2's tokenizer).
+_ENCODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ENCODED_MAX = 16384  # strings per tokenizer
+
+
 def _encode(tokenizer, text: str) -> list[int]:
-    fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python wrapper cost
-    if fast is not None:
-        return fast.encode(text, add_special_tokens=False).ids
-    return tokenizer.encode(text, add_special_tokens=False)
+    cache = _ENCODED.get(tokenizer)
+    if cache is None:
+        cache = _ENCODED[tokenizer] = {}
+    ids = cache.get(text)
+    if ids is None:
+        fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python wrapper cost
+        ids = (fast.encode(text, add_special_tokens=False).ids if fast is not None
+               else tokenizer.encode(text, add_special_tokens=False))
+        if len(cache) >= _ENCODED_MAX:
+            cache.clear()
+        cache[text] = ids
+    return ids
 
 
 def stable_forced_tokens(matcher, tokenizer) -> tuple[list[int], int | None]:
