@@ -64,7 +64,7 @@ stage_spec_rag() {
 
 stage_host() {  # random weights: host phases of a decode step, batch 1-128, plain vs JSON
   (cd benchmarks && timeout 200 python3 profile_decode_host.py --model-dir ../.device/tok --batches 1,32,64,128 \
-    --tokens 96 --name host_final) > "$OUT/host.log" 2>&1
+    --tokens 96 --name ${HOST_NAME:-host_final}) > "$OUT/host.log" 2>&1
   tail -n 8 "$OUT/host.log"
 }
 
