@@ -351,7 +351,7 @@ def fake_reqs(matchers):
             for m in matchers]
 
 
-@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 19, 40])  # one chunk, 2 and 4 (on the pool)
+@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 19])
 def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls):
     ms, _ = matchers_along(backend, PERSON, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows + 2)
     reqs = fake_reqs(ms)
@@ -359,10 +359,9 @@ def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls):
     reqs[2].finished = True  # finished before the start
     expected = rows_of([r.matcher if not r.finished else None for r in reqs])
     buf = torch.full((len(reqs), 1536), 0x5A5A5A5A, dtype=torch.int32)
-    filler = MaskFiller(buf, threads=4, budget_ms=None, max_requests=len(reqs))
+    filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
     try:
         call = filler.start(reqs)
-        assert len(call.chunks.calls) == max(1, min(4, rows // 8))
         assert call is not None and filler.start(reqs) is None  # one at a time
         worker = threading.Thread(target=call)  # any thread may make the call
         worker.start()
@@ -405,7 +404,7 @@ def test_started_fill_not_used_below_its_threshold_or_with_a_budget(backend):
         budgeted.close()
 
 
-@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 24])  # the failing row in the only chunk, or on the pool
+@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 24])  # one xgrammar thread, or several
 def test_started_fill_error_reaches_the_engine_thread(backend, rows):
     """A fill call that fails does not raise (it runs beside the step's Python work); `fill` raises
     it (the engine fails that step), and the filler works on afterwards."""

@@ -198,7 +198,7 @@ def test_xgrammar_writes_whole_rows(backend):
 @pytest.mark.parametrize("budget_ms", [None, 1000.0])
 @pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5, 4 * ROWS_PER_THREAD + 1])
 def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
-    """Direct loop, chunked fill (on one or several threads) and worker threads all give the
+    """Direct loop, batch matcher (on one or several threads) and worker threads all give the
     reference rows; rows without a matcher (or finished) allow everything."""
     ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
@@ -210,9 +210,8 @@ def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
     try:
         fill = filler.fill(reqs)
         assert fill.late == []
-        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS:  # a chunk per ROWS_PER_THREAD live rows
-            chunks = min(4, (rows - 2) // ROWS_PER_THREAD)
-            assert len(filler._one_thread) == chunks and (filler._pool is not None) == (chunks > 1)
+        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS:  # one thread per ROWS_PER_THREAD live rows
+            assert list(filler._batch) == [min(4, (rows - 2) // ROWS_PER_THREAD)]
         expected = reference_rows([r.matcher if not r.finished else None for r in reqs], 1536)
         assert torch.equal(fill.bitmask, expected)
         assert all(r.mask_job is None for r in reqs)

@@ -3,14 +3,14 @@ thread-safe entry points (`add_request`, `generate`, `stream`, `astream`, `abort
 
 Step timeline (design notes, "Overlap"): launch batch N on the device; while it runs, read batch
 N-1's tokens and accept them into the grammar matchers (one xgrammar call); then fill batch N's
-bitmask rows on this thread and the fill pool's (GIL-free xgrammar calls) while the step thread
+bitmask rows on this thread (one xgrammar call, GIL released) while the step thread
 (`step_thread.py`) finishes and streams batch N-1's requests; then sample. With `disable_overlap`,
 batch N's results are processed right after its own sampling instead (and every fill is made
 before or after the processing, not beside it).
 
 Matcher ownership: a request's matcher is used by one thread at a time. The engine thread owns all
-of them; while the fill beside the step's Python work runs (from `MaskFiller.start` until the fill
-it returns has finished) the rows' matchers are the fill's, and the Python work must not call
+of them; while the fill beside the step's Python work runs (from `MaskFiller.start` until the call
+it returns has returned) the rows' matchers are the fill call's, and the Python work must not call
 them. So `_process` accepts the step's tokens before it prepares the fill, deals first with every
 request whose matcher it must look at again (a refused token, a grammar stop token on which the
 matcher may have terminated), and the rest is done without a matcher call
@@ -394,11 +394,9 @@ class Engine:
         (`step_thread.py` says why not the other way round)."""
         if self._step_thread is None:
             self._step_thread = StepThread()
-        t0 = time.perf_counter()
-        fill.launch()  # the pool's chunks first: each worker enters its GIL-free call before the
-        #                step thread takes the GIL for its Python work (fill_pool.py)
         self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
-        fill.finish()  # never raises: `masks.fill` raises what it raised
+        t0 = time.perf_counter()
+        fill()  # never raises: `masks.fill` raises what it raised
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
         self._step_thread.wait()
 

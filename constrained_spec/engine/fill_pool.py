@@ -1,16 +1,19 @@
-"""Persistent threads for the grammar's GIL-free calls: one step's bitmask rows (or a speculative
-step's draft-tree rows) split into chunks that fill in parallel.
+"""Persistent threads for a speculative step's grammar masks: the batch's draft chains split into
+chunks (`MaskFiller.fill_chains`), each filled by one thread through one-thread xgrammar calls.
 
-Why not xgrammar's own threads (`BatchGrammarMatcher(max_threads=n)`): its call pays a fixed cost
-for its threads on every call, measured on the 2-core dev machine at ~90 us for 2 threads (8 rows:
-21 us on one thread, 114 us on two), and on the H100's 16-core host 128 rows took 1.09 ms on 14
-threads against 3.2 ms on one: a quarter of the ideal speed-up. Here each chunk is a one-thread
-xgrammar call made by a thread that is already running.
+Why not xgrammar's own threads (`BatchGrammarMatcher(max_threads=n)`): a chain's rows are filled
+depth by depth, two calls per depth, and xgrammar's call pays for its threads on every call
+(measured on the 2-core dev machine: 8 rows 21 us on one thread, 114 us on two).
 
-A worker must hold the GIL for the few microseconds it takes to enter its call. `launch` therefore
-returns only once every worker has taken its call: the caller hands the step's Python work to the
-step thread after that, and a worker never waits for a thread that runs Python for a whole switch
-interval (5 ms) before it gets the GIL.
+Where these threads lose: beside Python work. Tried for the decode step's fill, which runs while
+the step thread runs the step's Python (`engine.py`): a worker whose call returns needs the GIL
+back to report, and queues behind that thread; on the H100 host the JSON step at batch 128 took
+5.08 ms against 3.10 with xgrammar's threads (profile_decode_host.py, results/host_pool.json). The
+decode fill therefore keeps xgrammar's threads; while a speculative step's chains are filled,
+nothing else runs Python (the engine thread waits in `join`).
+
+A worker must hold the GIL for the few microseconds it takes to enter a call. `launch` returns
+only once every worker has taken its call.
 """
 from __future__ import annotations
 

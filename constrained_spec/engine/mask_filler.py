@@ -1,28 +1,31 @@
 """Grammar bitmask rows for one step, optionally within a time budget ("bounded mask latency").
 
 Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
-per row for small batches, and for larger ones chunks of ROWS_PER_THREAD rows or more, up to `threads`
-chunks, each one call of a one-thread `BatchGrammarMatcher` (no Python per row, the GIL released),
-made in parallel by the engine thread and the persistent threads of `fill_pool.py`. Measured on the
-H100 machine's 16-core host (benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON
-schema, 96 tokens; benchmarks/results/host_bm*.json): host ms per step filling the rows with xgrammar's
-own threads, 1 / 4 / 8: batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 /
-1.94 / 0.99, and 1.09 with 14 (results/host_final_t14.json): far from the ideal speed-up, because
-xgrammar's call pays for its threads on every call (fill_pool.py); hence our own persistent threads.
-The thread count's default is all cores but two (14 on the H100 host), since the fill runs beside
-the step's Python work (below).
+per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on `threads` C++ threads for
+larger ones (no Python per row, one GIL release). Measured on the H100 machine's 16-core host
+(benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
+benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
+batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
+step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (then min(8, cores / 2)):
+with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
+to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
+steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.
+Since the fill runs beside the step's Python work (below), the cap is all cores but two (14 on the
+H100 host): profile_decode_host.py there, JSON step at batch 64 / 128 1.81 / 4.38 ms with the cap
+at 8 and 1.62 / 3.10 ms at 14 (results/host_final.json, host_final_t14.json); bench_gpu.py with
+14: JSON batch 32 / 64 / 128 20.2k / 25.3k / 33.4k tok/s (results/gpu_final_t14.md).
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
 Started fills (`start`, the overlapped loop without a budget): `start` prepares the fill of the
-step already on the device (its chunks' calls, arguments converted) and hands it to the engine, which
-starts the pool's chunks, hands the Python work of the step before (finishing and streaming its
-requests) to its step thread, and fills the first chunk itself (`engine.py`); `fill` then hands out
-the rows. Every chunk's call drops the GIL at once, so the step thread finds it free. Ownership:
-from `start` until the fill has finished, the matchers of its rows and the step's bitmask rows belong
-to the fill; no other thread may call them (not even `is_terminated`: a fill moves a matcher's state
-and rolls it back). A row whose request finishes in the meantime is filled anyway and unused (its
-sample is discarded).
+step already on the device as one call into xgrammar and hands it to the engine, which makes the
+call on its own thread while its step thread finishes and streams the requests of the step before
+(`engine.py`); `fill` then hands out the rows. xgrammar releases the GIL inside the call, and the
+call's arguments are converted in `start`, so the call drops the GIL at once and the step thread,
+waking meanwhile, finds it free. Ownership: from `start` until the call returns, the matchers of its
+rows and the step's bitmask rows belong to the call; no other thread may call them (not even
+`is_terminated`: a fill moves a matcher's state and rolls it back). A row whose request finishes in
+the meantime is filled anyway and unused (its sample is discarded).
 
 With a budget (`grammar_mask_budget_ms`) every row is a job for worker threads. They run in
 parallel with the engine thread because xgrammar's fill releases the GIL (measured: a thread looping
@@ -51,7 +54,7 @@ from .fill_pool import FillPool, split
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
-# Rows per chunk of a fill at least (a thread woken for fewer costs more than it saves).
+# Rows per thread of the batch matcher (measured at batch 32 to 128 with 1, 4 and 8 threads, above).
 ROWS_PER_THREAD = 8
 # Rows per chunk of draft-chain rows at least (`fill_chains`).
 CHAIN_ROWS_PER_CHUNK = 32
@@ -146,59 +149,14 @@ class _Workers:
                         waiter.event.set()
 
 
-class ChunkedFill:
-    """A fill as prepared calls: `launch` starts every chunk but the first on the pool's threads,
-    `finish` makes the first on the calling thread and waits for the others; calling it does both."""
-    __slots__ = ("calls", "pool", "launched")
-
-    def __init__(self, calls: list[Callable[[], None]], pool: FillPool | None):
-        self.calls, self.pool, self.launched = calls, pool, False
-
-    def launch(self) -> None:
-        if len(self.calls) > 1 and not self.launched:
-            self.pool.launch(self.calls[1:])
-            self.launched = True
-
-    def finish(self) -> None:
-        self.launch()
-        try:
-            self.calls[0]()
-        finally:
-            if self.launched:
-                self.launched = False
-                self.pool.join()
-
-    __call__ = finish
-
-
 class _Started:
-    """A fill prepared by `MaskFiller.start`, handed to the engine: `launch()` then `finish()` (or
-    a call, both), on one thread; never raises: `fill` raises what the fill raised."""
-    __slots__ = ("reqs", "chunks", "done", "error")
+    """A fill prepared by `MaskFiller.start`: its requests, and whether its call ran (and how)."""
+    __slots__ = ("reqs", "done", "error")
 
-    def __init__(self, reqs: list, chunks: ChunkedFill):
+    def __init__(self, reqs: list):
         self.reqs = reqs
-        self.chunks = chunks
         self.done = False
         self.error: Exception | None = None
-
-    def launch(self) -> None:
-        try:
-            self.chunks.launch()
-        except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
-            self.error = e
-
-    def finish(self) -> None:
-        if self.error is None:
-            try:
-                self.chunks.finish()
-            except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
-                self.error = e
-        self.done = True
-
-    def __call__(self) -> None:
-        self.launch()
-        self.finish()
 
 
 class MaskFiller:
@@ -210,8 +168,9 @@ class MaskFiller:
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
         self._threads = threads
-        self._one_thread: list[xgr.BatchGrammarMatcher] = []  # one per chunk (`chunked`)
-        self._pool: FillPool | None = None  # threads - 1 workers; the calling thread fills a chunk too
+        self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher
+        self._one_thread: list[xgr.BatchGrammarMatcher] = []  # one per chunk of `fill_chains`
+        self._pool: FillPool | None = None  # threads - 1 workers for `fill_chains` (it fills a chunk too)
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         # One staging row per job; late jobs of finished requests may briefly hold a row each, hence
         # the room beyond one per request. The last row stays all-ones (rows nobody constrains).
@@ -225,15 +184,14 @@ class MaskFiller:
         self._started: _Started | None = None
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence) -> _Started | None:
-        """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as
-        one-thread calls into xgrammar, a chunk of rows each (`chunked`), and returns it; None when
-        there are fewer than BACKGROUND_MIN_ROWS rows to fill, or with a budget (its per-row jobs
-        run on workers anyway). The caller runs it, `launch()` then `finish()` on one thread (it
-        never raises), before the step samples; `fill(reqs)` then returns the rows or raises what
-        the fill raised. Call `start` only once the device has read the previous
+    def start(self, reqs: Sequence) -> Callable[[], None] | None:
+        """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as one call
+        into xgrammar and returns it; None when there are fewer than BACKGROUND_MIN_ROWS rows to
+        fill, or with a budget (its per-row jobs run on workers anyway). The caller makes the call
+        (on any one thread; it never raises) before the step samples; `fill(reqs)` then returns the
+        rows or raises what the call raised. Call `start` only once the device has read the previous
         step's bitmask (the engine waits for its tokens first) and every matcher is up to date.
-        From here until `finish` returns, the rows' matchers are the fill's (module docstring)."""
+        From here until the call returns, the rows' matchers are the call's (module docstring)."""
         if self.budget_s is not None or self._started is not None:
             return None
         live = [i for i, r in enumerate(reqs)  # _needs_row, inlined (every step, every request)
@@ -244,9 +202,16 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        chunks = self.chunked([reqs[i].matcher for i in live], bitmask, live)
-        self._started = _Started(list(reqs), chunks)
-        return self._started
+        call = batch_fill_call(self._batch_matcher(len(live)), [reqs[i].matcher for i in live], bitmask, live)
+        started = self._started = _Started(list(reqs))
+
+        def run() -> None:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
+                started.error = e
+            started.done = True
+        return run
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed). Its
@@ -291,6 +256,31 @@ class MaskFiller:
         if self._pool is not None:
             self._pool.close()
 
+    # -- a speculative step's draft chains -------------------------------------------------------
+    def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
+                    first_rows: Sequence[int], stop_ids: frozenset) -> None:
+        """A speculative step's rows for grammar-guided draft chains (`backend.chain_fill_call`),
+        in chunks of CHAIN_ROWS_PER_CHUNK rows or more, up to `threads` chunks, made in parallel by
+        this thread and the fill pool's (`fill_pool.py`). Each chunk makes two calls per draft
+        depth; nothing else runs Python meanwhile (the engine thread waits here), so the threads
+        only queue for the GIL to enter their calls."""
+        rows = sum(len(c) for c in chains)
+        n = max(1, min(self._threads, rows // CHAIN_ROWS_PER_CHUNK, len(chains)))
+        while len(self._one_thread) < n:
+            self._one_thread.append(xgr.BatchGrammarMatcher(max_threads=1))
+        if n > 1 and self._pool is None:
+            self._pool = FillPool(self._threads - 1)
+        parts = split(len(chains), n)
+        calls = [chain_fill_call(self._one_thread[p], [matchers[j] for j in part], [chains[j] for j in part],
+                                 bitmask, [first_rows[j] for j in part], stop_ids) for p, part in enumerate(parts)]
+        if n > 1:
+            self._pool.launch(calls[1:])
+        try:
+            calls[0]()
+        finally:
+            if n > 1:
+                self._pool.join()
+
     # -- without a budget: on the engine thread ---------------------------------------------------
     def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> None:
         self.settle(reqs)  # fills left from a budgeted step (the budget was switched off since)
@@ -301,37 +291,16 @@ class MaskFiller:
             for i in live:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
-            self.chunked([reqs[i].matcher for i in live], bitmask, live)()
+            self._batch_matcher(len(live)).batch_fill_next_token_bitmask(
+                [reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
 
-    def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
-                    first_rows: Sequence[int], stop_ids: frozenset) -> None:
-        """A speculative step's rows for grammar-guided draft chains (`backend.chain_fill_call`),
-        in chunks of CHAIN_ROWS_PER_CHUNK rows or more, up to `threads` chunks, in parallel. Each
-        chunk makes two calls per draft depth, each taking the GIL to enter: larger chunks than a
-        decode step's keep the threads from queueing for it."""
-        rows = sum(len(c) for c in chains)
-        n = max(1, min(self._threads, rows // CHAIN_ROWS_PER_CHUNK, len(chains)))
-        self._grow(n)
-        parts = split(len(chains), n)
-        calls = [chain_fill_call(self._one_thread[p], [matchers[j] for j in part], [chains[j] for j in part],
-                                 bitmask, [first_rows[j] for j in part], stop_ids) for p, part in enumerate(parts)]
-        ChunkedFill(calls, self._pool)()
-
-    def _grow(self, chunks: int) -> None:
-        while len(self._one_thread) < chunks:
-            self._one_thread.append(xgr.BatchGrammarMatcher(max_threads=1))
-        if chunks > 1 and self._pool is None:
-            self._pool = FillPool(self._threads - 1)
-
-    def chunked(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int]) -> "ChunkedFill":
-        """The fill of bitmask[rows[i]] for matchers[i] as prepared calls, a chunk per ROWS_PER_THREAD
-        rows up to `threads` chunks (waking a thread for a few rows costs more than it saves)."""
-        n = max(1, min(self._threads, len(rows) // ROWS_PER_THREAD))
-        self._grow(n)
-        parts = split(len(rows), n)
-        calls = [batch_fill_call(self._one_thread[p], [matchers[j] for j in part], bitmask, [rows[j] for j in part])
-                 for p, part in enumerate(parts)]
-        return ChunkedFill(calls, self._pool)
+    def _batch_matcher(self, rows: int) -> xgr.BatchGrammarMatcher:
+        """A thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each
+        costs more than it saves."""
+        n = max(1, min(self._threads, rows // ROWS_PER_THREAD))
+        if n not in self._batch:
+            self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
+        return self._batch[n]
 
     # -- within a budget: on the workers ----------------------------------------------------------
     def _fill_within(self, reqs: Sequence, bitmask: torch.Tensor, deadline: float) -> list[int]:
