@@ -60,6 +60,8 @@ def parse_args():
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--name", default=None, help="results file name (default spec_<device>[_quick])")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for every engine, e.g. grammar_mask_threads=1 (repeatable; A/B runs)")
     args = ap.parse_args()
     if args.quick:
         args.batches, args.max_tokens, args.min_prompts = "1,4", 24, 2
@@ -171,7 +173,8 @@ def main():
     t_start = time.perf_counter()
     common = dict(model=resolve_model_path(args.model), device=args.device, dtype=args.dtype,
                   speculative_num_draft_tokens=args.draft_tokens, speculative_max_batch=64,
-                  **({"kv_cache_memory_gb": 4} if args.device != "cpu" else {}))
+                  **({"kv_cache_memory_gb": 4} if args.device != "cpu" else {}),
+                  **{k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)})
     chosen = ["plain"] + [e for e in args.engines.split(",") if e and e != "plain"]  # plain first: the reference
     unknown = [e for e in chosen if e not in ENGINES] + [w for w in args.workloads.split(",") if w not in WORKLOADS]
     if unknown:

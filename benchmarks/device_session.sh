@@ -62,6 +62,15 @@ stage_spec_rag() {
   tail -n 25 "$OUT/bench_spec_rag.log"
 }
 
+stage_spec_ab() {  # speculative chain masks on 1 thread vs the default (the fill pool), JSON batch 32, same machine
+  for threads in 1 default; do
+    opt=$([ "$threads" = default ] || echo "--opt grammar_mask_threads=$threads")
+    (cd benchmarks && timeout 200 python3 bench_spec.py --workloads json --batches 32 --engines "ngram chain always" $opt \
+      --name spec_ab_threads_$threads) > "$OUT/spec_ab_$threads.log" 2>&1
+    grep "^| json" "$OUT/spec_ab_$threads.log"; grep -o '"phase_ms": {[^}]*}' "$OUT/spec_ab_$threads.log"
+  done
+}
+
 stage_host() {  # random weights: host phases of a decode step, batch 1-128, plain vs JSON
   (cd benchmarks && timeout 200 python3 profile_decode_host.py --model-dir ../.device/tok --batches 1,32,64,128 \
     --tokens 96 --name ${HOST_NAME:-host_final}) > "$OUT/host.log" 2>&1
