@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import sys
@@ -67,6 +68,9 @@ def main():
                     help="threads of xgrammar's BatchGrammarMatcher in the unbudgeted fill, whatever the rows (A/B; "
                          "the engine uses one per 8 rows up to grammar_mask_threads)")
     ap.add_argument("--name", default=None, help="results file name (default decode_host_<device>)")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up (A/B)")
+    ap.add_argument("--detail", action="store_true",
+                    help="also time the decode graph launch, every graph replay and every event synchronize")
     ap.add_argument("--overlap", action="store_true",
                     help="run the overlapped loop on the CPU too (the next step is launched before the last one's "
                          "tokens are processed, and its mask fill runs beside that processing)")
@@ -110,6 +114,46 @@ def main():
         timer.wrap(eng, "_fill_beside", "mask fill beside step python (in process)")
     if hasattr(engine_mod, "batch_accept"):
         timer.wrap(engine_mod, "batch_accept", "grammar accept (in process)")
+    if args.detail:  # a graphed decode launch, piece by piece (the same calls as ModelRunner.forward)
+        runner, plain_forward = eng.runner, eng.runner.forward
+        acc = timer.seconds
+
+        def forward_pieces(batch):
+            from constrained_spec.attention import ForwardMode
+            if batch.mode is not ForwardMode.DECODE or runner.graphs is None:
+                return plain_forward(batch)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                t1 = time.perf_counter()
+                p = runner.plan(batch)
+                t2 = time.perf_counter()
+                out = runner.graphs.launch_decode(p.rows, p.positions, p.out_slots, p.kv_lens)
+                t3 = time.perf_counter()
+            t4 = time.perf_counter()
+            for name, dt in (("enter", t1 - t0), ("plan", t2 - t1), ("launch_decode", t3 - t2), ("exit", t4 - t3)):
+                acc[f"decode forward: {name}"] += dt
+            return out
+        eng.runner.forward = forward_pieces
+        timer.wrap(eng.runner, "forward", "forward launch (around the pieces)")
+    if args.detail:  # the device calls inside the launches (class-level wraps: every graph, every event)
+        if eng.runner.graphs is not None:
+            timer.wrap(eng.runner.graphs, "launch_decode", "graph decode launch (in forward launch)")
+        timer.wrap(torch.cuda.CUDAGraph, "replay", "graph replays (forward + sample)")
+        timer.wrap(torch.cuda.Event, "synchronize", "event synchronize (in forward launch and wait)")
+    if args.detail:  # garbage collections, any thread: time and count per generation
+        gc_start = [0.0]
+
+        def on_gc(phase, info):
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            else:
+                timer.seconds[f"gc gen {info['generation']}"] += time.perf_counter() - gc_start[0]
+                timer.seconds[f"gc gen {info['generation']} count x1000"] += 0.001  # shown per step below
+        gc.callbacks.append(on_gc)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()  # what the engine holds after start-up is never scanned again
+        opts["gc_freeze"] = True
     if args.overlap:
         eng._overlapped = lambda: True
         opts["overlap"] = True
@@ -132,7 +176,9 @@ def main():
     eng.shutdown()
     (RESULTS / f"{args.name or 'decode_host_' + args.device}.json").write_text(json.dumps(records, indent=1))
     if profile is not None:
-        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime")
+        stats.print_stats(25)
+        stats.print_callees("model_runner.py.*\\(forward\\)")  # where a step's launch goes
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ ENGINES = {
 }
 # the measured policy with other parameters (engine name -> MeasuredPolicy keyword arguments)
 POLICY_VARIANTS = {
-    "ngram explore 5": dict(explore_ratio=5.0),
+    "ngram explore 3%": dict(explore_cost=0.03),
     "ngram tokens 0.2": dict(token_smoothing=0.2),
 }
 
@@ -97,8 +97,9 @@ def summarize(name, log: StepLog, tokens, seconds, engine):
         policy = engine.spec.policy
         if policy is not None:
             rec["policy_arms"] = {f"b{b} {'spec' if s else 'plain'}": dict(
-                tok_per_ms=round(a.tokens_per_s / 1000, 3), step_ms=round(1000 * a.step_seconds, 3),
-                step_tokens=round(a.step_tokens, 2), samples=a.samples) for (b, s), a in policy.arms.items()}
+                step_ms=round(1000 * a.step_seconds, 3), samples=a.samples, borrowed=a.borrowed)
+                for (b, s), a in policy.arms.items()}
+            rec["policy_acceptance"] = {f"b{b}": round(v, 2) for b, v in policy.acceptance.items()}
     # the step sequence, compact: one letter per step (p prefill, d plain decode, s speculative)
     rec["sequence"] = "".join(kind[0] for kind, *_ in log.rows)
     rec["spec_tokens"] = [t for kind, _, _, _, t in log.rows if kind == "spec"]
