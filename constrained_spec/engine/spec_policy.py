@@ -42,7 +42,9 @@ class MeasuredPolicy:
     Then the faster arm runs, and the slower one is re-measured for `explore_steps` steps once the
     bucket has run long enough that doing so costs about `explore_cost` of its throughput: an
     explored step loses (1 - slower/faster) of a step, so arms that are close are re-measured
-    often (a cold start's low acceptance is soon corrected) and a clear loser rarely: after the
+    often and a clear loser rarely; and as soon as allowed while the acceptance speculation needs to
+    break even is within two standard errors of the measured one (a cold start's few steps of low
+    acceptance are soon corrected): after the
     bucket has run `min_explore_ratio` to `max_explore_ratio` times as long as the re-measurement
     takes (a re-measurement's first step is no timing, so back to back ones would measure little).
     Replayed over SmolLM2's JSON outputs with the H100's step costs and 30% timing noise
@@ -62,6 +64,7 @@ class MeasuredPolicy:
         self.outlier = outlier
         self.acceptance: dict[int, float] = {}  # bucket -> tokens per request per speculative step
         self.token_samples: dict[int, int] = {}  # bucket -> speculative steps whose tokens were counted
+        self.spread: dict[int, float] = {}  # bucket -> variance of those tokens per request (same average)
         self.arms: dict[tuple[int, bool], _Arm] = {}  # (bucket, speculative) -> measurements
         self._elapsed: dict[int, float] = {}  # bucket -> seconds run since its slower arm was measured
         self._streak: dict[int, tuple[bool, int]] = {}  # bucket -> (arm being re-measured, steps left)
@@ -89,7 +92,10 @@ class MeasuredPolicy:
             slower = plain if faster else spec
             speculate = faster
             loss = 1.0 - min(spec_rate, plain_rate) / max(spec_rate, plain_rate)
-            ratio = min(max(loss / self.explore_cost, self.min_explore_ratio), self.max_explore_ratio)
+            if self._undecided(bucket, spec.step_seconds / plain.step_seconds):
+                ratio = self.min_explore_ratio
+            else:
+                ratio = min(max(loss / self.explore_cost, self.min_explore_ratio), self.max_explore_ratio)
             if self._elapsed.get(bucket, 0.0) >= ratio * self.explore_steps * slower.step_seconds:
                 speculate = not faster
                 self._elapsed[bucket] = 0.0
@@ -116,6 +122,12 @@ class MeasuredPolicy:
             return None
         return self.acceptance[bucket] / spec.step_seconds, 1.0 / plain.step_seconds
 
+    def _undecided(self, bucket: int, break_even: float) -> bool:
+        """Whether the acceptance speculation needs to break even lies within two standard errors
+        of the bucket's average (the average of few steps, a cold start's, may be far off)."""
+        n = min(self.token_samples[bucket], 1.0 / self.token_smoothing)
+        return abs(break_even - self.acceptance[bucket]) < 2.0 * (self.spread[bucket] / n) ** 0.5
+
     def _measured(self, bucket: int, speculative: bool) -> _Arm | None:
         arm = self.arms.get((bucket, speculative))
         if arm is None or arm.samples < self.min_samples:
@@ -140,6 +152,7 @@ class MeasuredPolicy:
                                                     self.min_samples, borrowed=True)
         self.acceptance[bucket] = self.acceptance[near]
         self.token_samples[bucket] = self.token_samples[near]
+        self.spread[bucket] = self.spread[near]
 
     def _close(self, now: float, engine_steps: int) -> None:
         if self._open is None:
@@ -152,8 +165,10 @@ class MeasuredPolicy:
                 return  # nothing was emitted (the batch finished before the step ran)
             # plain means over the first samples, then an EMA
             n = self.token_samples[key[0]] = self.token_samples.get(key[0], 0) + 1
-            mean = self.acceptance.get(key[0], 0.0)
-            self.acceptance[key[0]] = mean + max(self.token_smoothing, 1.0 / n) * (tokens / batch - mean)
+            weight, x = max(self.token_smoothing, 1.0 / n), tokens / batch
+            mean, spread = self.acceptance.get(key[0], 0.0), self.spread.get(key[0], 0.0)
+            self.acceptance[key[0]] = mean + weight * (x - mean)
+            self.spread[key[0]] = spread + weight * ((x - mean) ** 2 - spread)
         if not clean or engine_steps != steps + 1 or now <= start:
             return  # after a switch, or another step ran in between (a prefill): not a timing
         arm = self.arms.get(key)
