@@ -52,7 +52,7 @@ stage_timeline() {
   tail -n 12 "$OUT/timeline.log"
 }
 
-stage_spec_json() {
+stage_spec_json() {  # ~6 minutes with 3 timed runs per row
   (cd benchmarks && timeout 560 python3 bench_spec.py --workloads json --name spec_cuda_json) > "$OUT/bench_spec_json.log" 2>&1
   tail -n 25 "$OUT/bench_spec_json.log"
 }
