@@ -282,3 +282,28 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(engines, referen
         for _ in range(2):
             assert [o.token_ids for o in spec.generate(ps, sp)] == expected
         assert spec.spec.stats.steps > before
+
+
+def test_limits_inside_a_verified_path(engines, reference):
+    """A speculative step's tokens go into a request as one update unless one of them may end it;
+    then token by token. A max_tokens, stop token id or stop string that falls inside a step's
+    accepted path ends the output exactly where plain decoding ends it."""
+    plain, spec = engines("plain"), spec_engine(engines, 1)
+    ps, ref = reference
+    prompt, base = ps[0], ref[None][0]  # "repeat the document": long accepted paths
+    tok = plain.tokenizer
+    updates = list(spec.stream(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0)))
+    assert [t for u in updates for t in u.new_token_ids] == base
+    assert any(len(u.new_token_ids) > 1 for u in updates)  # whole verified paths in one update
+    stop_id = next(t for i, t in enumerate(base) if i >= 15 and t not in base[:i])
+    head, tail = tok.decode(base[:18]), tok.decode(base)[len(tok.decode(base[:18])):]
+    stop_text = tail[:5]
+    assert stop_text.strip() and stop_text not in head
+    cases = [SamplingParams(max_tokens=n, temperature=0) for n in (7, 13, 17, 23)]
+    cases += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[stop_id]),
+              SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=[stop_text])]
+    for sp in cases:
+        want, got = plain.generate([prompt], sp)[0], spec.generate([prompt], sp)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), sp
+    assert spec.spec.stats.accepted_tokens > 0
+    assert_pool_full(spec)

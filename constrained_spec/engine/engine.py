@@ -119,6 +119,8 @@ class Engine:
         # tokens on which a matcher can terminate (xgrammar: a matcher terminates only by accepting
         # one of its stop tokens; the engine's matchers do not override them)
         self._grammar_stop_ids = frozenset(self.grammar.tokenizer_info.stop_token_ids)
+        # tokens that may end a request whatever its parameters (EOS, or the end of its grammar)
+        self._stop_ids = self._grammar_stop_ids | frozenset(self.eos_token_ids)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
         self._thread.start()
         log.info("engine ready: model %s on %s (%s), %d KV slots, max context %d", self.model_name, self.device,
@@ -466,6 +468,34 @@ class Engine:
             self._finish(req, FinishReason.LENGTH, new_ids=new_ids, logprobs=lps)
         else:
             self._emit(req, new_ids, lps, finished=False)
+
+    def _append_verified(self, req: Request, tokens: list[int]) -> None:
+        """A speculative step's tokens for one request: what `_append_token(..., jump_forward=False)`
+        token by token does, with one update (and one detokenizer call) for the lot where no token
+        can end the request: none is a stop token, the request has no stop strings, and the limits
+        lie beyond the last. Otherwise, or if the grammar refuses one, token by token (which token
+        ends the request decides what is emitted)."""
+        params, matcher, n = req.params, req.matcher, len(tokens)
+        if (req.first_token_time is None or req.detok.stop or params.stop_token_ids
+                or len(req.output_ids) + n >= params.max_tokens or req.total_len + n >= self.max_context
+                or not self._stop_ids.isdisjoint(tokens)):
+            self._append_each(req, tokens)
+            return
+        if matcher is not None:
+            taken = matcher.accept_tokens(tokens)
+            if taken < n:  # a refused token: the token-by-token path fails the request there
+                matcher.rollback(taken)
+                self._append_each(req, tokens)
+                return
+        req.output_ids.extend(tokens)
+        req.detok.add(tokens)  # no stop strings: nothing to find
+        self._emit(req, tokens, None, finished=False)
+
+    def _append_each(self, req: Request, tokens: list[int]) -> None:
+        for tok in tokens:
+            if req.finished:
+                return
+            self._append_token(req, tok, None, jump_forward=False)
 
     def _jump_forward(self, req: Request) -> list[int]:
         if not self.config.jump_forward or req.matcher is None:

@@ -336,10 +336,7 @@ class SpeculativeWorker:
         self._count(reqs, base, lens)
         emitted = accepted.emitted_tokens(trees.tokens)
         for b, r in enumerate(reqs):  # after the bookkeeping: a request that finishes here releases its row
-            for tok in emitted[b, :lens[b] + 1].tolist():
-                if r.finished:
-                    break
-                self.engine._append_token(r, tok, None, jump_forward=False)
+            self.engine._append_verified(r, emitted[b, :lens[b] + 1].tolist())
 
     def _count(self, reqs, base, lens) -> None:
         st = self.stats
