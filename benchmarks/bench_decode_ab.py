@@ -1,7 +1,6 @@
-"""Same-machine A/B of Triton decode attention: how the flash-decoding splits are merged
-(`merge="last_program"`, one launch per layer since f503164, vs `"reduce_kernel"`, the split launch
-plus a (B, H) reduce launch as before it) x the split-count target (`target_programs` 128/256/512;
-512 is the default).
+"""Same-machine A/B of Triton decode attention's split-count target (`target_programs` 128/256/512;
+512 is the default). (Until 6998b66 it also A/B'd merging the splits inside the split launch against
+the separate merge launch: results/decode_ab.md; the in-launch merge was slower and is removed.)
 
 1. One layer's `decode_attention` call, SmolLM2-135M shapes (9 q / 3 kv heads, D=64, bf16), slot table
    8192 wide as in the engine, each sequence's `ctx` slots scattered at random over a pool of
@@ -17,7 +16,7 @@ median over rounds, so clock drift hits all of them alike. Outputs of the varian
 against each other.
 
   python benchmarks/bench_decode_ab.py                  # on a CUDA machine; writes
-                                                        # benchmarks/results/decode_ab.{json,md}
+                                                        # benchmarks/results/decode_splits.{json,md}
   python benchmarks/bench_decode_ab.py --quick          # fewer shapes, a quick look
 """
 from __future__ import annotations
@@ -41,16 +40,10 @@ from constrained_spec.kernels.bench import (capture, decode_inputs, random_model
 H, KVH, D = 9, 3, 64
 WIDTH = 8192
 DEV = "cuda"
-MERGES = ("last_program", "reduce_kernel")
-SHORT = {"last_program": "last", "reduce_kernel": "reduce"}
 
 
-def variants(targets):
-    return [(m, t) for m in MERGES for t in targets]
-
-
-def vname(v) -> str:
-    return f"{SHORT[v[0]]}/{v[1]}"
+def vname(target: int) -> str:
+    return f"target {target}"
 
 
 def timed(graph: torch.cuda.CUDAGraph, budget_ms: float) -> float:
@@ -89,25 +82,25 @@ def bench_attention(batches, contexts, targets, calls: int, rounds: int, budget_
             kv_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
             q = torch.randn(B, H, D, device=dev, dtype=dtype)
 
-            def step(merge, target):
-                return [decode_attention(q, k_cache[i], v_cache[i], table, kv_lens, D ** -0.5, merge=merge,
+            def step(target):
+                return [decode_attention(q, k_cache[i], v_cache[i], table, kv_lens, D ** -0.5,
                                          target_programs=target) for i in range(calls)]
 
             graphs, outs = {}, {}
-            for v in variants(targets):
-                step(*v)  # compile, allocate the split counters
+            for v in targets:
+                step(v)  # compile
                 torch.cuda.synchronize()
-                graphs[v], out = capture(lambda v=v: step(*v))
+                graphs[v], out = capture(lambda v=v: step(v))
                 graphs[v].replay()
                 torch.cuda.synchronize()
                 outs[v] = torch.stack(out).float()
-            ref = outs[variants(targets)[0]]
+            ref = outs[targets[0]]
             times = measure(graphs, rounds, budget_ms)
             row = {"B": B, "ctx": ctx, "variants": {}}
             for v in graphs:
                 us = [t * 1e3 / calls for t in times[v]]
                 row["variants"][vname(v)] = {
-                    "merge": v[0], "target_programs": v[1], "num_splits": default_splits(B, v[1]),
+                    "target_programs": v, "num_splits": default_splits(B, v),
                     "us_per_call": statistics.median(us), "us_per_call_rounds": us,
                     "max_abs_diff_vs_first": (outs[v] - ref).abs().max().item()}
             records.append(row)
@@ -135,8 +128,8 @@ def bench_model(batches, contexts, targets, rounds: int, budget_ms: float) -> li
             kv.v.normal_()
             graphs, outs = {}, {}
             with torch.inference_mode():
-                for v in variants(targets):
-                    backend = TritonAttention(decode_merge=v[0], target_programs=v[1])
+                for v in targets:
+                    backend = TritonAttention(target_programs=v)
 
                     def fwd(backend=backend):
                         # the forward stores this step's K/V at meta.out_slots: the same on each replay
@@ -149,12 +142,12 @@ def bench_model(batches, contexts, targets, rounds: int, budget_ms: float) -> li
                     graphs[v].replay()
                     torch.cuda.synchronize()
                     outs[v] = out.clone()
-                ref = outs[variants(targets)[0]]
+                ref = outs[targets[0]]
                 times = measure(graphs, rounds, budget_ms)
             row = {"B": B, "ctx": ctx, "variants": {}}
             for v in graphs:
                 row["variants"][vname(v)] = {
-                    "merge": v[0], "target_programs": v[1], "num_splits": default_splits(B, v[1]),
+                    "target_programs": v, "num_splits": default_splits(B, v),
                     "ms_per_forward": statistics.median(times[v]), "ms_per_forward_rounds": times[v],
                     "max_abs_diff_vs_first": (outs[v] - ref).abs().max().item()}
             records.append(row)
@@ -171,21 +164,18 @@ def default_splits(B: int, target: int) -> int:
 
 
 def tables(att, mdl, targets, calls: int, rounds: int) -> str:
-    names = [vname(v) for v in variants(targets)]
-    base = vname(("last_program", max(targets)))
-    old = vname(("reduce_kernel", max(targets)))
-    parts = [f"# Decode attention A/B: merge mode x target_programs, {machine().get('gpu', '?')}\n",
+    names = [vname(v) for v in targets]
+    parts = [f"# Decode attention A/B: target_programs, {machine().get('gpu', '?')}\n",
              f"SmolLM2-135M shapes (H={H}, KVH={KVH}, D={D}), bf16, slot table {WIDTH} wide. Cells: median over "
-             f"{rounds} interleaved rounds (s = splits). `last` = merge in the split launch (f503164), "
-             f"`reduce` = separate reduce launch (before f503164); `/N` = target_programs.\n"]
+             f"{rounds} interleaved rounds (s = splits).\n"]
     def variant_table(records, key: str, fmt: str) -> str:
         rows = []
         for r in records:
             x = r["variants"]
             best = min(x, key=lambda k: x[k][key])
             rows.append([r["B"], r["ctx"]] + [f"{x[n][key]:{fmt}} (s={x[n]['num_splits']})" for n in names]
-                        + [f"{x[old][key] / x[base][key]:.3f}", best])
-        return markdown_table(["B", "ctx"] + names + [f"{old} / {base}", "fastest"], rows)
+                        + [best])
+        return markdown_table(["B", "ctx"] + names + ["fastest"], rows)
 
     if att:
         parts.append(f"\n## One decode_attention call (device us; graph of {calls} calls over distinct layers)\n\n")
@@ -207,12 +197,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-ms", type=float, default=40.0, help="replay time per measurement")
     ap.add_argument("--quick", action="store_true", help="B 1/32/128, ctx 300/4000, model ctx 1000, 2 rounds")
-    ap.add_argument("--name", default="decode_ab", help="results file stem under benchmarks/results")
+    ap.add_argument("--name", default="decode_splits", help="results file stem under benchmarks/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode_ab.py times CUDA graphs of the Triton decode kernels and needs a CUDA GPU: "
-                 "torch.cuda.is_available() is False here. (CPU correctness of both merge modes: "
-                 "pytest tests/test_triton_attention.py)")
+                 "torch.cuda.is_available() is False here. (CPU correctness: pytest tests/test_triton_attention.py)")
     try:
         import triton  # noqa: F401
     except ImportError:

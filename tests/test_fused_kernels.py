@@ -4,11 +4,9 @@
   code below), for Llama and Qwen2 (qkv bias); the references match the old math exactly.
 * CPU, Triton interpreter (`TRITON_INTERPRET=1` must be set before triton is imported, hence a
   subprocess running this file): each Triton kernel vs its reference on small shapes, including
-  non-power-of-2 widths (576, 1536), fp32 and bf16 (fp16 too for the small-M fused linears).
-  Skipped when triton is not installed.
-* GPU (`-m gpu`): the same at real sizes (SmolLM2-135M and Llama-3-8B linears), plus CUDA-graph
-  capture + replay of a SmolLM2-shaped model (Llama and Qwen2) at decode batch 1, 8 and 16 (the fused
-  linears) and 17 (not), against the torch-reference forward.
+  non-power-of-2 widths (576, 1536), fp32 and bf16. Skipped when triton is not installed.
+* GPU (`-m gpu`): the same at real sizes, plus CUDA-graph capture + replay of a SmolLM2-shaped
+  model (Llama and Qwen2) at decode batch 1, 8, 16 and 17, against the torch-reference forward.
 """
 from __future__ import annotations
 
@@ -31,9 +29,6 @@ HAS_CUDA = torch.cuda.is_available()
 NORM_SHAPES = [(1, 576), (5, 576), (3, 64), (2, 1000), (4, 1536)]
 ROPE_SHAPES = [(1, 9, 3, 64), (5, 9, 3, 64), (3, 4, 4, 32), (2, 14, 2, 128)]
 MASK_SHAPES = [(4, 64, 2), (2, 50, 4), (5, 1000, 32), (3, 33, 2), (4, 31, 1), (3, 100, 2), (1, 4099, 129)]
-# (rows M, out features N, in features K) for the small-M fused linears: SmolLM2-135M's qkv (960 x 576),
-# down (576 x 1536), and odd widths; M = 1 (decode), 3, 8 (verify), 16 (the largest fused)
-LINEAR_SHAPES = [(1, 960, 576), (3, 576, 1536), (8, 100, 576), (16, 960, 576), (1, 48, 72), (5, 17, 40)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,51 +112,6 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         assert out.dtype == dtype and out.shape == logits.shape
         assert torch.equal(out, R.mask_logits_ref(logits, bitmask)), (rows, vocab, words)
         assert torch.equal(out, expected_mask(logits, bitmask))
-
-
-def check_small_m_linears(device: str, dtype: torch.dtype, shapes=LINEAR_SHAPES, config=None) -> None:
-    """rms_norm_linear / add_rms_norm_linear (with and without bias) and silu_mul_linear vs the
-    unfused references; x and residual must be left untouched (other programs still read them).
-    `config`: block sizes instead of the default ones (the interpreter's time grows with programs
-    x K blocks)."""
-    from constrained_spec.kernels import reference as R
-    from constrained_spec.kernels import triton_ops as T
-    gen = torch.Generator().manual_seed(1)
-    rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
-
-    def close(out, ref):  # the dot's own rounding: bf16/fp16 inputs, fp32 accumulation in another order
-        assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, out.shape, ref.dtype, ref.shape)
-        scale = ref.float().abs().max().item() + 1e-6
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        err = (out.float() - ref.float()).abs().max().item()
-        assert err <= tol * scale, f"max err {err:.3e} vs max |ref| {scale:.3e}"
-
-    for m, n, k in shapes:
-        # rows as a strided view (a slice of a wider buffer), like hidden rows of a padded batch
-        x, res = rnd(m, k + 8)[:, :k], rnd(m, k)
-        nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(device=device, dtype=dtype)
-        w = rnd(n, k) * k ** -0.5
-        for bias in (None, rnd(n)):
-            x0, r0 = x.clone(), res.clone()
-            close(T.rms_norm_linear(x, nw, 1e-6, w, bias, config=config), R.rms_norm_linear_ref(x, nw, 1e-6, w, bias))
-            out, new_res = T.add_rms_norm_linear(x, res, nw, 1e-6, w, bias, config=config)
-            ref_out, ref_res = R.add_rms_norm_linear_ref(x, res, nw, 1e-6, w, bias)
-            close(out, ref_out)
-            assert torch.equal(x, x0) and torch.equal(res, r0), "x / residual were written"
-            assert new_res.shape == (m, k) and new_res.dtype == dtype
-            if dtype == torch.float32 or device != "cpu":
-                assert torch.equal(new_res, ref_res), "residual sum differs"
-            else:  # the interpreter casts fp32 -> bf16 by truncation (GPU Triton rounds to nearest even)
-                torch.testing.assert_close(new_res.float(), ref_res.float(), **_tol(dtype))
-        gate_up = rnd(m, 2 * k)
-        close(T.silu_mul_linear(gate_up, w, config=config), R.silu_mul_linear_ref(gate_up, w))
-    # leading dims are kept, and no rows is no launch
-    x3 = rnd(2, 3, 64)
-    w, nw = rnd(40, 64) * 0.125, torch.ones(64, device=device, dtype=dtype)
-    out = T.rms_norm_linear(x3, nw, 1e-6, w)
-    assert out.shape == (2, 3, 40)
-    close(out, R.rms_norm_linear_ref(x3, nw, 1e-6, w))
-    assert T.silu_mul_linear(rnd(0, 128), w).shape == (0, 40)
 
 
 def random_bitmask(rows: int, words: int, gen: torch.Generator) -> torch.Tensor:
@@ -304,14 +254,6 @@ def test_cpu_dispatch_uses_reference():
         assert torch.equal(K.silu_and_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:])
         logits, bm = torch.randn(6, 100).to(dtype), random_bitmask(6, 4, torch.Generator().manual_seed(1))
         assert torch.equal(K.mask_logits(logits, bm), expected_mask(logits, bm))
-        # the small-M fused linears: the unfused pair, exactly
-        W, b = torch.randn(96, 576).to(dtype), torch.randn(96).to(dtype)
-        assert not K.use_fused_linear(x, W, r, w, b)
-        assert torch.equal(K.rms_norm_linear(x, w, 1e-6, W, b), F.linear(R.rms_norm_ref(x, w, 1e-6), W, b))
-        y, res = K.add_rms_norm_linear(x.clone(), r.clone(), w, 1e-6, W, b)
-        assert torch.equal(y, F.linear(ra, W, b)) and torch.equal(res, rb)
-        Wd = torch.randn(96, 1536).to(dtype)
-        assert torch.equal(K.silu_mul_linear(gu, Wd), F.linear(F.silu(gu[:, :1536]) * gu[:, 1536:], Wd))
 
 
 def test_rope_reference_matches_prefusion_tables():
@@ -412,40 +354,6 @@ def test_gpu_dispatch_and_model_close_to_reference():
     assert err < 0.05 * ref.abs().max().item() + 0.05, err
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gpu_small_m_linears_match_reference(dtype):
-    """At real sizes: SmolLM2-135M's qkv / gate_up / down, and Llama-3-8B's (which the model keeps
-    on cuBLAS by default, but the kernel must still be right for them)."""
-    check_small_m_linears("cuda", dtype, LINEAR_SHAPES + [
-        (1, 960, 576), (8, 3072, 576), (16, 576, 1536), (2, 960, 576),
-        (1, 6144, 4096), (16, 4096, 4096), (8, 28672, 4096), (16, 4096, 14336)])
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_fused_linear_dispatch(monkeypatch):
-    """The fused small-M linear is chosen from static shapes only, and every switch turns it off."""
-    from constrained_spec import kernels as K
-    assert not K.fused_linear_enabled(), "off by default (slower than the pairs on the H100, kernels/__init__.py)"
-    monkeypatch.setattr(K, "_FUSED_LINEAR", True)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x1, x16, x17 = torch.zeros(1, 576, **bf), torch.zeros(16, 576, **bf), torch.zeros(17, 576, **bf)
-    qkv, gate_up = torch.zeros(960, 576, **bf), torch.zeros(3072, 576, **bf)
-    assert K.use_fused_linear(x1, qkv) and K.use_fused_linear(x16, gate_up)
-    assert not K.use_fused_linear(x17, qkv), "more than FUSED_LINEAR_MAX_ROWS rows"
-    assert not K.use_fused_linear(x1, torch.zeros(4096, 4096, **bf)), "Llama-3-8B sizes stay on cuBLAS"
-    assert not K.use_fused_linear(x1.float(), qkv), "mixed dtypes"
-    assert not K.use_fused_linear(x1.cpu(), qkv.cpu())
-    for switch in (K.set_fused_linear, K.set_fused_kernels):
-        switch(False)
-        try:
-            assert not K.use_fused_linear(x1, qkv)
-        finally:
-            switch(True)
-
-
 def _decode_meta(B: int, ctx: int, width: int, device="cuda"):
     """Decode metadata for B sequences of `ctx` tokens (the last one new), sequence b in slots
     b * width + 1 ...; slot 0 unused."""
@@ -461,22 +369,14 @@ def _decode_meta(B: int, ctx: int, width: int, device="cuda"):
 @gpu
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 @pytest.mark.parametrize("B", [1, 8, 16, 17])
-def test_gpu_decode_cuda_graph_replay(model_type, B, monkeypatch):
+def test_gpu_decode_cuda_graph_replay(model_type, B):
     """A SmolLM2-shaped model's decode step captured as a CUDA graph and replayed with new inputs:
-    equal to the eager fused forward, and within bf16 tolerance of the torch-reference forward.
-    At B <= 16 the layers run the small-M fused linears (counted), at B = 17 the unfused pairs."""
+    equal to the eager fused forward, and within bf16 tolerance of the torch-reference forward."""
     from constrained_spec import kernels as K
     from constrained_spec.attention import KVCache
     from constrained_spec.attention.triton_backend import TritonAttention
-    monkeypatch.setattr(K, "_FUSED_LINEAR", True)  # off by default; this test is about the fused path
     cfg = _cfg(model_type, vocab_size=1024, num_layers=2)
     model = _random_model(cfg, torch.bfloat16, "cuda")
-    calls = {"fused": 0}
-    for name in ("rms_norm_linear", "add_rms_norm_linear", "silu_mul_linear"):
-        def counted(*a, _fn=getattr(K._tri, name), **kw):
-            calls["fused"] += 1
-            return _fn(*a, **kw)
-        monkeypatch.setattr(K._tri, name, counted)
     ctx, W = 37, 64
     kv = KVCache(cfg.num_layers, B * W + 1, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
     kv.k.normal_()
@@ -489,12 +389,9 @@ def test_gpu_decode_cuda_graph_replay(model_type, B, monkeypatch):
         for _ in range(2):
             model(ids, pos, kv, meta, backend)
         torch.cuda.synchronize()
-        calls["fused"] = 0
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = model(ids, pos, kv, meta, backend)
-        # per layer: input norm + qkv, post-attention norm + gate_up, silu-and-mul + down
-        assert calls["fused"] == (3 * cfg.num_layers if B <= K.FUSED_LINEAR_MAX_ROWS else 0)
         for step in range(3):
             ids.copy_(torch.randint(0, cfg.vocab_size, (B,), device="cuda"))
             pos.fill_(ctx - 1 + step)
@@ -515,8 +412,4 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for dt in (torch.float32, torch.bfloat16):
         check_kernels("cpu", dt)
-    for dt in (torch.float32, torch.bfloat16, torch.float16):
-        # the wide shapes with wide blocks (fewer interpreted programs), the narrow ones as on the GPU
-        check_small_m_linears("cpu", dt, [s for s in LINEAR_SHAPES if s[1] >= 576], config=(64, 256, 4, 1))
-        check_small_m_linears("cpu", dt, [s for s in LINEAR_SHAPES if s[1] < 576])
     print("interpreter: ok")

@@ -99,7 +99,7 @@ def clone_kv(kv: KVCache) -> KVCache:
 
 def compare(case, atol: float, rtol: float = 0.0, **triton_kwargs) -> float:
     """Runs both backends on the case; checks the outputs and the stored KV. Returns max abs err.
-    `triton_kwargs` go to TritonAttention (decode_merge, target_programs, ...)."""
+    `triton_kwargs` go to TritonAttention (target_programs, ...)."""
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_backend import TritonAttention
 
@@ -148,16 +148,12 @@ def interpreter_cases():
         yield (mode, pre, ql, H, KVH, Dh, dt, extra, i)
 
 
-MERGES = ("last_program", "reduce_kernel")
-
-
-def run_interpreter_checks(merge: str) -> None:
-    """All checks with decode splits merged the `merge` way (decode_attention's `merge`)."""
+def run_interpreter_checks() -> None:
     for mode, pre, ql, H, KVH, Dh, dt, extra, i in interpreter_cases():
         case = make_case(mode, pre, ql, H, KVH, Dh, dt, "cpu", seed=i, **extra)
         low = dt in (torch.float16, torch.bfloat16)
         atol = (2e-2 if dt == torch.bfloat16 else 2e-3) if low else 1e-4
-        err = compare(case, atol=atol, rtol=1e-2 if low else 1e-4, decode_merge=merge)
+        err = compare(case, atol=atol, rtol=1e-2 if low else 1e-4)
         print(f"ok {mode.value:7s} pre={pre} q={ql} H={H} KVH={KVH} D={Dh} {dt} err={err:.2e}", flush=True)
     # The split count through the backend's target_programs: 4 splits (the table's 4 blocks) at 512,
     # 2 at 8, 1 at 4 (B * KVH = 4 programs per split).
@@ -166,31 +162,27 @@ def run_interpreter_checks(merge: str) -> None:
     for tp in (512, 8, 4):
         case = make_case(ForwardMode.DECODE, [200, 9], [1, 1], 6, 2, 64, torch.float16, "cpu", seed=97,
                          table_width=256)
-        err = compare(case, atol=2e-3, rtol=1e-2, decode_merge=merge, target_programs=tp)
+        err = compare(case, atol=2e-3, rtol=1e-2, target_programs=tp)
         print(f"ok decode target_programs={tp} err={err:.2e}", flush=True)
     # A fixed split count larger than the context (empty splits) must still be exact.
     from constrained_spec.attention.triton_kernels import decode_attention
     q, k, v, kv, meta, layer, scale = make_case(ForwardMode.DECODE, [2, 0], [1, 1], 2, 1, 16,
                                                 torch.float32, "cpu", seed=99, zero_rows=(1,))
     kv.store(layer, meta.out_slots, k, v)
-    o8 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=8,
-                          merge=merge)
+    o8 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=8)
     o1 = decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale, num_splits=1)
     assert torch.allclose(o8, o1, atol=1e-5) and (o8[1] == 0).all()
     print("ok empty splits", flush=True)
-    # Several non-empty splits (and empty ones at 8), a split count that is no power of 2, repeated
-    # calls: with merge="last_program" the last split to finish merges, and must leave the counters at
-    # zero for the next call; with "reduce_kernel" the counters are never allocated.
+    # Several non-empty splits (and empty ones at 8), a split count that is no power of 2, repeated calls.
     q, k, v, kv, meta, layer, scale = make_case(ForwardMode.DECODE, [300, 0, 64, 129], [1] * 4, 6, 2, 16,
                                                 torch.float32, "cpu", seed=98, zero_rows=(1,))
     kv.store(layer, meta.out_slots, k, v)
     args = (q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
     o1 = decode_attention(*args, num_splits=1)
     for splits in (5, 8, 3, 5):
-        o = decode_attention(*args, num_splits=splits, merge=merge)
+        o = decode_attention(*args, num_splits=splits)
         assert torch.allclose(o, o1, atol=1e-5) and (o[1] == 0).all(), splits
-    assert_split_counters_zero(merge)
-    print(f"ok split merge ({merge})", flush=True)
+    print("ok split merge", flush=True)
     # Split-prefix extend / verify (what short trees over long contexts use on the GPU).
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_kernels import extend_attention
@@ -206,19 +198,7 @@ def run_interpreter_checks(merge: str) -> None:
         err = (out - ref).abs().max().item()
         assert err < 1e-4, (mode, pre, ql, splits, err)
         print(f"ok split {mode.value} pre={pre} q={ql} splits={splits} err={err:.1e}", flush=True)
-    assert_split_counters_zero(merge)
     print("ALL OK")
-
-
-def assert_split_counters_zero(merge: str = "last_program") -> None:
-    """last_program: the counters exist and are all back at zero; reduce_kernel (alone in this
-    process): no counters were ever allocated."""
-    from constrained_spec.attention.triton_kernels import decode
-    bufs = [c for cs in decode._COUNTERS.values() for c in cs]
-    if merge == "reduce_kernel":
-        assert not bufs, "merge='reduce_kernel' allocated split counters"
-        return
-    assert bufs and all(not c.any() for c in bufs), "split counters not rearmed"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,11 +206,10 @@ def assert_split_counters_zero(merge: str = "last_program") -> None:
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the interpreter tests need it)")
-@pytest.mark.parametrize("merge", MERGES)
-def test_triton_interpreter_matches_torch(merge):
+def test_triton_interpreter_matches_torch():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__, "--interpret", merge], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -254,37 +233,26 @@ def test_default_num_splits_target_programs():
     assert default_num_splits(1, 3, 100) == 2  # no more splits than table blocks
 
 
-def test_triton_backend_rejects_unknown_merge():
-    if not HAS_TRITON:
-        pytest.skip("needs triton")
-    from constrained_spec.attention.triton_backend import TritonAttention
-    with pytest.raises(ValueError):
-        TritonAttention(decode_merge="nope")
-
-
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("H,KVH,D", GPU_SHAPES)
-def test_gpu_decode(dtype, H, KVH, D, merge):
+def test_gpu_decode(dtype, H, KVH, D):
     gen = torch.Generator().manual_seed(H * 131 + D)
     for B in (1, 3, 17, 64):
         pre = torch.randint(0, 3000, (B,), generator=gen).tolist()
         pre[0] = 0
         zero = (B - 1,) if B > 2 else ()
         case = make_case(ForwardMode.DECODE, pre, [1] * B, H, KVH, D, dtype, "cuda", seed=B, zero_rows=zero)
-        compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2, decode_merge=merge)
+        compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (32, 8, 128)])
-def test_gpu_decode_split_merge(H, KVH, D, merge):
+def test_gpu_decode_split_merge(H, KVH, D):
     """Fixed split counts, many programs in flight (B * KVH * splits up to 16k), repeated launches:
-    all splits are merged (by the last split to finish, whose counters return to zero every time,
-    or by the reduce launch)."""
+    all splits are merged."""
     from constrained_spec.attention.triton_kernels import decode_attention
     for B in (1, 5, 64):
         pre = torch.randint(0, 4000, (B,), generator=torch.Generator().manual_seed(B)).tolist()
@@ -296,13 +264,10 @@ def test_gpu_decode_split_merge(H, KVH, D, merge):
         ref = decode_attention(*args, num_splits=1).float()
         for splits in (2, 3, 7, 32):
             for _ in range(3):
-                out = decode_attention(*args, num_splits=splits, merge=merge)
+                out = decode_attention(*args, num_splits=splits)
                 torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
                 if zero:
                     assert (out[B - 1] == 0).all()
-    torch.cuda.synchronize()
-    if merge == "last_program":  # (other tests of this process may have allocated them)
-        assert_split_counters_zero()
 
 
 @pytest.mark.gpu
@@ -334,10 +299,9 @@ def test_gpu_verify(dtype, H, KVH, D):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("merge,target_programs", [("last_program", 512), ("reduce_kernel", 512),
-                                                    ("last_program", 128), ("reduce_kernel", 128)])
+@pytest.mark.parametrize("target_programs", [512, 128])
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (32, 8, 128)])
-def test_gpu_decode_cuda_graph_replay(H, KVH, D, merge, target_programs):
+def test_gpu_decode_cuda_graph_replay(H, KVH, D, target_programs):
     """Capture decode once; replay with new kv_lens / slot_table / q contents (incl. kv_len 0, 1)."""
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_backend import TritonAttention
@@ -356,7 +320,7 @@ def test_gpu_decode_cuda_graph_replay(H, KVH, D, merge, target_programs):
     ones = torch.ones(B, dtype=torch.int32, device=dev)
     meta = AttentionMetadata(ForwardMode.DECODE, s_out_slots, torch.arange(B + 1, dtype=torch.int32, device=dev),
                              ones, s_kv_lens, s_table, max_q_len=1, max_kv_len=W)
-    backend = TritonAttention(decode_merge=merge, target_programs=target_programs)
+    backend = TritonAttention(target_programs=target_programs)
     scale = D ** -0.5
     backend.forward(s_q, s_k, s_v, 0, kv, meta, scale)  # warm-up / compile
     torch.cuda.synchronize()
@@ -434,4 +398,4 @@ def _float_kv(kv: KVCache) -> KVCache:
 
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
-        run_interpreter_checks(sys.argv[sys.argv.index("--interpret") + 1])
+        run_interpreter_checks()

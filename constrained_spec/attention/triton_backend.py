@@ -12,26 +12,21 @@ import torch
 
 from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
 from .triton_kernels import decode_attention, extend_attention
-from .triton_kernels.decode import DEFAULT_TARGET_PROGRAMS, MERGE_MODES, default_num_splits
+from .triton_kernels.decode import DEFAULT_TARGET_PROGRAMS, default_num_splits
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, max_splits: int = 32, num_splits: int | None = None,
-                 decode_merge: str = "reduce_kernel", target_programs: int = DEFAULT_TARGET_PROGRAMS):
+                 target_programs: int = DEFAULT_TARGET_PROGRAMS):
         """`num_splits` fixes the flash-decoding split count; by default it is chosen per launch
         from static shapes only (batch size, kv heads, slot-table width): about `target_programs`
-        programs per launch, capped at `max_splits` splits (`default_num_splits`).
-        `decode_merge`: "last_program" merges the splits inside the split launch (one launch per
-        layer), "reduce_kernel" in a second launch (see triton_kernels/decode.py)."""
-        if decode_merge not in MERGE_MODES:
-            raise ValueError(f"decode_merge must be one of {MERGE_MODES}, not {decode_merge!r}")
+        programs per launch, capped at `max_splits` splits (`default_num_splits`)."""
         if target_programs < 1:
             raise ValueError(f"target_programs must be positive, not {target_programs}")
         self.max_splits = max_splits
         self.num_splits = num_splits
-        self.decode_merge = decode_merge
         self.target_programs = target_programs
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -43,10 +38,10 @@ class TritonAttention(AttentionBackend):
         if meta.mode is ForwardMode.DECODE:
             return decode_attention(q, k_cache, v_cache, meta.slot_table, meta.kv_lens, scale,
                                     num_splits=self.num_splits, max_splits=self.max_splits,
-                                    merge=self.decode_merge, target_programs=self.target_programs)
+                                    target_programs=self.target_programs)
         tree = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
         return extend_attention(q, k_cache, v_cache, meta.slot_table, meta.kv_lens, meta.q_starts,
                                 meta.q_lens, meta.max_q_len, scale, tree_mask=tree)
 
 
-__all__ = ["MERGE_MODES", "TritonAttention", "default_num_splits"]
+__all__ = ["TritonAttention", "default_num_splits"]

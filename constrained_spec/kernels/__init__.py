@@ -1,6 +1,5 @@
 """Fused elementwise kernels for the decoder: RMSNorm, residual-add + RMSNorm, RoPE, SiLU-and-mul,
-the grammar mask of the logits, and, for a few rows (decode, small verify batches), those norms and
-SiLU-and-mul fused into the linear that follows them.
+and the grammar mask of the logits.
 
 Each op dispatches to a Triton kernel for CUDA tensors (one launch per op) and to the exact torch
 reference otherwise — the reference is the math the model used before fusion, so the CPU path is
@@ -14,7 +13,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from . import reference
 from .reference import (add_rms_norm_ref, apply_rope_ref, build_cos_sin_cache, mask_logits_ref, rms_norm_ref,
@@ -98,77 +96,5 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return mask_logits_ref(logits, bitmask)
 
 
-# -- small-M fused linears ------------------------------------------------------------------------
-# A decode step of a small model is bound by kernel launches, not bytes: fusing the norm (or
-# SiLU-and-mul) into the next linear saves a launch per op, 3 a layer. The fused kernel streams the
-# weight once with few programs, which only wins while the launch is what costs, so it is used for
-# at most FUSED_LINEAR_MAX_ROWS rows (decode at batch <= 16, the 8-node verify at batch <= 2) and
-# weights of at most FUSED_LINEAR_MAX_WEIGHT elements (SmolLM2-135M's largest is 3072 x 576 = 1.8M;
-# Llama-3-8B's linears, 4096 x 4096 = 16.8M and up, stay on cuBLAS: there the weight stream dominates
-# and the saving is a few percent at best; `kernels.bench` times both per shape). Everything else,
-# and CPU, runs the pre-fusion pair: the elementwise op (Triton or torch, as above), then F.linear.
-# The decision reads only static properties (device, dtypes, shapes): graphs are captured per batch
-# size and replay whatever was chosen at capture. CONSTRAINED_SPEC_FUSED_LINEAR=0 (or
-# set_fused_linear(False)) turns just these off; CONSTRAINED_SPEC_FUSED_LINEAR_MAX_WEIGHT moves the cap.
-# OFF by default: measured on the H100 (`python -m constrained_spec.kernels.bench 1 8`, random SmolLM2
-# weights, graphed), the first block sizes made the decode forward slower, 1.338 vs 0.835 ms at batch
-# 1: a fused kernel took about as long as the pair it replaced (qkv 7.5 vs 5.3 us, gate_up 12.7 vs
-# 6.0, down 11.5 vs 6.7); the best of a block-size sweep only matched the pairs (5.0, 5.5, 10.0 us).
-# CONSTRAINED_SPEC_FUSED_LINEAR=1 turns them on for experiments.
-
-FUSED_LINEAR_MAX_ROWS = 16
-FUSED_LINEAR_MAX_WEIGHT = int(os.environ.get("CONSTRAINED_SPEC_FUSED_LINEAR_MAX_WEIGHT", 4 << 20))
-_FUSED_LINEAR = os.environ.get("CONSTRAINED_SPEC_FUSED_LINEAR", "0").lower() in ("1", "true", "yes")
-
-
-def fused_linear_enabled() -> bool:
-    return _FUSED_LINEAR
-
-
-def set_fused_linear(enabled: bool) -> None:
-    """Enable/disable just the small-M fused linears (the other fused kernels are unaffected), for A/B timing."""
-    global _FUSED_LINEAR
-    _FUSED_LINEAR = bool(enabled)
-
-
-def use_fused_linear(a: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether `a` [..., K] times `weight` [N, K] takes the fused small-M kernel; `others` (residual,
-    norm weight, bias) must share a's dtype."""
-    if not (_FUSED_LINEAR and _use_triton(a)) or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    rows = a.numel() // max(a.shape[-1], 1)
-    return (rows <= FUSED_LINEAR_MAX_ROWS and weight.numel() <= FUSED_LINEAR_MAX_WEIGHT
-            and weight.stride(-1) == 1 and all(t is None or t.dtype == a.dtype for t in (weight, *others)))
-
-
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(rms_norm(x, norm_weight, eps), weight, bias)."""
-    if use_fused_linear(x, weight, norm_weight, bias):
-        return _tri.rms_norm_linear(x, norm_weight, eps, weight, bias)
-    return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
-
-
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(F.linear(rms_norm(x + residual), weight, bias), x + residual). The fused kernel leaves x and
-    residual untouched and returns the sum in a new tensor; the unfused path may write in place
-    (see add_rms_norm), so callers must not reuse x or residual."""
-    if use_fused_linear(x, weight, residual, norm_weight, bias):
-        return _tri.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-    h, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), residual
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(silu(gate) * up, weight) for gate_up = [..., 2I] (the gate_up projection's output)."""
-    if use_fused_linear(gate_up, weight):
-        return _tri.silu_mul_linear(gate_up, weight)
-    return F.linear(silu_and_mul(gate_up), weight)
-
-
-__all__ = ["FUSED_LINEAR_MAX_ROWS", "FUSED_LINEAR_MAX_WEIGHT", "HAS_TRITON", "add_rms_norm", "add_rms_norm_linear",
-           "apply_rope", "apply_rope_and_store", "build_cos_sin_cache", "fused_kernels_enabled", "mask_logits",
-           "reference", "rms_norm", "rms_norm_linear", "set_fused_kernels", "fused_linear_enabled", "set_fused_linear", "silu_and_mul",
-           "silu_mul_linear", "use_fused_linear"]
+__all__ = ["HAS_TRITON", "add_rms_norm", "apply_rope", "apply_rope_and_store", "build_cos_sin_cache", "fused_kernels_enabled",
+           "mask_logits", "reference", "rms_norm", "set_fused_kernels", "silu_and_mul"]

@@ -58,22 +58,3 @@ def mask_logits_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
     if covered < vocab:
         allowed = F.pad(allowed, (0, vocab - covered))
     return logits.masked_fill(allowed == 0, float("-inf"))
-
-
-# The small-M fused linears: on CPU (and on CUDA wherever the fused kernel is not used) the model
-# runs exactly these compositions, i.e. its pre-fusion ops in the same order.
-
-def rms_norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias)
-
-
-def add_rms_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    h, residual = add_rms_norm_ref(x, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), residual
-
-
-def silu_mul_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(silu_and_mul_ref(gate_up), weight)

@@ -4,9 +4,7 @@ q/k/v and gate/up projections are fused into one matmul each, and the elementwis
 kernel per op on CUDA (`constrained_spec.kernels`: residual-add + RMSNorm, RoPE on q and k,
 SiLU-and-mul): fewer kernels per layer, which is what bounds a small model's decode step on a GPU.
 The residual stream is carried beside the hidden states (vLLM/SGLang style), so each residual add
-is fused into the next norm. For a few rows (decode, small verify batches) the norms and SiLU-and-mul
-are further fused into the linear after them (`*_linear` ops: 6 launches a layer instead of 9);
-the ops themselves choose fused or unfused. On CPU the kernels are the exact pre-fusion torch math.
+is fused into the next norm. On CPU the kernels are the exact pre-fusion torch math.
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..attention.base import AttentionBackend, AttentionMetadata, KVCache
-from ..kernels import add_rms_norm, add_rms_norm_linear, rms_norm, rms_norm_linear, silu_mul_linear
+from ..kernels import add_rms_norm, rms_norm, silu_and_mul
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -35,13 +33,6 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
-    def linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj(norm(x + residual)), x + residual); without `residual`: (proj(norm(x)), x)."""
-        if residual is None:
-            return rms_norm_linear(x, self.weight, self.eps, proj.weight, proj.bias), x
-        return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -54,12 +45,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, qkv, positions, rope: RotaryEmbedding, kv: KVCache, meta: AttentionMetadata,
+    def forward(self, x, positions, rope: RotaryEmbedding, kv: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend):
-        """qkv: the qkv projection's output [T, q_size + 2 * kv_size] (computed by the caller, fused
-        with the input norm)."""
-        T = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -74,9 +63,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, gate_up):
-        """gate_up: the gate_up projection's output (computed by the caller, fused with the norm)."""
-        return silu_mul_linear(gate_up, self.down_proj.weight)
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -90,10 +78,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rope, kv, meta, backend):
         """x: the previous layer's output (or the embeddings when residual is None), residual: the
         residual stream before it. Returns (this layer's MLP output, residual stream before it)."""
-        qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(qkv, positions, rope, kv, meta, backend)
-        gate_up, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj)
-        return self.mlp(gate_up), residual
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):

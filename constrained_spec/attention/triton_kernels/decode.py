@@ -1,18 +1,14 @@
 """Paged decode attention (flash-decoding) over a token-slot pool.
 
 One new query token per sequence. Sequence b's context is `slot_table[b, :kv_lens[b]]`.
-One launch, grid (B, KVH, NUM_SPLITS): each program handles all G = H // KVH query heads that share
-one kv head (so every K/V row is read once per kv head) and one contiguous chunk of the context.
-With one split it writes the output directly. With several, each program writes a partial output
-plus its log-sum-exp, and the splits are merged in one of two ways (`merge=`):
-* "reduce_kernel" (default): a second launch, grid (B, H), merges them (with one split it is one
-  launch);
-* "last_program": each program counts itself done on a per-(b, kv head) counter; the last of the
-  splits to finish merges them and rearms the counter (no second launch). Measured slower on the
-  H100 (benchmarks/bench_decode_ab.py, results/decode_ab.md, SmolLM2 shapes, slot table 8192 wide):
-  the whole graphed decode forward 1.378 vs 1.341 ms at batch 1 and 1.380 vs 1.340 ms at batch 32;
-  one call 6.1 vs 4.7 us at batch 1: the serial merge at the end of the last program and the
-  atomics cost more than a second launch inside a graph. Kept for A/B runs.
+Grid (B, KVH, NUM_SPLITS): each program handles all G = H // KVH query heads that share one kv
+head (so every K/V row is read once per kv head) and one contiguous chunk of the context. With one
+split it writes the output directly (one launch). With several, each program writes a partial
+output plus its log-sum-exp and a second launch, grid (B, H), merges the splits (`merge_splits`).
+Merging inside the split launch instead (the last split program to finish, found with atomic
+counters) was measured slower on the H100 and removed (results/decode_ab.md, SmolLM2 shapes, slot
+table 8192 wide): the whole graphed decode forward 1.378 vs 1.341 ms at batch 1 and 1.380 vs
+1.340 ms at batch 32; one call 6.1 vs 4.7 us at batch 1.
 
 CUDA-graph capturable: NUM_SPLITS and all grids depend only on B, H, KVH, D and the slot-table
 width, never on host-side kv lengths. The chunk size per split is computed on the device from
@@ -44,7 +40,7 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, SlotTable, KvLens, Out, MidO, MidLse, Counters,
+    Q, K, V, SlotTable, KvLens, Out, MidO, MidLse,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -55,8 +51,8 @@ def _decode_kernel(
     sm_scale_log2,
     NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_MERGES: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,43 +111,6 @@ def _decode_kernel(
         tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
                  out, mask=hd_mask)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
-    if SPLIT and LAST_MERGES:
-        # One thread issues the atomic: the barrier puts every thread's partial stores before its
-        # release, so whichever program counts last sees all of them.
-        tl.debug_barrier()
-        counter = Counters + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            for g in tl.static_range(G):
-                _merge_head(MidO, MidLse, Out, b, kvh * G + g, stride_mob, stride_moh, stride_mos,
-                            stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D,
-                            ".cg")
-            # Only the last program touches the counter after counting, and the next launch starts
-            # after this one ends: a plain store rearms it for the next layer and graph replay.
-            tl.store(counter, 0)
-
-
-@triton.jit
-def _merge_head(MidO, MidLse, Out, row, h, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
-                stride_ot, stride_oh, NUM_SPLITS,
-                D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
-    """Log-sum-exp merge of the splits' partial outputs of one (row, head). CACHE: the loads' cache
-    modifier, ".cg" inside the launch that wrote the partials (L1 is not coherent with other SMs'
-    writes), "" in a separate launch."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    d_mask = offs_d < D
-    lse = tl.load(MidLse + row * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"),
-                  cache_modifier=CACHE)
-    valid = lse > float("-inf")
-    m = tl.max(lse, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.where(valid, tl.exp2(lse - m), 0.0)
-    o = tl.load(MidO + row * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
-    total = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(Out + row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -163,30 +122,26 @@ def _decode_reduce_kernel(
     NUM_SPLITS,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid (rows, H): the separate merge launch of split-prefix extend/verify and of decode with
-    merge="reduce_kernel"."""
-    _merge_head(MidO, MidLse, Out, tl.program_id(0), tl.program_id(1), stride_mob, stride_moh, stride_mos,
-                stride_lb, stride_lh, stride_ot, stride_oh, NUM_SPLITS, D, BLOCK_S, BLOCK_D, "")
+    """Grid (rows, H): log-sum-exp merge of the splits' partial outputs of one (row, head); the
+    merge launch of split decode and of split-prefix extend/verify."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < D
+    lse = tl.load(MidLse + row * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    valid = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(valid, tl.exp2(lse - m), 0.0)
+    o = tl.load(MidO + row * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, kv head), on which split programs count themselves
-    done. Every launch leaves them at zero, so one buffer per device serves all layers, calls and
-    graph replays. Allocated outside graph capture (the graph runner warms every shape up first);
-    a grown buffer keeps its predecessors alive, since graphs captured earlier point at them."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: warm up each shape once before CUDA-graph capture")
-        size = max(n, 1024, 2 * bufs[-1].numel() if bufs else 0)
-        bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
-MERGE_MODES = ("last_program", "reduce_kernel")
 DEFAULT_TARGET_PROGRAMS = 512
 
 
@@ -202,16 +157,12 @@ def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_spli
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, max_splits: int = 32,
-                     out: torch.Tensor | None = None, merge: str = "reduce_kernel",
+                     out: torch.Tensor | None = None,
                      target_programs: int = DEFAULT_TARGET_PROGRAMS) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W]; kv_lens: [B].
 
-    `merge`: how several splits are merged, "last_program" (in the split launch) or "reduce_kernel"
-    (a second launch); see the module docstring. `target_programs` and `max_splits` choose the split
-    count when `num_splits` is None (`default_num_splits`).
-    Returns [B, H, D] in q's dtype. All launch parameters depend only on shapes."""
-    if merge not in MERGE_MODES:
-        raise ValueError(f"decode_attention: merge must be one of {MERGE_MODES}, not {merge!r}")
+    `target_programs` and `max_splits` choose the split count when `num_splits` is None
+    (`default_num_splits`). Returns [B, H, D] in q's dtype. All launch parameters depend only on shapes."""
     B, H, D = q.shape
     KVH = k_cache.shape[1]
     assert H % KVH == 0, "query heads must be a multiple of kv heads"
@@ -228,15 +179,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if B == 0:
         return out
     split = num_splits > 1
-    last_merges = merge == "last_program"
     if split:
         mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
-        counters = _split_counters(B * KVH, q.device) if last_merges else out  # unused by the reduce kernel
     else:  # unused: the single split writes `out` directly
-        mid_o = mid_lse = counters = out
+        mid_o = mid_lse = out
     _decode_kernel[(B, KVH, num_splits)](
-        q, k_cache, v_cache, slot_table, kv_lens, out, mid_o, mid_lse, counters,
+        q, k_cache, v_cache, slot_table, kv_lens, out, mid_o, mid_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -245,12 +194,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         scale * _LOG2E, num_splits,
-        G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, LAST_MERGES=last_merges,
+        G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SPLIT=split,
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
-    if split and not last_merges:
+    if split:
         merge_splits(mid_o, mid_lse, out, num_splits)
     return out
 
