@@ -94,7 +94,6 @@ class SpeculativeWorker:
         self._recent: list[float] = []  # accepted drafts per request-step, recent window (`always`'s brake)
         self._paused_until = 0  # engine step count before which `always` decodes plainly
         self._io: VerifyIO | None = None  # the verify step's static buffers (shared with the graphs)
-        self._guided: list[int] = []  # rows of the step's batch drafted as grammar-guided chains
         if engine.config.speculative_policy not in ("measured", "always"):
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
         self.policy = self._new_policy()
@@ -222,8 +221,8 @@ class SpeculativeWorker:
         B, N = len(reqs), self.width
         tokens, next_token = np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64)
         next_sibling, num_nodes = np.full((B, N), -1, np.int64), np.ones(B, np.int64)
-        guided = self.drafter.has_next_tokens
-        free = [b for b, r in enumerate(reqs) if r.matcher is None or not guided]
+        guided = self._guided_rows(reqs)
+        free = sorted(set(range(B)).difference(guided))
         if free:
             drafted = self.drafter.propose_arrays(DraftBatch([reqs[b].request_id for b in free]))
             for dst, src in zip((tokens, next_token, next_sibling, num_nodes), drafted):
@@ -231,8 +230,7 @@ class SpeculativeWorker:
         # node 0 is the model's input for the last sampled token: never take it from a drafter
         tokens[:, 0] = [r.output_ids[-1] for r in reqs]
         k = self.drafter.context_tokens
-        self._guided = [b for b, r in enumerate(reqs) if r.matcher is not None and guided]
-        for b in self._guided:
+        for b in guided:
             r = reqs[b]
             tail = r.output_ids[-k:] if len(r.output_ids) >= k else (r.prompt_ids + r.output_ids)[-k:]
             chain, forced = guided_chain(r.matcher, self.engine.tokenizer,
@@ -241,6 +239,13 @@ class SpeculativeWorker:
             write_chain(tokens, next_token, next_sibling, num_nodes, b, chain)
             self.stats.forced_draft_tokens += forced
         return HostTrees.build(tokens, next_token, next_sibling, num_nodes)
+
+    def _guided_rows(self, reqs) -> list[int]:
+        """The rows drafted as grammar-guided chains: requests with a grammar, where the drafter
+        ranks next tokens."""
+        if not self.drafter.has_next_tokens:
+            return []
+        return [b for b, r in enumerate(reqs) if r.matcher is not None]
 
     def _observe(self, reqs) -> None:
         """Brings each drafter stream up to date: prompt + every emitted token."""
@@ -263,18 +268,18 @@ class SpeculativeWorker:
         by depth for the whole batch on the fill pool's threads; other trees of requests with a
         grammar (a drafter without ranked next tokens) by xgrammar's walk of the tree."""
         N = self.width
-        guided = set(self._guided)
+        rows = self._guided_rows(reqs)
+        guided = set(rows)
         for b, r in enumerate(reqs):
             if r.matcher is None:
                 io.bitmask[b] = -1  # all tokens allowed (the tail masks the whole batch)
             elif b not in guided:
                 layout = trees.layout(b)
                 r.matcher.traverse_draft_tree(*layout, io.bitmask_rows[b * N:b * N + len(layout[0])])
-        if self._guided:
-            self.engine.masks.fill_chains([reqs[b].matcher for b in self._guided],
-                                          [trees.tokens[b, :trees.num_nodes[b]] for b in self._guided],
-                                          io.bitmask_rows, [b * N for b in self._guided],
-                                          self.engine._grammar_stop_ids)
+        if rows:
+            self.engine.masks.fill_chains([reqs[b].matcher for b in rows],
+                                          [trees.tokens[b, :trees.num_nodes[b]] for b in rows],
+                                          io.bitmask_rows, [b * N for b in rows], self.engine._grammar_stop_ids)
         return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
 
     # -- verification ----------------------------------------------------------------------------
