@@ -215,31 +215,32 @@ def chain_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[R
         everyone = arr([m._m._handle for m in matchers])
 
         def run() -> None:
-            try:
-                for d in range(depth):
-                    if accepts[d] is not None and 0 in _BATCH_ACCEPT(*accepts[d], False):
-                        raise RuntimeError("a draft chain token was refused by its grammar")
-                    handles, rows = fills[d]
-                    if len(rows):
-                        fill(handles, bitmask, rows, False)
-            finally:
-                _BATCH_ROLLBACK(everyone, back)
+            for d in range(depth):
+                if accepts[d] is not None and 0 in _BATCH_ACCEPT(*accepts[d], False):
+                    raise RuntimeError(_REFUSED_DRAFT)
+                handles, rows = fills[d]
+                if len(rows):
+                    fill(handles, bitmask, rows, False)
+            _BATCH_ROLLBACK(everyone, back)
         return run
 
     def run_public() -> None:
-        try:
-            for d in range(depth):
-                if accept_at[d] is not None:
-                    ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in accept_at[d][0]],
-                                                                    accept_at[d][1])
-                    if not all(ok):
-                        raise RuntimeError("a draft chain token was refused by its grammar")
-                if fill_at[d][1]:
-                    batch_matcher.batch_fill_next_token_bitmask([m.xgr_matcher for m in fill_at[d][0]], bitmask,
-                                                                fill_at[d][1])
-        finally:
-            xgr.BatchGrammarMatcher.batch_rollback([m.xgr_matcher for m in matchers], back)
+        for d in range(depth):
+            if accept_at[d] is not None:
+                ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in accept_at[d][0]],
+                                                                accept_at[d][1])
+                if not all(ok):
+                    raise RuntimeError(_REFUSED_DRAFT)
+            if fill_at[d][1]:
+                batch_matcher.batch_fill_next_token_bitmask([m.xgr_matcher for m in fill_at[d][0]], bitmask,
+                                                            fill_at[d][1])
+        xgr.BatchGrammarMatcher.batch_rollback([m.xgr_matcher for m in matchers], back)
     return run_public
+
+
+# A chain fill whose chain the grammar refuses (a bug: guided chains are legal by construction)
+# raises this; the matchers are left where the walk stopped, and the engine fails the running requests.
+_REFUSED_DRAFT = "a draft chain token was refused by its grammar"
 
 
 def _as_i64(x) -> torch.Tensor:
