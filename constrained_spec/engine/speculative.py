@@ -145,14 +145,16 @@ class SpeculativeWorker:
         if self._observed.pop(req.request_id, None) is not None:
             self.drafter.finish(req.request_id)
 
-    def reset_drafter(self) -> None:
+    def reset_drafter(self, policy: bool = True) -> None:
         """A fresh drafter that has seen nothing (benchmarks: a run must not draft from the outputs of
-        an earlier run of the same prompts), and a fresh policy: what it measured was the old
-        drafter's acceptance. Call only while no request is running."""
+        an earlier run of the same prompts), and with `policy` a fresh policy too (a cold start);
+        without, the policy keeps its step timings and acceptance, as a server's does after its first
+        requests. Call only while no request is running."""
         if self._observed:
             raise RuntimeError("reset_drafter while requests are running")
         self.drafter = make_drafter(self.engine.config)
-        self.policy = self._new_policy()
+        if policy:
+            self.policy = self._new_policy()
 
     def _new_policy(self) -> MeasuredPolicy | None:
         return MeasuredPolicy() if self.engine.config.speculative_policy == "measured" else None
