@@ -109,9 +109,11 @@ def main():
     timer.wrap(eng.runner, "sample", "sample launch")
     timer.wrap(eng, "_process", "process (incl. wait)")
     timer.wrap(eng, "_fill_bitmask", "mask fill")
-    timer.wrap(eng.masks, "start", "mask fill prepare (in process)")
-    timer.wrap(eng, "_accept_and_fill_beside", "grammar accept + mask fill beside step python (in process)")
-    timer.wrap(eng, "_accept", "grammar accept (in process; beside step python when filling)")
+    if hasattr(eng, "_fill_beside"):  # (older engines fill after the processing)
+        timer.wrap(eng.masks, "start", "mask fill prepare (in process)")
+        timer.wrap(eng, "_fill_beside", "mask fill beside step python (in process)")
+    if hasattr(engine_mod, "batch_accept"):
+        timer.wrap(engine_mod, "batch_accept", "grammar accept (in process)")
     if args.detail:  # a graphed decode launch, piece by piece (the same calls as ModelRunner.forward)
         runner, plain_forward = eng.runner, eng.runner.forward
         acc = timer.seconds

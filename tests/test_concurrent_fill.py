@@ -42,8 +42,8 @@ def overlapped(engine: Engine) -> list[int]:
     started = [0]
     start = engine.masks.start
 
-    def counted(reqs, skip=()):
-        call = start(reqs, skip)
+    def counted(reqs):
+        call = start(reqs)
         started[0] += call is not None
         return call
     engine.masks.start = counted
@@ -134,16 +134,15 @@ def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch):
         eng.shutdown()
 
 
-def illegal_token(matcher, first: int = 0) -> int:
-    """A token from `first` on that the matcher refuses in its present state (token 2, the first
-    refused in most states, is the stop token)."""
+def illegal_token(matcher) -> int:
+    """A token the matcher refuses in its present state."""
     row = torch.zeros((1, 1536), dtype=torch.int32)
     matcher.fill_bitmask(row, 0)
     words = row[0].tolist()
-    return next(t for t in range(first, 49152) if not (words[t >> 5] >> (t & 31)) & 1)
+    return next(t for t in range(49152) if not (words[t >> 5] >> (t & 31)) & 1)
 
 
-def inject(engine: Engine, when, first: int = 0) -> None:
+def inject(engine: Engine, when) -> None:
     """Replaces the sampled token of each request for which `when(request)` holds by a token its
     grammar refuses there. Runs on the engine thread as the step's results are read: before the
     step's tokens go into the matchers (a fill started in the last step is done by then)."""
@@ -156,7 +155,7 @@ def inject(engine: Engine, when, first: int = 0) -> None:
             tokens, logprobs = wait()
             for i, r in enumerate(result.batch.sampling_requests()):
                 if not r.finished and not r.discard_inflight and when(r):
-                    tokens[i] = illegal_token(r.matcher, first)
+                    tokens[i] = illegal_token(r.matcher)
             return tokens, logprobs
         result.wait = wait_and_replace
         return process(result, launched)
@@ -181,46 +180,6 @@ def test_refused_token_fails_its_request_only(tiny_llama_dir, reference, overlap
         assert outs[:victim] + outs[victim + 1:] == reference[:victim] + reference[victim + 1:]
         wait_pool_full(eng)
         del eng._process  # no more injections
-        assert summary(eng.generate(PROMPTS, params, specs)) == reference
-    finally:
-        eng.shutdown()
-
-
-def test_refused_token_beside_the_fill(tiny_llama_dir, reference):
-    """A refused token that is no stop token, in a step whose accept runs beside the step thread's
-    appends (`Engine._accept_and_fill_beside`): its request fails with the grammar error (the token
-    may have been streamed just before: the documented price of the overlap), the others finish as
-    they would have, and the engine keeps serving."""
-    eng = build(tiny_llama_dir)
-    try:
-        started = overlapped(eng)
-        specs, params = workload()
-        victim = 0  # a JSON request
-        refusals = []  # (beside the step thread?, refused positions) per refusal
-        in_beside = [False]
-        accept_beside, after_accept = eng._accept_and_fill_beside, eng._after_accept
-
-        def beside(*args):
-            in_beside[0] = True
-            try:
-                return accept_beside(*args)
-            finally:
-                in_beside[0] = False
-
-        def after(reqs, refused, *args):
-            if refused:
-                refusals.append((in_beside[0], refused))
-            return after_accept(reqs, refused, *args)
-        eng._accept_and_fill_beside, eng._after_accept = beside, after
-        inject(eng, lambda r: r.prompt_ids == PROMPTS[victim] and len(r.output_ids) == 5, first=3)
-        outs = summary(eng.generate(PROMPTS, params, specs))
-        ids, text, reason, error = outs[victim]
-        assert started[0] > 0 and len(refusals) == 1 and refusals[0][0]  # refused beside the step thread
-        assert reason is FinishReason.ERROR and "violates the grammar" in error
-        assert ids[:5] == reference[victim][0][:5] and len(ids) <= 6
-        assert outs[:victim] + outs[victim + 1:] == reference[:victim] + reference[victim + 1:]
-        wait_pool_full(eng)
-        del eng._process
         assert summary(eng.generate(PROMPTS, params, specs)) == reference
     finally:
         eng.shutdown()

@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
-from ..grammar.backend import batch_accept_call
+from ..grammar.backend import batch_accept
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..spec.grammar_draft import stable_forced_tokens
@@ -115,7 +115,7 @@ class Engine:
         self._by_id: dict[str, Request] = {}
         self._stopped = False
         self._launched = None  # the batch whose forward is on the device now
-        self._step_thread: StepThread | None = None  # started on first use (`_accept_and_fill_beside`)
+        self._step_thread: StepThread | None = None  # started on first use (`_fill_beside`)
         # tokens on which a matcher can terminate (xgrammar: a matcher terminates only by accepting
         # one of its stop tokens; the engine's matchers do not override them)
         self._grammar_stop_ids = frozenset(self.grammar.tokenizer_info.stop_token_ids)
@@ -351,8 +351,8 @@ class Engine:
 
     def _process(self, result: StepResult, launched=None) -> None:
         """The step's tokens into its requests. `launched`: the batch on the device now (overlap
-        mode); the grammar accept of this step's tokens, then the launched step's mask fill, run
-        beside this step's Python work (`_accept_and_fill_beside`; ownership: mask_filler.py)."""
+        mode); its mask fill runs beside this step's Python work once the matchers have this
+        step's tokens (ownership: module docstring)."""
         tokens, logprobs = result.wait()  # from here the device is done with the bitmask buffer
         reqs = result.batch.sampling_requests()
         live: list[int] = []
@@ -369,65 +369,38 @@ class Engine:
                 self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i])
             return
         grammar = [i for i in live if reqs[i].matcher is not None]
-        stop_ids = self._grammar_stop_ids
-        ending = [i for i in grammar if tokens[i] in stop_ids]  # their matcher may end on the token
-        accept = batch_accept_call([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar]) if grammar else None
-        fill = None
-        if launched is not None:
-            fill = self.masks.start(launched.sampling_requests(), skip=[reqs[i] for i in ending])
-        if fill is not None:
-            self._accept_and_fill_beside(accept, fill, reqs, live, grammar, ending, tokens, logprobs)
-            return
-        refused = self._accept(accept, grammar)
-        self._after_accept(reqs, refused, ending, tokens, logprobs)
-        if refused or ending:
-            live = [i for i in live if not reqs[i].finished]
-        self._append_accepted(reqs, live, tokens, logprobs)
-
-    def _accept(self, accept, grammar: list[int]) -> list[int]:
-        """Makes a prepared grammar accept; returns the positions (in the step's requests) whose
-        token the grammar refused."""
-        if accept is None:
-            return []
-        t0 = time.perf_counter()
-        refused = accept()
-        self.stats.grammar_accept_seconds += time.perf_counter() - t0
-        return [grammar[j] for j in refused]
-
-    def _after_accept(self, reqs, refused, ending, tokens, logprobs) -> None:
-        """A request whose token the grammar refused fails (a bug: tokens are sampled under the
-        grammar's mask). Those that took a grammar stop token go through `_append_token`, which asks
-        their matcher whether it ended."""
-        for i in refused:
-            if reqs[i].finished:  # ended beside the accept (a limit or a stop string): the log says it
-                log.error("request %s: token %d violates the grammar", reqs[i].request_id, tokens[i])
-                continue
-            self._finish(reqs[i], FinishReason.ERROR, error=f"internal error: token {tokens[i]} violates the grammar")
-        for i in ending:
-            if not reqs[i].finished:
+        if grammar:
+            t0 = time.perf_counter()
+            refused = batch_accept([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar])
+            self.stats.grammar_accept_seconds += time.perf_counter() - t0
+            for j in refused:
+                i = grammar[j]
+                self._finish(reqs[i], FinishReason.ERROR,
+                             error=f"internal error: token {tokens[i]} violates the grammar")
+            stop_ids = self._grammar_stop_ids
+            first = [i for i in grammar if tokens[i] in stop_ids and not reqs[i].finished]
+            for i in first:  # accepted a stop token: its matcher may have terminated
                 self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i], accepted=True)
+            if refused or first:
+                done = set(first)
+                live = [i for i in live if i not in done and not reqs[i].finished]
+        fill = self.masks.start(launched.sampling_requests()) if launched is not None else None
+        if fill is None:
+            self._append_accepted(reqs, live, tokens, logprobs)
+        else:
+            self._fill_beside(fill, reqs, live, tokens, logprobs)
 
-    def _accept_and_fill_beside(self, accept, fill, reqs, live, grammar, ending, tokens, logprobs) -> None:
-        """Makes the grammar accept of this step's tokens and then the launched step's mask fill on
-        this thread while the step thread appends the tokens of the requests that go on. Both calls
-        drop the GIL at once, so the step thread, waking meanwhile, finds it free (`step_thread.py`
-        says why not the other way round). The step's Python work is the longer (measured on the
-        H100 host at batch 64 and 128: the time beside it stayed at 0.66-0.70 / 0.94-1.09 ms with
-        the fill on 4, 8 or 14 threads), so the accept costs the step nothing here; before it ran
-        ahead of both (0.17 / 0.28 ms). The price: a token the grammar refuses (a bug) is streamed
-        before its request fails. Requests that took a grammar stop token follow the accept."""
+    def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
+        """Makes the mask fill on this thread while the step thread appends the step's tokens. The
+        fill drops the GIL at once, so the step thread, waking meanwhile, finds it free
+        (`step_thread.py` says why not the other way round)."""
         if self._step_thread is None:
             self._step_thread = StepThread()
-        if ending:
-            done = set(ending)
-            live = [i for i in live if i not in done]
         self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
-        refused = self._accept(accept, grammar)
         t0 = time.perf_counter()
         fill()  # never raises: `masks.fill` raises what it raised
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
         self._step_thread.wait()
-        self._after_accept(reqs, refused, ending, tokens, logprobs)
 
     def _append_accepted(self, reqs, live, tokens, logprobs) -> None:
         """`_append_token(..., accepted=True)` for the live positions, whose tokens are in their

@@ -184,21 +184,18 @@ class MaskFiller:
         self._started: _Started | None = None
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence, skip: Sequence = ()) -> Callable[[], None] | None:
+    def start(self, reqs: Sequence) -> Callable[[], None] | None:
         """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as one call
         into xgrammar and returns it; None when there are fewer than BACKGROUND_MIN_ROWS rows to
         fill, or with a budget (its per-row jobs run on workers anyway). The caller makes the call
         (on any one thread; it never raises) before the step samples; `fill(reqs)` then returns the
         rows or raises what the call raised. Call `start` only once the device has read the previous
-        step's bitmask (the engine waits for its tokens first), and make the call only once every
-        matcher is up to date. `skip`: requests whose rows allow every token instead (their
-        matchers may be about to end, and an ended matcher fills no row: their samples are void).
+        step's bitmask (the engine waits for its tokens first) and every matcher is up to date.
         From here until the call returns, the rows' matchers are the call's (module docstring)."""
         if self.budget_s is not None or self._started is not None:
             return None
-        skipped = {id(r) for r in skip}
         live = [i for i, r in enumerate(reqs)  # _needs_row, inlined (every step, every request)
-                if r.matcher is not None and not r.discard_inflight and not r.finished and id(r) not in skipped]
+                if r.matcher is not None and not r.discard_inflight and not r.finished]
         if len(live) < BACKGROUND_MIN_ROWS:
             return None
         self.settle(reqs)  # fills left from a budgeted step (the budget was switched off since)

@@ -155,32 +155,18 @@ class RequestMatcher:
 def batch_accept(matchers: Sequence[RequestMatcher], tokens: Sequence[int]) -> List[int]:
     """Accepts tokens[i] into matchers[i] in one xgrammar call; returns the positions whose token
     the grammar refused (those matchers are unchanged, as with `accept_token`; a token outside the
-    vocabulary is refused too, with a warning from xgrammar)."""
-    return batch_accept_call(matchers, tokens)()
-
-
-def batch_accept_call(matchers: Sequence[RequestMatcher], tokens: Sequence[int]) -> Callable[[], List[int]]:
-    """`batch_accept` as a call prepared for later: the arguments are converted for the binding
-    here, so that the call drops the GIL at once (the engine makes it beside its step thread).
+    vocabulary is refused too, with a warning from xgrammar).
 
     The public `BatchGrammarMatcher.batch_accept_token` converts its result element by element
     through the FFI (about 0.5 us each, 60 us at batch 128); this calls the same binding and asks
     the result once whether it holds a refusal."""
     if _BATCH_ACCEPT is None:
-        xgr_matchers, toks = [m.xgr_matcher for m in matchers], list(tokens)
-
-        def run_public() -> List[int]:
-            ok = xgr.BatchGrammarMatcher.batch_accept_token(xgr_matchers, toks)
-            return [i for i, a in enumerate(ok) if not a]
-        return run_public
-    handles, toks = _FFI_ARRAY([m._m._handle for m in matchers]), _FFI_ARRAY(list(tokens))
-
-    def run() -> List[int]:
-        ok = _BATCH_ACCEPT(handles, toks, False)
-        if 0 not in ok:  # one FFI call (the elements are 0 or 1)
-            return []
+        ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in matchers], list(tokens))
         return [i for i, a in enumerate(ok) if not a]
-    return run
+    ok = _BATCH_ACCEPT([m._m._handle for m in matchers], tokens, False)
+    if 0 not in ok:  # one FFI call (the elements are 0 or 1)
+        return []
+    return [i for i, a in enumerate(ok) if not a]
 
 
 def batch_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[RequestMatcher],
