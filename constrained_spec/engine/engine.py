@@ -409,19 +409,16 @@ class Engine:
         inlined (the same steps as `_append_token` and `_emit`); anything else takes
         `_append_token`. This runs for every request of every step: keep it lean."""
         eos = self.eos_token_ids
-        max_context = self.max_context
         general = self._append_token
         for i in live:
             req = reqs[i]
             token = tokens[i]
             lp = None if logprobs is None else logprobs[i]
-            params = req.params
-            out = req.output_ids
-            n = len(out) + 1
-            if (req.first_token_time is None or token in eos or params.stop_token_ids
-                    or n >= params.max_tokens or len(req.prompt_ids) + n >= max_context):
+            if token in eos or self._may_end_within(req, 1):
                 general(req, token, lp, accepted=True)  # first token, a stop, or the last token
                 continue
+            out = req.output_ids
+            n = len(out) + 1
             out.append(token)
             new_ids = [token]
             detok = req.detok
@@ -475,10 +472,8 @@ class Engine:
         can end the request: none is a stop token, the request has no stop strings, and the limits
         lie beyond the last. Otherwise, or if the grammar refuses one, token by token (which token
         ends the request decides what is emitted)."""
-        params, matcher, n = req.params, req.matcher, len(tokens)
-        if (req.first_token_time is None or req.detok.stop or params.stop_token_ids
-                or len(req.output_ids) + n >= params.max_tokens or req.total_len + n >= self.max_context
-                or not self._stop_ids.isdisjoint(tokens)):
+        matcher, n = req.matcher, len(tokens)
+        if req.detok.stop or not self._stop_ids.isdisjoint(tokens) or self._may_end_within(req, n):
             self._append_each(req, tokens)
             return
         if matcher is not None:
@@ -490,6 +485,15 @@ class Engine:
         req.output_ids.extend(tokens)
         req.detok.add(tokens)  # no stop strings: nothing to find
         self._emit(req, tokens, None, finished=False)
+
+    def _may_end_within(self, req: Request, n: int) -> bool:
+        """Whether the request's next `n` tokens may end it by its parameters or limits, or are its
+        first (`_append_token` stamps that): the batched appends (`_append_accepted`,
+        `_append_verified`) leave such tokens to `_append_token`. Stop strings and stop tokens are
+        the callers' to check."""
+        params = req.params
+        return (req.first_token_time is None or bool(params.stop_token_ids)
+                or len(req.output_ids) + n >= params.max_tokens or req.total_len + n >= self.max_context)
 
     def _append_each(self, req: Request, tokens: list[int]) -> None:
         for tok in tokens:

@@ -13,12 +13,15 @@ decode fill therefore keeps xgrammar's threads; while a speculative step's chain
 nothing else runs Python (the engine thread waits in `join`).
 
 A worker must hold the GIL for the few microseconds it takes to enter a call. `launch` returns
-only once every worker has taken its call.
+only once every worker has taken its call. The workers are `StepThread`s (one call at a time,
+errors raised by `wait`); the pool adds that hand-over and the error of the first chunk.
 """
 from __future__ import annotations
 
 import threading
 from typing import Callable, Sequence
+
+from .step_thread import StepThread
 
 
 class FillPool:
@@ -27,68 +30,43 @@ class FillPool:
 
     def __init__(self, workers: int, name: str = "grammar-fill"):
         self.workers = workers
-        self._calls: list[Callable[[], None] | None] = [None] * workers
-        self._errors: list[BaseException | None] = [None] * workers
-        self._go = [_held_lock() for _ in range(workers)]
-        self._taken = [_held_lock() for _ in range(workers)]
-        self._done = [_held_lock() for _ in range(workers)]
+        self._threads = [StepThread(f"{name}-{i}") for i in range(workers)]
+        self._taken = [threading.Lock() for _ in range(workers)]
+        for lock in self._taken:
+            lock.acquire()
         self._launched = 0
-        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}", daemon=True)
-                         for i in range(workers)]
-        for t in self._threads:
-            t.start()
 
     def launch(self, calls: Sequence[Callable[[], None]]) -> None:
         if self._launched:
             raise RuntimeError("FillPool.launch before the last launch was joined")
         if len(calls) > self.workers:
             raise ValueError(f"{len(calls)} calls for {self.workers} workers")
-        for i, call in enumerate(calls):
-            self._calls[i] = call
-            self._go[i].release()
+        for thread, taken, call in zip(self._threads, self._taken, calls):
+            thread.submit(_taking, taken, call)
         self._launched = len(calls)
-        for i in range(len(calls)):
-            self._taken[i].acquire()
+        for taken in self._taken[:len(calls)]:
+            taken.acquire()
 
     def join(self) -> None:
         n, self._launched = self._launched, 0
-        for i in range(n):
-            self._done[i].acquire()
-        errors = [e for e in self._errors[:n] if e is not None]
-        self._errors[:n] = [None] * n
-        if errors:
-            raise errors[0]
+        first: BaseException | None = None
+        for thread in self._threads[:n]:
+            try:
+                thread.wait()
+            except BaseException as e:  # noqa: BLE001 - the first is raised once all are done
+                first = first or e
+        if first is not None:
+            raise first
 
     def close(self) -> None:
-        try:
-            self.join()
-        except Exception:  # noqa: BLE001 - closing: nobody is left to hand it to
-            pass
-        for i in range(self.workers):
-            self._calls[i] = None
-            self._go[i].release()
-        for t in self._threads:
-            t.join(timeout=5)
-
-    def _run(self, i: int) -> None:
-        go, taken, done = self._go[i], self._taken[i], self._done[i]
-        while True:
-            go.acquire()
-            call, self._calls[i] = self._calls[i], None
-            if call is None:
-                return
-            taken.release()
-            try:
-                call()
-            except BaseException as e:  # noqa: BLE001 - raised by `join`, on the launching thread
-                self._errors[i] = e
-            done.release()
+        self._launched = 0
+        for thread in self._threads:
+            thread.close()
 
 
-def _held_lock() -> threading.Lock:
-    lock = threading.Lock()
-    lock.acquire()
-    return lock
+def _taking(taken: threading.Lock, call: Callable[[], None]) -> None:
+    taken.release()  # the worker holds the GIL and is about to enter the call
+    call()
 
 
 def split(n: int, parts: int) -> list[range]:
