@@ -7,12 +7,14 @@ per request per verify step), the share of decode steps that speculated (the eng
 plain steps where they measure faster), and the host milliseconds per speculative step spent
 drafting + grammar-masking the trees ("CPU draft+mask") and in the other phases.
 
-Each measurement is preceded by a short warm-up on the same prompts (grammar compilation, CUDA/
-Triton caches); the n-gram drafter is then reset before each of `--repeats` timed runs, so no run
-drafts from another's outputs. The speculate-or-not policy is reset before the first run only: that
-run is a cold start ("cold" columns, the policy still measuring what each batch size costs); the
-later runs keep what it measured, as a long-running server's policy does, and their median is the
-row's tok/s. Batch 1 runs its prompts one after another.
+Each row is preceded by a short warm-up of every engine on the same prompts (grammar compilation,
+CUDA/Triton caches); then `--repeats` rounds time every engine once each, in turn, so that a host
+whose speed drifts weighs on all engines alike, and each speedup is a ratio of runs of the same
+round. The n-gram drafter is reset before every run, so no run drafts from another's outputs. The
+speculate-or-not policy is reset before the first round only: that round is a cold start ("cold"
+columns, the policy still measuring what each batch size costs); the later rounds keep what it
+measured, as a long-running server's policy does, and give the row's tok/s (median run) and
+speedup (median of the rounds' ratios). Batch 1 runs its prompts one after another.
 
   python benchmarks/bench_spec.py                      # GPU, SmolLM2-135M-Instruct, a few minutes on an H100
   python benchmarks/bench_spec.py --device cpu --batches 1 --min-prompts 4   # CPU, ~3 minutes
@@ -60,7 +62,7 @@ def parse_args():
     ap.add_argument("--min-prompts", type=int, default=30,
                     help="prompts per measurement at least (batch 1: in turn); 30 = every hand-written schema once")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="timed runs per measurement: a cold start, then warm runs whose median is reported (default 4, "
+                    help="timed rounds per row: a cold start, then warm rounds whose median is reported (default 4, "
                          "--quick 1; an H100 run at batch 32 lasts ~0.3 s, and the same row measured 0.75x-1.01x "
                          "over four single runs)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
@@ -126,24 +128,43 @@ def counters(engine):
     return dict(decode_steps=engine.stats.decode_steps, **spec)
 
 
-def measure(engine, work, batch, max_tokens, repeats=1) -> tuple[list, dict]:
-    """Warm-up, then `repeats` timed runs, each from a fresh drafter. The first run starts from a
-    fresh policy too (a cold start: "cold tok/s"); the later ones keep what the policy measured
-    before them, as a server's does after its first requests, and their median is the row's tok/s
-    (with one run, the cold one). Returns the first run's outputs."""
-    generate(engine, work, batch, min(16, max_tokens))  # warm-up on the same prompts
-    runs = []
+def measure_row(engines: dict, work, batch, max_tokens, repeats: int) -> list[tuple[list, dict]]:
+    """One (workload, batch) row for every engine: a warm-up each, then `repeats` rounds, each
+    timing every engine once in turn (round-robin, so that a host that slows down or speeds up
+    over the minute weighs on all engines alike), each run from a fresh drafter. Round 0 starts
+    from a fresh policy too (a cold start: "cold"); later rounds keep what the policy measured,
+    as a server's does after its first requests ("warm"). Per engine: tok/s = the median warm run
+    (the cold one with one round); speedup = the median over warm rounds of the ratio to plain's
+    run in the same round. Returns (first run's outputs, record) per engine, in `engines` order."""
+    for engine in engines.values():
+        generate(engine, work, batch, min(16, max_tokens))  # warm-up on the same prompts
+    runs: dict[str, list] = {name: [] for name in engines}
     for i in range(repeats):
-        if engine.spec is not None:
-            engine.spec.reset_drafter(policy=i == 0)
-        runs.append(timed_run(engine, work, batch, max_tokens))
-    warm = runs[1:] or runs
-    ranked = sorted(warm, key=lambda r: r[1]["tok_s"])
-    rec = dict(ranked[len(ranked) // 2][1])
-    rec["cold_tok_s"] = runs[0][1]["tok_s"]
-    if repeats > 1:
-        rec["tok_s_runs"] = [round(r[1]["tok_s"], 1) for r in runs]
-    return runs[0][0], rec
+        for name, engine in engines.items():
+            if engine.spec is not None:
+                engine.spec.reset_drafter(policy=i == 0)
+            runs[name].append(timed_run(engine, work, batch, max_tokens))
+    plain = [rec["tok_s"] for _, rec in runs["plain"]]
+    out = []
+    for name in engines:
+        tok_s = [rec["tok_s"] for _, rec in runs[name]]
+        warm = list(range(1, repeats)) or [0]
+        median_run = sorted(warm, key=lambda i: tok_s[i])[len(warm) // 2]
+        rec = dict(runs[name][median_run][1])
+        rec["cold_tok_s"] = tok_s[0]
+        if name != "plain":
+            rec["speedup"] = _median([tok_s[i] / plain[i] for i in warm])
+            rec["cold_speedup"] = tok_s[0] / plain[0]
+        if repeats > 1:
+            rec["tok_s_runs"] = [round(t, 1) for t in tok_s]
+        out.append((runs[name][0][0], rec))
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
@@ -172,9 +193,10 @@ def table(records, title):
              f"{r['identical_to_plain']}/{r['requests']}" if "identical_to_plain" in r else "-",
              " / ".join(str(round(t)) for t in r.get("tok_s_runs", []))] for r in records]
     return (f"# {title}\n\n"
-            "tok/s: the median of the warm runs (the policy keeps what it measured in the runs before; every "
-            "run's tok/s in the last column, the cold start first; speedup and the other columns are the median "
-            "warm run's). cold: the first timed run, the policy starting from nothing. mean accepted len = tokens emitted per request per verify step (accepted drafts + bonus); spec share = "
+            "Every engine runs once per round, in turn. tok/s: the median warm run (the policy keeps what it "
+            "measured in the rounds before; every run's tok/s in the last column, the cold start first); speedup: "
+            "the median over warm rounds of the ratio to plain's run of the same round; the other columns are the "
+            "median warm run's. cold: the first round, the policy starting from nothing. mean accepted len = tokens emitted per request per verify step (accepted drafts + bonus); spec share = "
             "decode steps that speculated (the engine decodes plainly where that measures faster); CPU draft+mask = "
             "host ms per speculative step drafting the trees and filling their grammar masks (on CUDA the mask part "
             "overlaps the verify forward). Identical to plain = outputs equal to the plain engine's token for "
@@ -218,16 +240,12 @@ def main():
         make = WORKLOADS[wname]
         for batch in [int(b) for b in args.batches.split(",")]:
             work = make(tokenizer, max(batch, args.min_prompts))
-            plain = None
-            for name, engine in engines.items():
-                outs, rec = measure(engine, work, batch, args.max_tokens, args.repeats)
+            measured = measure_row(engines, work, batch, args.max_tokens, args.repeats)
+            plain_outs = measured[0][0]
+            for name, (outs, rec) in zip(engines, measured):
                 rec = dict(workload=wname, batch=batch, engine=name, requests=len(work), **rec)
-                if plain is None:
-                    plain = (outs, rec)
-                else:
-                    rec["speedup"] = rec["tok_s"] / plain[1]["tok_s"]
-                    rec["cold_speedup"] = rec["cold_tok_s"] / plain[1]["tok_s"]
-                    rec["identical_to_plain"] = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain[0]))
+                if name != "plain":
+                    rec["identical_to_plain"] = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain_outs))
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
     for engine in engines.values():
