@@ -320,16 +320,21 @@ def test_policy_shrugs_off_host_hiccups():
     extra 20 ms (a garbage collection). Unclipped, each hiccup that lands on a speculative step
     sends the bucket to plain decoding for hundreds of steps."""
     from constrained_spec.engine.spec_policy import MeasuredPolicy
-    p = MeasuredPolicy()
-    now, steps, picks = 0.0, 0, []
-    for i in range(2000):
-        spec = p.choose(1, now, steps)
+    picks = run_policy_timed(MeasuredPolicy(), 2000, 3,
+                             lambda i, spec: (0.002 if spec else 0.001) + (0.020 if i % 40 == 39 else 0.0))
+    assert sum(picks[100:]) / len(picks[100:]) > 0.9
+
+
+def run_policy_timed(policy, steps: int, tokens: float, seconds) -> list[bool]:
+    """Drives the policy at batch 1, step i taking seconds(i, speculative); returns the decisions."""
+    now, picks = 0.0, []
+    for i in range(steps):
+        spec = policy.choose(1, now, i)
         picks.append(spec)
         if spec:
-            p.add_tokens(3)
-        now += (0.002 if spec else 0.001) + (0.020 if i % 40 == 39 else 0.0)
-        steps += 1
-    assert sum(picks[100:]) / len(picks[100:]) > 0.9
+            policy.add_tokens(tokens)
+        now += seconds(i, spec)
+    return picks
 
 
 def test_policy_step_times_ignore_a_slow_step_tail():
@@ -340,14 +345,7 @@ def test_policy_step_times_ignore_a_slow_step_tail():
     judged speculation the slower."""
     from constrained_spec.engine.spec_policy import MeasuredPolicy
     p = MeasuredPolicy()
-    now, steps, picks = 0.0, 0, []
-    for i in range(3000):
-        spec = p.choose(1, now, steps)
-        picks.append(spec)
-        if spec:
-            p.add_tokens(2.4)
-        now += (0.002 if spec else 0.001) * (3.0 if i % 5 == 4 else 1.0)
-        steps += 1
+    picks = run_policy_timed(p, 3000, 2.4, lambda i, spec: (0.002 if spec else 0.001) * (3.0 if i % 5 == 4 else 1.0))
     assert p.arms[(1, True)].step_seconds == pytest.approx(0.002)
     assert p.arms[(1, False)].step_seconds == pytest.approx(0.001)
     assert sum(picks[200:]) / len(picks[200:]) > 0.8  # the rest: re-measuring plain (a 1.2x loss is close)
