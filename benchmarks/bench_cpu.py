@@ -1,5 +1,5 @@
 """CPU, one run: this engine vs transformers.generate (+ xgrammar's logits processor) on SmolLM2,
-batch 1 and 8, plain and JSON-schema. Greedy; plain runs a fixed number of tokens, JSON runs
+batch 1 and 8, plain and JSON-schema, with the weights in float32 and in bfloat16 (both engines). Greedy; plain runs a fixed number of tokens, JSON runs
 until the grammar ends. The engine runs twice: decoding plainly, and with n-gram speculation
 (default settings: the measured policy decodes plainly where speculation does not pay); greedy
 verification is lossless, so both emit the same tokens (the table checks it).
@@ -27,27 +27,72 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="weight dtypes, each run by both engines (bfloat16 uses the CPU's AMX / AVX512-BF16 units)")
     ap.add_argument("--plain-tokens", type=int, default=64)
     ap.add_argument("--json-tokens", type=int, default=128)
     args = ap.parse_args()
 
+    from constrained_spec.models import resolve_model_path
+    path = resolve_model_path(args.model)
+    rows, records = [], []
+    hf_fp32: dict[tuple, float] = {}  # (batch, workload) -> HF float32 tok/s, HF's default dtype on CPU
+    for dtype in args.dtypes.split(","):
+        for rec in run_dtype(path, dtype, [int(b) for b in args.batches.split(",")], args):
+            if dtype == "float32":
+                hf_fp32[rec["batch"], rec["workload"]] = rec["hf_tok_s"]
+            base = hf_fp32.get((rec["batch"], rec["workload"]))
+            rec["speedup_vs_hf_float32"] = rec["ours_tok_s"] / base if base else None
+            rec["spec_speedup_vs_hf_float32"] = rec["spec_tok_s"] / base if base else None
+            records.append(rec)
+            rows.append([dtype, rec["batch"], rec["workload"], rec["ours_tokens"], round(rec["ours_tok_s"], 1),
+                         round(rec["spec_tok_s"], 1), round(rec["hf_tok_s"], 1), round(rec["speedup"], 2),
+                         round(rec["spec_speedup"], 2), _ratio(rec["speedup_vs_hf_float32"]),
+                         _ratio(rec["spec_speedup_vs_hf_float32"]), f"{rec['spec_identical_outputs']}/{rec['batch']}"])
+            print(rows[-1], flush=True)
+    md = ("# CPU: constrained-spec vs transformers.generate + xgrammar (SmolLM2-135M, greedy)\n\n"
+          + _machine_line() + "\n\n"
+          "Each dtype row runs both engines with the weights in that dtype (HF: `from_pretrained(dtype=...)`). "
+          "ours: plain decoding; + n-gram: the same engine with `--speculative-algorithm ngram` (identical = "
+          "requests whose tokens equal the plain engine's); speedup: against HF in the same dtype; "
+          "vs HF fp32: against HF's default CPU dtype (float32), the same batch and workload.\n\n"
+          + markdown_table(["dtype", "batch", "workload", "ours tokens", "ours tok/s", "ours + n-gram tok/s",
+                            "HF tok/s", "speedup", "speedup + n-gram", "ours vs HF fp32", "+ n-gram vs HF fp32",
+                            "identical"], rows))
+    write_results("cpu_vs_hf", {"machine": machine(), "results": records}, md)
+    labels = [f"{r['dtype'][:4]} b{r['batch']} {r['workload']}" for r in records]
+    bar_plot(RESULTS / "cpu_vs_hf.png", labels, {"constrained-spec": [r["ours_tok_s"] for r in records],
+                                                 "constrained-spec + n-gram": [r["spec_tok_s"] for r in records],
+                                                 "HF + xgrammar": [r["hf_tok_s"] for r in records]},
+             "tokens/s", "SmolLM2-135M on CPU")
+
+
+def _machine_line() -> str:
+    m = machine()
+    return (f"{m.get('cpu', 'CPU')}, {m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+            f"bf16 units: {', '.join(m.get('cpu_bf16_units') or ['none'])}")
+
+
+def _ratio(x):
+    return "-" if x is None else round(x, 2)
+
+
+def run_dtype(path, dtype: str, batches: list[int], args) -> list[dict]:
+    """Every (batch, workload) row with the weights of both engines in `dtype`."""
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM
     from constrained_spec.engine import Engine
     from constrained_spec.grammar import GrammarSpec
-    from constrained_spec.models import resolve_model_path
 
-    path = resolve_model_path(args.model)
-    engine = Engine(model=path, device="cpu")
-    spec_engine = Engine(model=path, device="cpu", speculative_algorithm="ngram")
+    engine = Engine(model=path, device="cpu", dtype=dtype)
+    spec_engine = Engine(model=path, device="cpu", dtype=dtype, speculative_algorithm="ngram")
     tok = engine.tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(PERSON_SCHEMA)
     spec = GrammarSpec.json_schema(PERSON_SCHEMA)
-
-    rows, records = [], []
-    for bs in [int(b) for b in args.batches.split(",")]:
+    records = []
+    for bs in batches:
         for kind in ("plain", "json"):
             prompts = chat_prompts(tok, bs, json_task=kind == "json")
             fixed = kind == "plain"
@@ -65,27 +110,14 @@ def main():
             hf_generate(hf, tok, prompts[:1], 4, compiled if kind == "json" else None)  # warm-up
             hf_n, hf_dt = hf_generate(hf, tok, prompts, n_tok, compiled if kind == "json" else None, fixed_length=fixed)
             ours_tps, spec_tps, hf_tps = ours_n / ours_dt, spec_n / spec_dt, hf_n / hf_dt
-            rows.append([bs, kind, ours_n, round(ours_tps, 1), round(spec_tps, 1), hf_n, round(hf_tps, 1),
-                         round(ours_tps / hf_tps, 2), round(spec_tps / hf_tps, 2), f"{same}/{len(prompts)}"])
-            records.append(dict(batch=bs, workload=kind, ours_tokens=ours_n, ours_seconds=ours_dt, ours_tok_s=ours_tps,
-                                spec_tokens=spec_n, spec_seconds=spec_dt, spec_tok_s=spec_tps,
-                                spec_mean_accepted_len=accepted_len,
-                                spec_identical_outputs=same, hf_tokens=hf_n, hf_seconds=hf_dt, hf_tok_s=hf_tps,
+            records.append(dict(dtype=dtype, batch=bs, workload=kind, ours_tokens=ours_n, ours_seconds=ours_dt,
+                                ours_tok_s=ours_tps, spec_tokens=spec_n, spec_seconds=spec_dt, spec_tok_s=spec_tps,
+                                spec_mean_accepted_len=accepted_len, spec_identical_outputs=same,
+                                hf_tokens=hf_n, hf_seconds=hf_dt, hf_tok_s=hf_tps,
                                 speedup=ours_tps / hf_tps, spec_speedup=spec_tps / hf_tps))
-            print(rows[-1], flush=True)
     engine.shutdown()
     spec_engine.shutdown()
-    md = ("# CPU: constrained-spec vs transformers.generate + xgrammar (SmolLM2-135M, fp32, greedy)\n\n"
-          "ours: plain decoding; + n-gram: the same engine with `--speculative-algorithm ngram` (identical = "
-          "requests whose tokens equal the plain engine's).\n\n"
-          + markdown_table(["batch", "workload", "ours tokens", "ours tok/s", "ours + n-gram tok/s", "HF tokens",
-                            "HF tok/s", "speedup", "speedup + n-gram", "identical"], rows))
-    write_results("cpu_vs_hf", {"machine": machine(), "results": records}, md)
-    labels = [f"b{r['batch']} {r['workload']}" for r in records]
-    bar_plot(RESULTS / "cpu_vs_hf.png", labels, {"constrained-spec": [r["ours_tok_s"] for r in records],
-                                                 "constrained-spec + n-gram": [r["spec_tok_s"] for r in records],
-                                                 "HF + xgrammar": [r["hf_tok_s"] for r in records]},
-             "tokens/s", "SmolLM2-135M on CPU (2 cores)")
+    return records
 
 
 if __name__ == "__main__":

@@ -93,6 +93,12 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    try:
+        cpuinfo = open("/proc/cpuinfo").read()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+        info["cpu_bf16_units"] = [f for f in ("amx_bf16", "avx512_bf16") if f" {f}" in cpuinfo]
+    except (OSError, StopIteration):
+        pass
     return info
 
 
