@@ -94,6 +94,24 @@ def test_graphs_and_overlap_do_not_change_output(engines, reference):
         eng.runner.graphs, eng.config.disable_overlap = graphs, False
 
 
+def test_sampled_graphs_match_eager(engines):
+    """Seeded sampling through the graphed sample tail (its parameters staged in pinned buffers
+    each step) draws the same tokens as the eager path."""
+    eng = engines("triton32", attention_backend="triton", dtype="float32")
+    ps = prompts(eng, 12)
+    sp = [SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9 if i % 2 else 1.0, top_k=-1 if i % 3 else 20,
+                         seed=100 + i) for i in range(len(ps))]
+    graphed = [o.token_ids for o in eng.generate(ps, sp)]
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    try:
+        eng.runner.graphs = None
+        eager = [o.token_ids for o in eng.generate(ps, sp)]
+    finally:
+        eng.runner.graphs = graphs
+    assert graphed == eager
+
+
 def test_prefill_graphs_match_eager(engines):
     """Single-request prefills replay the bucketed prefill graphs: whole prompts, and (with a small
     max_prefill_tokens) chunks over a cached prefix. Greedy tokens equal the eager path's."""

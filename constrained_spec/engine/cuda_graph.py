@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
+from .pinned import PinnedStaging
 from .prefill_graph import PrefillIO
 from ..kernels import mask_logits
 from .sampler import SamplingBatch, sample
@@ -65,16 +66,9 @@ class CudaGraphRunner:
         self.params_f = torch.zeros(B, 4, dtype=torch.float32, device=dev)  # temperature, top_p, min_p, top_k
         self.params_i = torch.zeros(B, 2, dtype=torch.int64, device=dev)  # seeds, steps
         self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
-        # launch_decode's metadata goes up from one of two pinned buffers, in turn (no pinned block
-        # allocated per step). A buffer is rewritten two launches after it was copied from, once the
-        # event recorded behind its copy has completed. In the engine loop it always has by then:
-        # step N+1 is launched after step N-1's tokens were waited for, and that wait is on an event
-        # recorded after step N-1's sample, which the stream ran after forward N-1's copy. The event
-        # keeps it safe where that wait is skipped (a failed step's results are dropped unread).
-        self._meta_host = [torch.zeros(B, 4, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._meta_host_np = [t.numpy() for t in self._meta_host]
-        self._meta_copied: list[torch.cuda.Event | None] = [None, None]
-        self._meta_turn = 0
+        # per-step inputs go up from pinned staging buffers reused in turn (no pinned block per step)
+        self._meta_staging = PinnedStaging((B, 4), torch.int64)
+        self._params_staging = (PinnedStaging((B, 4), torch.float32), PinnedStaging((B, 2), torch.int64))
         self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
         self.prefill_io: dict[int, PrefillIO] = {}  # bucket of new tokens -> the prefill graph's buffers
         self.prefill_buckets: list[int] = []  # sorted keys of prefill_io
@@ -178,18 +172,10 @@ class CudaGraphRunner:
                       kv_lens: np.ndarray) -> GraphStep:
         B = len(rows)
         bs = self.padded_size(B)
-        k = self._meta_turn
-        self._meta_turn = 1 - k
-        copied = self._meta_copied[k]
-        if copied is not None:
-            copied.synchronize()  # returns at once in the engine loop (see __init__)
-        host = self._meta_host_np[k][:bs]
+        host = self._meta_staging.stage()[:bs]
         host[B:] = (self.r.pad_row, 0, 0, 1)
         host[:B, 0], host[:B, 1], host[:B, 2], host[:B, 3] = rows, positions, out_slots, kv_lens
-        self.meta[:bs].copy_(self._meta_host[k][:bs], non_blocking=True)
-        if copied is None:
-            copied = self._meta_copied[k] = torch.cuda.Event()
-        copied.record()
+        self._meta_staging.copy_to(self.meta[:bs], bs)
         graph, logits = self.graphs[("decode", bs)]
         graph.replay()
         return GraphStep(B, bs, logits[:B], self.meta[:B, 0], self)
@@ -200,9 +186,10 @@ class CudaGraphRunner:
     def launch_sample(self, step: GraphStep, masked: bool, greedy: bool, params: tuple | None) -> torch.Tensor:
         """Replays the sample tail; the tokens land in `tokens_host[:batch]` (pinned)."""
         if params is not None:
-            f, i = params  # [B, 4] float32, [B, 2] int64
-            self.params_f[:step.batch_size].copy_(torch.from_numpy(f).pin_memory(), non_blocking=True)
-            self.params_i[:step.batch_size].copy_(torch.from_numpy(i).pin_memory(), non_blocking=True)
+            B = step.batch_size
+            for values, staging, dst in zip(params, self._params_staging, (self.params_f, self.params_i)):
+                staging.stage()[:B] = values  # [B, 4] float32, [B, 2] int64
+                staging.copy_to(dst[:B], B)
         self.graphs[("sample", step.padded, masked, greedy)][0].replay()
         return self.tokens_host[:step.batch_size]
 

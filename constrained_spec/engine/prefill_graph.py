@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
+from .pinned import PinnedStaging
 
 
 class PrefillIO:
@@ -27,13 +28,13 @@ class PrefillIO:
     def __init__(self, runner, tokens: int):
         self.r = runner
         self.tokens = T = tokens
-        self._host = np.zeros(4 * T + 4, dtype=np.int64)
+        self._staging = PinnedStaging((4 * T + 4,), torch.int64)
         self._dev = torch.zeros(4 * T + 4, dtype=torch.int64, device=runner.device)
         self._ids, self._positions, self._slots, self._table_rows = self._dev[:4 * T].view(4, T)
         tail = self._dev[4 * T:]
         self._row, self._q_starts, self._n, self._kv_len = tail[0:1], tail[1:3], tail[2:3], tail[3:4]
         self.set_inputs(runner.pad_row, np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 1)
-        self._dev.copy_(torch.from_numpy(self._host))
+        self.copy_inputs()
 
     @property
     def row(self) -> torch.Tensor:
@@ -42,7 +43,7 @@ class PrefillIO:
 
     def set_inputs(self, row: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                    kv_len: int) -> None:
-        T, n, h = self.tokens, len(ids), self._host
+        T, n, h = self.tokens, len(ids), self._staging.stage()
         fields = h[:4 * T].reshape(4, T)
         fields[0, :n], fields[1, :n], fields[2, :n], fields[3, :n] = ids, positions, slots, row
         fields[:3, n:] = 0
@@ -50,9 +51,8 @@ class PrefillIO:
         h[4 * T:] = (row, 0, n, kv_len)
 
     def copy_inputs(self) -> None:
-        # a fresh pinned block per step: the caching host allocator reuses it only once the copy
-        # that read it has run (a static pinned buffer could be rewritten under a pending copy)
-        self._dev.copy_(torch.from_numpy(self._host).pin_memory(), non_blocking=True)
+        """Sends what `set_inputs` staged (a pinned buffer; the next call stages in the other)."""
+        self._staging.copy_to(self._dev)
 
     def forward(self) -> torch.Tensor:
         """Logits [1, V] float32 of the request's last new token."""
