@@ -22,6 +22,9 @@ DOC = ("The Aurora-7 station sits 3,200 metres above sea level. It houses 14 res
 QUESTIONS = [f"Document: {DOC}\nRepeat the document word for word.", "Give a JSON profile of a chef.",
              f"Document: {DOC}\nQuote the sentence about supplies.", "List three prime numbers."]
 MAX_TOKENS = 40
+# the acceptance set: 32 prompts, each question eight times with a different tag (so the trie, shared
+# across requests, drafts from the other requests' outputs as well as from the prompt)
+QUESTIONS_32 = [f"{q} (request {i})" for i in range(8) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,8 @@ def spec_engine(engines, branches):
                    ngram_branches=branches, speculative_min_accept=0.0, speculative_policy="always")
 
 
-def prompts(engine):
-    return [engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+def prompts(engine, questions=QUESTIONS):
+    return [engine.chat_prompt([{"role": "user", "content": q}]) for q in questions]
 
 
 def greedy(engine, ps, grammar=None, n=MAX_TOKENS):
@@ -63,9 +66,16 @@ def reference(engines):
     return ps, {None: greedy(plain, ps), "json": greedy(plain, ps, GrammarSpec.json_schema(SCHEMA))}
 
 
+@pytest.fixture(scope="module")
+def reference_32(engines):
+    plain = engines("plain")
+    ps = prompts(plain, QUESTIONS_32)
+    return ps, {None: greedy(plain, ps), "json": greedy(plain, ps, GrammarSpec.json_schema(SCHEMA))}
+
+
 @pytest.mark.parametrize("branches", [1, 3])
-def test_ngram_speculation_is_lossless(engines, reference, branches):
-    ps, ref = reference
+def test_ngram_speculation_is_lossless(engines, reference_32, branches):
+    ps, ref = reference_32
     spec = spec_engine(engines, branches)
     st = spec.spec.stats
     assert greedy(spec, ps) == ref[None]
