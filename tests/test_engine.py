@@ -102,35 +102,6 @@ def test_streaming_matches_generate(engine):
     assert sum(len(o.new_token_ids) for o in parts) == whole.completion_tokens
 
 
-def test_unstreamed_request_gets_one_update_equal_to_the_stream(engine):
-    """`add_request(..., stream=False)` (what `generate` and non-streaming HTTP use): one update at
-    the end, holding the text and tokens a streaming request of the same seed receives in pieces,
-    with a stop string, a grammar and a length limit."""
-    import threading
-    from constrained_spec.grammar import GrammarSpec
-    p = chat(engine, "Count from 1 to 20 separated by commas.")
-    full = engine.generate([p], SamplingParams(max_tokens=40, temperature=0))[0]
-    cases = [(SamplingParams(max_tokens=40, temperature=0, stop=[full.text[10:13]]), None),
-             (SamplingParams(max_tokens=40, temperature=0.8, seed=3),
-              GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})),
-             (SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), None)]
-    for sp, grammar in cases:
-        updates, done = [], threading.Event()
-
-        def collect(out, updates=updates, done=done):
-            updates.append(out)
-            if out.finished:
-                done.set()
-        engine.add_request(p, sp, grammar, collect, stream=False)
-        assert done.wait(60)
-        streamed = list(engine.stream(p, sp, grammar))
-        assert len(updates) == 1 and updates[0].finished
-        assert updates[0].new_text == "".join(o.new_text for o in streamed)
-        assert updates[0].new_token_ids == [t for o in streamed for t in o.new_token_ids]
-        assert updates[0].finish_reason == streamed[-1].finish_reason
-        assert updates[0].completion_tokens == streamed[-1].completion_tokens
-
-
 def test_abort_frees_slots(engine):
     pool = engine.runner.pool
     p = chat(engine, "Write a long story about a dragon.")

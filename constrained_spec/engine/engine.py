@@ -129,17 +129,15 @@ class Engine:
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     grammar: GrammarSpec | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-                    request_id: str | None = None, stream: bool = True) -> Request:
+                    request_id: str | None = None) -> Request:
         """Queues a request; `on_output` is called with each update from the engine thread (or its
-        step thread, which runs while the engine thread fills grammar masks: never both at once).
-        `stream=False`: one update, when the request finishes, holding all its text and tokens (no
-        per-token work for a caller that wants only the result; requests with logprobs stream)."""
+        step thread, which runs while the engine thread fills grammar masks: never both at once)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self._check_length(ids, params)
         if self.num_queued() >= self.config.max_queued_requests:
             raise RequestError("the engine's queue is full; retry later", code="queue_full")
-        req = Request(ids, params, on_output or (lambda out: None), stream=stream or params.logprobs is not None)
+        req = Request(ids, params, on_output or (lambda out: None))
         if request_id:
             req.request_id = request_id
         req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
@@ -173,8 +171,7 @@ class Engine:
         if len(grammars) != len(plist) or len(params_list) != len(plist):
             raise ValueError(f"{len(plist)} prompts, but {len(params_list)} sampling params and {len(grammars)} grammars")
         collectors = [_Collector() for _ in plist]
-        reqs = [self.add_request(p, sp, g, c, stream=False)
-                for p, sp, g, c in zip(plist, params_list, grammars, collectors)]
+        reqs = [self.add_request(p, sp, g, c) for p, sp, g, c in zip(plist, params_list, grammars, collectors)]
         return [c.result(r) for c, r in zip(collectors, reqs)]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -429,9 +426,9 @@ class Engine:
             lps = [lp] if lp else None
             if stop is not None:
                 self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
-            elif req.stream:
-                req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
-                                            len(req.prompt_ids), n, lps, None))
+                continue
+            req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
+                                        len(req.prompt_ids), n, lps, None))
 
     def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True,
                       accepted: bool = False) -> None:
@@ -527,10 +524,6 @@ class Engine:
 
     def _emit(self, req: Request, new_ids: list[int], logprobs, finished: bool,
               reason: FinishReason | None = None, matched=None) -> None:
-        if not req.stream:  # (such a request has no logprobs: `add_request`)
-            if not finished:
-                return
-            new_ids = list(req.output_ids)  # the detokenizer holds all the text not taken yet
         text = req.detok.take(final=finished) if req.detok else ""
         req.on_output(RequestOutput(
             request_id=req.request_id, new_text=text, new_token_ids=new_ids, finished=finished,

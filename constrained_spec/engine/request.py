@@ -69,7 +69,6 @@ class Request:
     spec_accepted: int = 0  # draft tokens of this request accepted
     detok: Any = None
     aborted: bool = False
-    stream: bool = True  # False: one update, when the request finishes, with all its text and tokens
 
     @property
     def all_ids(self) -> list[int]:

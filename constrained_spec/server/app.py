@@ -151,7 +151,7 @@ def _finish_str(reason) -> str | None:
 class _Generation:
     """n engine requests whose updates arrive, tagged with their choice index, on one asyncio queue."""
 
-    def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str, stream: bool):
+    def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str):
         delivery = LoopDelivery.for_loop(asyncio.get_running_loop())
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -167,7 +167,7 @@ class _Generation:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                engine.add_request(prompt, params, grammar, make_cb(i), request_id=rid, stream=stream)
+                engine.add_request(prompt, params, grammar, make_cb(i), request_id=rid)
                 self.request_ids.append(rid)
         except BaseException:
             self.abort()
@@ -324,9 +324,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     def release(n: int) -> None:
         state.pending -= n
 
-    def start(prompts, params_list, grammar, base_id, stream: bool) -> _Generation:
+    def start(prompts, params_list, grammar, base_id) -> _Generation:
         try:
-            return _Generation(engine, prompts, params_list, grammar, base_id, stream)
+            return _Generation(engine, prompts, params_list, grammar, base_id)
         except Exception as e:
             code = getattr(e, "code", None)
             if e.__class__.__name__ == "RequestError":
@@ -458,7 +458,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         admitted = True
         try:
             cid = new_id("chatcmpl")
-            gen = start([prompt] * req.n, params_list, grammar, cid, bool(req.stream))
+            gen = start([prompt] * req.n, params_list, grammar, cid)
             model = served
             if req.stream:
                 admitted = False  # the stream releases it
@@ -554,7 +554,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         admitted = True
         try:
             cid = new_id("cmpl")
-            gen = start(all_prompts, params_list, grammar, cid, bool(req.stream))
+            gen = start(all_prompts, params_list, grammar, cid)
             prompt_tokens = sum(len(p) for p in prompts)
             if req.stream:
                 admitted = False
