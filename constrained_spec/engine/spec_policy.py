@@ -61,9 +61,10 @@ class MeasuredPolicy:
     Then the faster arm runs, and the slower one is re-measured for `explore_steps` steps once the
     bucket has run long enough that doing so costs about `explore_cost` of its throughput: an
     explored step loses (1 - slower/faster) of a step, so arms that are close are re-measured
-    often and a clear loser rarely; and as soon as allowed while the acceptance speculation needs to
-    break even is within two standard errors of the measured one (a cold start's few steps of low
-    acceptance are soon corrected): after the
+    often and a clear loser rarely; and, while speculation is the slower arm, as soon as allowed while
+    the acceptance speculation needs to break even is within two standard errors of the measured one (a
+    cold start's few steps of low acceptance are soon corrected; re-measuring plain decoding adds no
+    acceptance samples, so a close call the other way waits its turn): after the
     bucket has run `min_explore_ratio` to `max_explore_ratio` times as long as the re-measurement
     takes (a re-measurement's first step is no timing, so back to back ones would measure little).
     Replayed over SmolLM2's JSON outputs with the H100's step costs and 30% timing noise
@@ -110,7 +111,9 @@ class MeasuredPolicy:
             slower = plain if faster else spec
             speculate = faster
             loss = 1.0 - min(spec_rate, plain_rate) / max(spec_rate, plain_rate)
-            if self._undecided(bucket, spec.step_seconds / plain.step_seconds):
+            if not faster and self._undecided(bucket, spec.step_seconds / plain.step_seconds):
+                # speculation measures slower, but on too few or too scattered tokens to be sure: its
+                # re-measurement adds acceptance samples (plain steps would add none)
                 ratio = self.min_explore_ratio
             else:
                 ratio = min(max(loss / self.explore_cost, self.min_explore_ratio), self.max_explore_ratio)
