@@ -2,6 +2,7 @@
 measured throughput (docs/architecture.md, "Speculative decoding")."""
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,9 +27,7 @@ class _Arm:
         self.recent.append(seconds)
         if len(self.recent) > window:
             self.recent.popleft()
-        ordered = sorted(self.recent)
-        n = len(ordered)
-        self.step_seconds = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        self.step_seconds = statistics.median(self.recent)
 
 
 class MeasuredPolicy:
