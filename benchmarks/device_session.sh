@@ -87,6 +87,14 @@ stage_gpu_quick() {  # bench_gpu without the HF baselines and the 8B shapes (tho
   grep "^| [0-9]" "$OUT/bench_gpu.log"
 }
 
+stage_fused_rope() {  # Triton attention + fused-kernel GPU tests, then the fused-RoPE decode A/B (random weights)
+  timeout 300 python3 -m pytest -q -m gpu tests/test_triton_attention.py tests/test_fused_kernels.py \
+    > "$OUT/pytest_attention_gpu.log" 2>&1
+  tail -n 3 "$OUT/pytest_attention_gpu.log"
+  (cd benchmarks && timeout 240 python3 bench_fused_rope.py) > "$OUT/fused_rope.log" 2>&1
+  grep "^| [0-9]" "$OUT/fused_rope.log"
+}
+
 touch "$OUT/.start"  # only what this call wrote goes back ($OUT holds a limited number of files)
 for stage in "$@"; do
   echo "== $stage"

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -97,8 +98,20 @@ def clone_kv(kv: KVCache) -> KVCache:
     return new
 
 
-def compare(case, atol: float, rtol: float = 0.0, **triton_kwargs) -> float:
+def decode_rope_inputs(meta: AttentionMetadata, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, cos_sin_cache) for a decode case: each new token sits at its context's end.
+    The positions are a strided view, as the engine's CUDA graphs pass them."""
+    from constrained_spec.kernels import build_cos_sin_cache
+    from constrained_spec.models.rope import inverse_frequencies
+    cs = build_cos_sin_cache(inverse_frequencies(D, 10000.0, None), 4096).to(meta.kv_lens.device)
+    positions = (meta.kv_lens.long() - 1).clamp(min=0)
+    return torch.stack([positions, positions], 1)[:, 1], cs
+
+
+def compare(case, atol: float, rtol: float = 0.0, rope: bool = False, **triton_kwargs) -> float:
     """Runs both backends on the case; checks the outputs and the stored KV. Returns max abs err.
+    `rope` (decode): the Triton backend gets unrotated q/k and fuses RoPE + the KV store into the
+    decode kernel; the reference gets them rotated by the standalone RoPE kernel.
     `triton_kwargs` go to TritonAttention (target_programs, ...)."""
     from constrained_spec.attention.torch_backend import TorchAttention
     from constrained_spec.attention.triton_backend import TritonAttention
@@ -107,15 +120,31 @@ def compare(case, atol: float, rtol: float = 0.0, **triton_kwargs) -> float:
     kv_ref, kv_tri = clone_kv(kv), clone_kv(kv)
     valid = meta.kv_lens > 0
     tok_valid = torch.repeat_interleave(valid, meta.q_lens.long(), output_size=q.shape[0])
+    rope_args = None
+    q_tri = q
+    if rope:
+        from constrained_spec.kernels import triton_ops
+        rope_args = decode_rope_inputs(meta, q.shape[-1])
+        meta = dataclasses.replace(meta, out_slots=torch.stack([meta.out_slots] * 3, 1)[:, 2])  # strided
+        q_tri, k_tri = q.clone(), k.clone()
+        q, k = triton_ops.apply_rope(q.clone(), k.clone(), *rope_args)
     # Reference in fp32 (the kernels accumulate in fp32).
     kv_ref32 = KVCache.__new__(KVCache)
     kv_ref32.k, kv_ref32.v, kv_ref32.num_slots = kv_ref.k.float(), kv_ref.v.float(), kv_ref.num_slots
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), layer, kv_ref32, meta, scale)
-    out = TritonAttention(**triton_kwargs).forward(q, k, v, layer, kv_tri, meta, scale)
+    if rope:
+        out = TritonAttention(**triton_kwargs).forward(q_tri, k_tri, v, layer, kv_tri, meta, scale, rope=rope_args)
+    else:
+        out = TritonAttention(**triton_kwargs).forward(q, k, v, layer, kv_tri, meta, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out.float()).all(), "non-finite output"
     kv_ref.store(layer, meta.out_slots, k, v)
-    assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV store differs"
+    if rope:  # slot 0 is the padding rows' dummy, which fused decode leaves alone when kv_len == 0
+        ulp = 1e-6 if k.dtype == torch.float32 else 2.0 ** -7
+        for mine, theirs in ((kv_tri.k, kv_ref.k), (kv_tri.v, kv_ref.v)):
+            assert torch.allclose(mine[:, 1:].float(), theirs[:, 1:].float(), rtol=ulp, atol=1e-6), "KV store differs"
+    else:
+        assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV store differs"
     err = (out.float()[tok_valid] - ref[tok_valid]).abs()
     tol = atol + rtol * ref[tok_valid].abs()
     assert (err <= tol).all(), f"max err {err.max().item():.3e}"
@@ -155,6 +184,15 @@ def run_interpreter_checks() -> None:
         atol = (2e-2 if dt == torch.bfloat16 else 2e-3) if low else 1e-4
         err = compare(case, atol=atol, rtol=1e-2 if low else 1e-4)
         print(f"ok {mode.value:7s} pre={pre} q={ql} H={H} KVH={KVH} D={Dh} {dt} err={err:.2e}", flush=True)
+        if mode is ForwardMode.DECODE and Dh % 2 == 0:
+            err = compare(case, atol=atol, rtol=1e-2 if low else 1e-4, rope=True)
+            print(f"ok decode + rope pre={pre} H={H} KVH={KVH} D={Dh} {dt} err={err:.2e}", flush=True)
+    # Fused RoPE with several splits: only the split that owns the new token stores and adds it.
+    for tp, pre in ((512, [200, 9, 0, 63]), (8, [64, 127, 1, 300])):
+        case = make_case(ForwardMode.DECODE, pre, [1] * 4, 6, 2, 32, torch.float32, "cpu", seed=tp,
+                         table_width=320, zero_rows=(2,) if tp == 512 else ())
+        err = compare(case, atol=1e-4, rtol=1e-4, rope=True, target_programs=tp)
+        print(f"ok decode + rope splits target_programs={tp} pre={pre} err={err:.2e}", flush=True)
     # The split count through the backend's target_programs: 4 splits (the table's 4 blocks) at 512,
     # 2 at 8, 1 at 4 (B * KVH = 4 programs per split).
     from constrained_spec.attention.triton_kernels.decode import default_num_splits
@@ -235,16 +273,17 @@ def test_default_num_splits_target_programs():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "fused_rope"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("H,KVH,D", GPU_SHAPES)
-def test_gpu_decode(dtype, H, KVH, D):
+def test_gpu_decode(dtype, H, KVH, D, rope):
     gen = torch.Generator().manual_seed(H * 131 + D)
     for B in (1, 3, 17, 64):
         pre = torch.randint(0, 3000, (B,), generator=gen).tolist()
         pre[0] = 0
         zero = (B - 1,) if B > 2 else ()
         case = make_case(ForwardMode.DECODE, pre, [1] * B, H, KVH, D, dtype, "cuda", seed=B, zero_rows=zero)
-        compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2)
+        compare(case, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=2e-2, rope=rope)
 
 
 @pytest.mark.gpu

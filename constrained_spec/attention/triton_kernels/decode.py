@@ -10,6 +10,11 @@ counters) was measured slower on the H100 and removed (results/decode_ab.md, Smo
 table 8192 wide): the whole graphed decode forward 1.378 vs 1.341 ms at batch 1 and 1.380 vs
 1.340 ms at batch 32; one call 6.1 vs 4.7 us at batch 1.
 
+RoPE and the KV store can be fused in (`rope=DecodeRope(...)`, what the engine's decode uses):
+every program rotates its q heads; the split that owns the last context position (the new token)
+rotates the new k, writes k and v into the pool and folds the token in from registers; the loop
+never reads that slot. That removes the standalone RoPE + store launch of every layer.
+
 CUDA-graph capturable: NUM_SPLITS and all grids depend only on B, H, KVH, D and the slot-table
 width, never on host-side kv lengths. The chunk size per split is computed on the device from
 kv_lens[b]. A sequence with kv_len == 0 gets an all-zero output (no NaN).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,6 +47,7 @@ def _dot_precision(q: torch.Tensor) -> str:
 @triton.jit
 def _decode_kernel(
     Q, K, V, SlotTable, KvLens, Out, MidO, MidLse,
+    KNew, VNew, Pos, CosSin, OutSlots,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -48,11 +55,12 @@ def _decode_kernel(
     stride_ot, stride_oh,
     stride_mob, stride_moh, stride_mos,
     stride_lb, stride_lh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs, stride_pos, stride_os,
     sm_scale_log2,
     NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,7 +79,16 @@ def _decode_kernel(
     hd_mask = h_mask[:, None] & d_mask[None, :]
     heads = kvh * G + offs_h
 
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
+    q_ptrs = Q + b * stride_qt + heads[:, None] * stride_qh
+    if ROPE:
+        cos, sin_signed, partner = _rope_coefficients(CosSin, Pos + b * stride_pos, stride_cs, offs_d, d_mask, D)
+        q = _rotate(q_ptrs, offs_d, partner, hd_mask, cos, sin_signed).to(Q.dtype.element_ty)
+        # The new token is the last context position; it is not in the pool yet: the split that
+        # owns it takes it from the registers (and stores it), the loop stops before it.
+        loop_end = tl.minimum(end, kv_len - 1)
+    else:
+        q = tl.load(q_ptrs + offs_d[None, :], mask=hd_mask, other=0.0)
+        loop_end = end
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -80,9 +97,9 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     st_row = SlotTable + b.to(tl.int64) * stride_st
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, loop_end, BLOCK_N):
         cols = n0 + offs_n
-        n_mask = cols < end
+        n_mask = cols < loop_end
         slots = tl.load(st_row + cols, mask=n_mask, other=0).to(tl.int64)
         k = tl.load(K + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [D, N]
@@ -101,6 +118,26 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if ROPE:
+        owns_new = (start < kv_len) & (end == kv_len)
+        store_mask = d_mask & (tl.zeros([BLOCK_D], dtype=tl.int32) + owns_new.to(tl.int32) != 0)
+        k_new = _rotate(KNew + b * stride_knt + kvh * stride_knh, offs_d, partner, d_mask, cos,
+                        sin_signed).to(K.dtype.element_ty)
+        v_new = tl.load(VNew + b * stride_vnt + kvh * stride_vnh + offs_d, mask=d_mask, other=0.0
+                        ).to(V.dtype.element_ty)
+        slot = tl.load(OutSlots + b * stride_os).to(tl.int64)
+        tl.store(K + slot * stride_ks + kvh * stride_kh + offs_d, k_new, mask=store_mask)
+        tl.store(V + slot * stride_vs + kvh * stride_vh + offs_d, v_new, mask=store_mask)
+        # the same rounding as the loop: K/V in the pool's dtype, p in V's dtype
+        qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * sm_scale_log2
+        qk = tl.where(owns_new, qk, float("-inf"))
+        m_new = tl.maximum(m_i, qk)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if not SPLIT:
@@ -111,6 +148,28 @@ def _decode_kernel(
         tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
                  out, mask=hd_mask)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _rope_coefficients(CosSin, PosPtr, stride_cs, offs_d, d_mask, D: tl.constexpr):
+    """Rotate-half RoPE at position *PosPtr as per-column coefficients: x_rot = x * cos +
+    x[partner] * sin_signed (the arithmetic of the standalone RoPE kernel, in float32)."""
+    HALF: tl.constexpr = D // 2
+    pos = tl.load(PosPtr).to(tl.int64)
+    low = offs_d < HALF
+    freq = tl.where(low, offs_d, offs_d - HALF)
+    cos = tl.load(CosSin + pos * stride_cs + freq, mask=d_mask, other=0.0)
+    sin = tl.load(CosSin + pos * stride_cs + HALF + freq, mask=d_mask, other=0.0)
+    partner = tl.where(low, offs_d + HALF, offs_d - HALF)
+    return cos, tl.where(low, -sin, sin), partner
+
+
+@triton.jit
+def _rotate(ptrs, offs_d, partner, mask, cos, sin_signed):
+    """RoPE of the rows at `ptrs` (their columns `offs_d`), in float32."""
+    x = tl.load(ptrs + offs_d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(ptrs + partner, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + x_partner * sin_signed
 
 
 @triton.jit
@@ -145,6 +204,17 @@ def _decode_reduce_kernel(
 DEFAULT_TARGET_PROGRAMS = 512
 
 
+class DecodeRope(NamedTuple):
+    """The new token of each sequence, unrotated, for RoPE fused into decode attention:
+    k, v [B, KVH, D]; positions [B]; cos_sin_cache float32 [max_pos, D] = cat(cos, sin);
+    out_slots [B] (its pool slot, the last of its context)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    out_slots: torch.Tensor
+
+
 def default_num_splits(batch: int, num_kv_heads: int, table_width: int, max_splits: int = 32,
                        target_programs: int = DEFAULT_TARGET_PROGRAMS, block_n: int = 64) -> int:
     """A static split count: about `target_programs` programs in all (batch * kv heads * splits),
@@ -158,11 +228,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slot_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, max_splits: int = 32,
                      out: torch.Tensor | None = None,
-                     target_programs: int = DEFAULT_TARGET_PROGRAMS) -> torch.Tensor:
+                     target_programs: int = DEFAULT_TARGET_PROGRAMS,
+                     rope: DecodeRope | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W]; kv_lens: [B].
 
     `target_programs` and `max_splits` choose the split count when `num_splits` is None
-    (`default_num_splits`). Returns [B, H, D] in q's dtype. All launch parameters depend only on shapes."""
+    (`default_num_splits`). With `rope`, q and the new token's k are rotated in the kernel and the
+    new k/v stored at `rope.out_slots` (the pool holds only the earlier context then), which saves
+    the RoPE + store launch of every layer. Returns [B, H, D] in q's dtype. All launch parameters
+    depend only on shapes."""
     B, H, D = q.shape
     KVH = k_cache.shape[1]
     assert H % KVH == 0, "query heads must be a multiple of kv heads"
@@ -178,14 +252,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     if B == 0:
         return out
+    if rope is not None and (D % 2 or rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1
+                             or rope.cos_sin_cache.stride(-1) != 1):
+        raise ValueError("fused RoPE needs an even head dim and unit stride over it for k, v and cos/sin")
     split = num_splits > 1
     if split:
         mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     else:  # unused: the single split writes `out` directly
         mid_o = mid_lse = out
+    r = rope or DecodeRope(q, q, kv_lens, q, kv_lens)  # unused when ROPE is off
     _decode_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, slot_table, kv_lens, out, mid_o, mid_lse,
+        r.k, r.v, r.positions, r.cos_sin_cache, r.out_slots,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -193,9 +272,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin_cache.stride(0),
+        r.positions.stride(0), r.out_slots.stride(0),
         scale * _LOG2E, num_splits,
         G=G, D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SPLIT=split,
-        UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
+        UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q), ROPE=rope is not None,
         num_warps=4, num_stages=2,
     )
     if split:
