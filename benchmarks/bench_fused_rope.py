@@ -81,7 +81,7 @@ def main() -> None:
     md = ("# RoPE + KV store fused into decode attention: A/B (whole decode forward)\n\n"
           f"{machine().get('gpu', 'no GPU')}, torch {torch.__version__}\n\nRandom-weight SmolLM2-135M shapes, bf16, CUDA graph, slot table {WIDTH} wide; "
           f"device ms per replay, median of {args.rounds} alternating rounds.\n\n"
-          + markdown_table(["batch", "context", "separate ms", "fused ms", "speedup", "max |logit diff|",
+          + markdown_table(["batch", "context", "separate ms", "fused ms", "speedup", "max abs logit diff",
                             "same argmax"], rows))
     write_results(args.name, {"machine": machine(), "records": records}, md)
 
