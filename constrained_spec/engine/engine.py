@@ -43,6 +43,7 @@ from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
+from .omp_pool import on_fresh_thread
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .speculative import SpeculativeWorker, make_drafter
@@ -91,21 +92,25 @@ class Engine:
             setattr(config, k, v)
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = loaded or load_model(config.model, dtype=config.dtype, device=str(self.device))
+        # On CPU the tensor work of start-up runs on a short-lived thread, so that this (the
+        # caller's) thread keeps no OpenMP pool beside the engine thread's (omp_pool.py)
+        setup = on_fresh_thread if self.device.type == "cpu" else (lambda fn: fn())
+        loaded = loaded or setup(lambda: load_model(config.model, dtype=config.dtype, device=str(self.device)))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         dtype = next(loaded.model.parameters()).dtype
-        self.runner = ModelRunner(loaded, config, self.device, dtype)
+        self.runner = setup(lambda: ModelRunner(loaded, config, self.device, dtype))
         self.max_context = self.runner.max_context
         self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, max_threads=config.grammar_threads,
                                       compile_timeout_s=config.grammar_compile_timeout_s,
                                       max_whitespace_cnt=config.grammar_max_whitespace)
         self.scheduler = Scheduler(self.runner, config)
-        self.masks = MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
-                                budget_ms=config.grammar_mask_budget_ms, max_requests=config.max_running_requests)
+        self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
+                                              budget_ms=config.grammar_mask_budget_ms,
+                                              max_requests=config.max_running_requests))
         drafter = make_drafter(config)
-        self.spec = SpeculativeWorker(self, drafter) if drafter is not None else None
+        self.spec = setup(lambda: SpeculativeWorker(self, drafter)) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:
             self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)
         self.stats = EngineStats()
