@@ -12,7 +12,10 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, layer, kv: KVCache, meta: AttentionMetadata, scale, rope=None):
-        q = self.store_kv(q, k, v, layer, kv, meta, rope)
+        if rope is not None and not q.is_cuda:
+            q = _rope_and_store_cpu(q, k, v, layer, kv, meta, rope)
+        else:
+            q = self.store_kv(q, k, v, layer, kv, meta, rope)
         T, H, D = q.shape
         B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
         if "torch" not in meta.scratch:  # the same for every layer of this forward
@@ -63,3 +66,25 @@ def _attention_mask(meta: AttentionMetadata, Q: int, K: int, device) -> torch.Te
     # Padding query rows see nothing; give them one key so softmax stays finite.
     mask[..., 0] |= ~in_query[..., 0]
     return mask
+
+
+def _rope_and_store_cpu(q, k, v, layer: int, kv: KVCache, meta: AttentionMetadata, rope) -> torch.Tensor:
+    """`store_kv` on CPU, with the rotation's cos/sin gathered, widened and cast once per forward
+    instead of in every layer (6 of its ~16 small ops; a decode step on CPU is mostly small ops
+    besides the GEMMs). The arithmetic is `kernels.reference.apply_rope_ref`'s, bit for bit."""
+    key = ("torch_rope", q.dtype)
+    if key not in meta.scratch:  # positions are the same in every layer of this forward
+        positions, cos_sin_cache = rope
+        cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+        meta.scratch[key] = (torch.cat([cos, cos], -1).unsqueeze(1).to(q.dtype),
+                             torch.cat([sin, sin], -1).unsqueeze(1).to(q.dtype))  # [T, 1, D]
+    cos, sin = meta.scratch[key]
+    q.copy_(q * cos + _rotate_half(q) * sin)
+    k.copy_(k * cos + _rotate_half(k) * sin)
+    kv.store(layer, meta.out_slots, k, v)
+    return q
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
