@@ -37,7 +37,8 @@ def random_model(folder: str, device: str):
 
 
 class PhaseTimer:
-    """Accumulates wall time per wrapped method (called on the engine thread only)."""
+    """Accumulates wall time per wrapped method (on the engine thread, or on the step thread while
+    the engine thread is in a GIL-free call: one thread at a time)."""
 
     def __init__(self):
         self.seconds = defaultdict(float)
@@ -114,6 +115,24 @@ def main():
         timer.wrap(eng, "_fill_beside", "mask fill beside step python (in process)")
     if hasattr(engine_mod, "batch_accept"):
         timer.wrap(engine_mod, "batch_accept", "grammar accept (in process)")
+    if hasattr(eng, "_append_accepted"):  # the step's per-request Python (on the step thread beside a fill)
+        timer.wrap(eng, "_append_accepted", "append tokens, per-request python (in process)")
+    if hasattr(eng.masks, "start"):  # the GIL-free fill call itself, beside the appends
+        start, fill_acc = eng.masks.start, timer.seconds
+
+        def timed_start(*a, **k):
+            call = start(*a, **k)
+            if call is None:
+                return None
+
+            def timed_call():
+                t0 = time.perf_counter()
+                try:
+                    return call()
+                finally:
+                    fill_acc["mask fill call, GIL-free (beside the appends)"] += time.perf_counter() - t0
+            return timed_call
+        eng.masks.start = timed_start
     if args.detail:  # a graphed decode launch, piece by piece (the same calls as ModelRunner.forward)
         runner, plain_forward = eng.runner, eng.runner.forward
         acc = timer.seconds
