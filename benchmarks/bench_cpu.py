@@ -2,7 +2,8 @@
 batch 1 and 8, plain and JSON-schema, with the weights in float32 and in bfloat16 (both engines). Greedy; plain runs a fixed number of tokens, JSON runs
 until the grammar ends. The engine runs twice: decoding plainly, and with n-gram speculation
 (default settings: the measured policy decodes plainly where speculation does not pay); greedy
-verification is lossless, so both emit the same tokens (the table checks it).
+verification is lossless, so both emit the same tokens (the table checks it). Each of the three
+runs alone in the process (see `run_dtype`).
 Writes benchmarks/results/cpu_vs_hf.{json,md,png}."""
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def main():
           "Each dtype row runs both engines with the weights in that dtype (HF: `from_pretrained(dtype=...)`). "
           "ours: plain decoding; + n-gram: the same engine with `--speculative-algorithm ngram` (identical = "
           "requests whose tokens equal the plain engine's); speedup: against HF in the same dtype; "
-          "vs HF fp32: against HF's default CPU dtype (float32), the same batch and workload.\n\n"
+          "vs HF fp32: against HF's default CPU dtype (float32), the same batch and workload. The plain engine, "
+          "the n-gram engine and HF each run alone in the process (one torch OpenMP pool at a time).\n\n"
           + markdown_table(["dtype", "batch", "workload", "ours tokens", "ours tok/s", "ours + n-gram tok/s",
                             "HF tok/s", "speedup", "speedup + n-gram", "ours vs HF fp32", "+ n-gram vs HF fp32",
                             "identical"], rows))
@@ -78,46 +80,79 @@ def _ratio(x):
 
 
 def run_dtype(path, dtype: str, batches: list[int], args) -> list[dict]:
-    """Every (batch, workload) row with the weights of both engines in `dtype`."""
-    import xgrammar as xgr
-    from transformers import AutoModelForCausalLM
+    """Every (batch, workload) row with the weights of both engines in `dtype`.
+
+    Each system runs alone in the process: the plain engine, then the n-gram engine (each shut down
+    after its runs), then transformers on a short-lived thread. torch's OpenMP keeps a worker pool
+    per thread that has run a parallel op, and with more pool threads than cores every pool stops
+    spinning between parallel regions (`constrained_spec/engine/omp_pool.py`): on 2 cores a live
+    engine beside transformers slowed both by ~1.5x."""
+    from constrained_spec.engine.omp_pool import on_fresh_thread
+
+    workloads = [(bs, kind) for bs in batches for kind in ("plain", "json")]
+    ours, tok = _engine_runs(path, dtype, workloads, args, speculative=False)
+    spec, _ = _engine_runs(path, dtype, workloads, args, speculative=True)
+    hf = on_fresh_thread(lambda: _hf_runs(path, dtype, tok, workloads, args))
+    records = []
+    for (bs, kind), (ours_n, ours_dt, ours_outs), (spec_n, spec_dt, spec_outs, accepted_len), (hf_n, hf_dt) in zip(
+            workloads, ours, spec, hf):
+        same = sum(a.token_ids == b.token_ids for a, b in zip(ours_outs, spec_outs))
+        ours_tps, spec_tps, hf_tps = ours_n / ours_dt, spec_n / spec_dt, hf_n / hf_dt
+        records.append(dict(dtype=dtype, batch=bs, workload=kind, ours_tokens=ours_n, ours_seconds=ours_dt,
+                            ours_tok_s=ours_tps, spec_tokens=spec_n, spec_seconds=spec_dt, spec_tok_s=spec_tps,
+                            spec_mean_accepted_len=accepted_len, spec_identical_outputs=same,
+                            hf_tokens=hf_n, hf_seconds=hf_dt, hf_tok_s=hf_tps,
+                            speedup=ours_tps / hf_tps, spec_speedup=spec_tps / hf_tps))
+    return records
+
+
+def _workload(tok, bs: int, kind: str, args):
+    """(prompts, max tokens, fixed length) of one row."""
+    fixed = kind == "plain"
+    return chat_prompts(tok, bs, json_task=not fixed), args.plain_tokens if fixed else args.json_tokens, fixed
+
+
+def _engine_runs(path, dtype: str, workloads, args, speculative: bool):
+    """One engine's runs of every workload: (tokens, seconds, outputs[, mean accepted length]) each,
+    and the tokenizer."""
     from constrained_spec.engine import Engine
     from constrained_spec.grammar import GrammarSpec
 
-    engine = Engine(model=path, device="cpu", dtype=dtype)
-    spec_engine = Engine(model=path, device="cpu", dtype=dtype, speculative_algorithm="ngram")
-    tok = engine.tokenizer
+    engine = Engine(model=path, device="cpu", dtype=dtype, **({"speculative_algorithm": "ngram"} if speculative else {}))
+    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
+    runs = []
+    for bs, kind in workloads:
+        prompts, n_tok, fixed = _workload(engine.tokenizer, bs, kind, args)
+        grammar = spec if kind == "json" else None
+        run_engine(engine, prompts[:1], 4, grammar, False)  # warm-up
+        if not speculative:
+            runs.append(run_engine(engine, prompts, n_tok, grammar, fixed))
+            continue
+        engine.spec.reset_drafter()  # no drafting from the warm-up's output
+        st = engine.spec.stats
+        before = (st.verified_requests, st.accepted_tokens)
+        n, dt, outs = run_engine(engine, prompts, n_tok, grammar, fixed)
+        accepted_len = 1 + (st.accepted_tokens - before[1]) / max(st.verified_requests - before[0], 1)
+        runs.append((n, dt, outs, accepted_len))
+    engine.shutdown()
+    return runs, engine.tokenizer
+
+
+def _hf_runs(path, dtype: str, tok, workloads, args):
+    """transformers.generate (+ xgrammar for JSON) on every workload: (tokens, seconds) each."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(PERSON_SCHEMA)
-    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
-    records = []
-    for bs in batches:
-        for kind in ("plain", "json"):
-            prompts = chat_prompts(tok, bs, json_task=kind == "json")
-            fixed = kind == "plain"
-            n_tok = args.plain_tokens if fixed else args.json_tokens
-            grammar = spec if kind == "json" else None
-            run_engine(engine, prompts[:1], 4, grammar, False)  # warm-up
-            ours_n, ours_dt, ours_outs = run_engine(engine, prompts, n_tok, grammar, fixed)
-            run_engine(spec_engine, prompts[:1], 4, grammar, False)
-            spec_engine.spec.reset_drafter()  # no drafting from the warm-up's output
-            st = spec_engine.spec.stats
-            before = (st.verified_requests, st.accepted_tokens)
-            spec_n, spec_dt, spec_outs = run_engine(spec_engine, prompts, n_tok, grammar, fixed)
-            accepted_len = 1 + (st.accepted_tokens - before[1]) / max(st.verified_requests - before[0], 1)
-            same = sum(a.token_ids == b.token_ids for a, b in zip(ours_outs, spec_outs))
-            hf_generate(hf, tok, prompts[:1], 4, compiled if kind == "json" else None)  # warm-up
-            hf_n, hf_dt = hf_generate(hf, tok, prompts, n_tok, compiled if kind == "json" else None, fixed_length=fixed)
-            ours_tps, spec_tps, hf_tps = ours_n / ours_dt, spec_n / spec_dt, hf_n / hf_dt
-            records.append(dict(dtype=dtype, batch=bs, workload=kind, ours_tokens=ours_n, ours_seconds=ours_dt,
-                                ours_tok_s=ours_tps, spec_tokens=spec_n, spec_seconds=spec_dt, spec_tok_s=spec_tps,
-                                spec_mean_accepted_len=accepted_len, spec_identical_outputs=same,
-                                hf_tokens=hf_n, hf_seconds=hf_dt, hf_tok_s=hf_tps,
-                                speedup=ours_tps / hf_tps, spec_speedup=spec_tps / hf_tps))
-    engine.shutdown()
-    spec_engine.shutdown()
-    return records
+    runs = []
+    for bs, kind in workloads:
+        prompts, n_tok, fixed = _workload(tok, bs, kind, args)
+        grammar = compiled if kind == "json" else None
+        hf_generate(hf, tok, prompts[:1], 4, grammar)  # warm-up
+        runs.append(hf_generate(hf, tok, prompts, n_tok, grammar, fixed_length=fixed))
+    return runs
 
 
 if __name__ == "__main__":
