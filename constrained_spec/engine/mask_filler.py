@@ -2,18 +2,13 @@
 
 Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
 per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on `threads` C++ threads for
-larger ones (no Python per row, one GIL release). Measured on the H100 machine's 16-core host
-(benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
-benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
-batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
-step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (then min(8, cores / 2)):
-with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
-to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
-steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.
-Since the fill runs beside the step's Python work (below), the cap is all cores but two (14 on the
-H100 host): profile_decode_host.py there, JSON step at batch 64 / 128 1.81 / 4.38 ms with the cap
-at 8 and 1.62 / 3.10 ms at 14 (results/host_final.json, host_final_t14.json); bench_gpu.py with
-14: JSON batch 32 / 64 / 128 20.2k / 25.3k / 33.4k tok/s (results/gpu_final_t14.md).
+larger ones (no Python per row, one GIL release) on as many threads as `FillThreads` finds fastest
+for the rows at hand: xgrammar starts and joins its threads in every call (~40 us each on the H100
+host), so a thread pays only where rows are many or their states costly. The thread count used to
+be one per 8 rows up to all cores but two, tuned on random weights (whose states cost ~25 us a row);
+on the states of real JSON answers (~4 us a row) that made batch 128's fill 0.88 ms where 4 threads
+take 0.40 (results/fill_threads.md), and that fill, not the step's Python beside it, bounded the
+overlapped JSON step at batch 64 and 128 (results/host_split_s7_*.json).
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
@@ -40,6 +35,7 @@ finished rows over in one gather.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -54,8 +50,6 @@ from .fill_pool import FillPool, split
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
-# Rows per thread of the batch matcher (measured at batch 32 to 128 with 1, 4 and 8 threads, above).
-ROWS_PER_THREAD = 8
 # Rows per chunk of draft-chain rows at least (`fill_chains`).
 CHAIN_ROWS_PER_CHUNK = 32
 # A request whose last fill took more than this share of the budget is queued after the others, so
@@ -73,6 +67,34 @@ class MaskFill:
     """The bitmask of a step and the rows that missed the budget."""
     bitmask: torch.Tensor | None  # rows [:n] of the pinned host buffer; None: nothing is constrained
     late: list[int] = field(default_factory=list)  # positions among the requests passed to `fill`
+
+
+class FillThreads:
+    """How many threads one batch fill gets. A fill on T > 1 threads costs about
+    rows * c / T + T * o: c the time of one row (its grammar state's), o what each of xgrammar's
+    threads costs to start and join (it makes them per call). The best T is sqrt(rows * c / o),
+    unless one thread (no o) is faster. c is learned from the fills made (a running mean), o is
+    THREAD_COST_S, measured on the H100 host (16 cores): benchmarks/bench_fill_threads.py,
+    results/fill_threads.md: on states of real JSON answers (c ~ 3.8 us) 128 rows took 0.49 ms on
+    1 thread, 0.40 on 4 and 0.88 on 14, 32 rows 0.09 / 0.13 / 0.47; the states random weights
+    wander into cost ~25 us a row, where 8 threads beat 4 (results/host_bm*.json)."""
+
+    THREAD_COST_S = 40e-6
+    WEIGHT = 0.2  # of the newest fill in the running mean of c
+
+    def __init__(self, max_threads: int, row_cost_s: float = 5e-6):
+        self.max_threads = max(1, max_threads)
+        self.row_cost_s = row_cost_s
+
+    def choose(self, rows: int) -> int:
+        work = rows * self.row_cost_s
+        t = max(1, min(self.max_threads, round(math.sqrt(work / self.THREAD_COST_S))))
+        return t if t > 1 and work / t + t * self.THREAD_COST_S < work else 1
+
+    def observe(self, rows: int, threads: int, seconds: float) -> None:
+        overhead = threads * self.THREAD_COST_S if threads > 1 else 0.0
+        cost = max(0.2e-6, (seconds - overhead) * threads / max(1, rows))
+        self.row_cost_s += self.WEIGHT * (cost - self.row_cost_s)
 
 
 class _Waiter:
@@ -168,6 +190,7 @@ class MaskFiller:
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
         self._threads = threads
+        self.fill_threads = FillThreads(threads)
         self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher
         self._one_thread: list[xgr.BatchGrammarMatcher] = []  # one per chunk of `fill_chains`
         self._pool: FillPool | None = None  # threads - 1 workers for `fill_chains` (it fills a chunk too)
@@ -202,14 +225,19 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        call = batch_fill_call(self._batch_matcher(len(live)), [reqs[i].matcher for i in live], bitmask, live)
+        threads = self.fill_threads.choose(len(live))
+        call = batch_fill_call(self._batch_matcher(threads), [reqs[i].matcher for i in live], bitmask, live)
         started = self._started = _Started(list(reqs))
+        observe = self.fill_threads.observe
 
         def run() -> None:
+            t0 = time.perf_counter()
             try:
                 call()
             except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
                 started.error = e
+            else:
+                observe(len(live), threads, time.perf_counter() - t0)
             started.done = True
         return run
 
@@ -291,16 +319,16 @@ class MaskFiller:
             for i in live:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
-            self._batch_matcher(len(live)).batch_fill_next_token_bitmask(
+            threads = self.fill_threads.choose(len(live))
+            t0 = time.perf_counter()
+            self._batch_matcher(threads).batch_fill_next_token_bitmask(
                 [reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
+            self.fill_threads.observe(len(live), threads, time.perf_counter() - t0)
 
-    def _batch_matcher(self, rows: int) -> xgr.BatchGrammarMatcher:
-        """A thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each
-        costs more than it saves."""
-        n = max(1, min(self._threads, rows // ROWS_PER_THREAD))
-        if n not in self._batch:
-            self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
-        return self._batch[n]
+    def _batch_matcher(self, threads: int) -> xgr.BatchGrammarMatcher:
+        if threads not in self._batch:
+            self._batch[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        return self._batch[threads]
 
     # -- within a budget: on the workers ----------------------------------------------------------
     def _fill_within(self, reqs: Sequence, bitmask: torch.Tensor, deadline: float) -> list[int]:

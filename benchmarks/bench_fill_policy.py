@@ -1,0 +1,80 @@
+"""Same-engine A/B of the mask fill's thread count on real weights: `FillThreads` (the default:
+learned row cost, sqrt rule) against the rule before it (one thread per 8 rows, up to all cores
+but two). SmolLM2-135M bf16, CUDA graphs + overlap, greedy JSON (PERSON_SCHEMA) at each batch
+size, and plain decoding for as many tokens per request as its JSON answer (the batch drains alike,
+so json / plain is the grammar's cost). The policies alternate over `--rounds` rounds; medians.
+
+  python benchmarks/bench_fill_policy.py      # CUDA machine; writes results/fill_policy_ab.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from bench_gpu import measure
+from common import PERSON_SCHEMA, chat_prompts, machine, markdown_table, write_results
+
+
+class PerEightRows:
+    """The thread rule before `FillThreads`: one thread per 8 rows, up to `max_threads`."""
+
+    def __init__(self, max_threads: int):
+        self.max_threads = max_threads
+
+    def choose(self, rows: int) -> int:
+        return max(1, min(self.max_threads, rows // 8))
+
+    def observe(self, rows: int, threads: int, seconds: float) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--name", default="fill_policy_ab")
+    args = ap.parse_args()
+    from constrained_spec import SamplingParams
+    from constrained_spec.engine import Engine
+    from constrained_spec.grammar import GrammarSpec
+
+    engine = Engine(device="cuda")
+    learned = engine.masks.fill_threads
+    policies = {"learned (FillThreads)": learned, "per 8 rows": PerEightRows(learned.max_threads)}
+    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
+    greedy = SamplingParams(max_tokens=128, temperature=0)
+    records, rows = [], []
+    for B in args.batches:
+        prompts = chat_prompts(engine.tokenizer, B, json_task=True)
+        measure(engine, prompts, SamplingParams(max_tokens=8, temperature=0), spec)  # warm-up
+        lengths = measure(engine, prompts, greedy, spec)["lengths"]
+        plain_params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+        tok_s = {name: [] for name in policies}
+        tok_s["plain (json lengths)"] = []
+        names = list(policies)
+        for r in range(args.rounds):
+            for name in names[r % 2:] + names[:r % 2]:
+                engine.masks.fill_threads = policies[name]
+                tok_s[name].append(measure(engine, prompts, greedy, spec)["tok_s"])
+            tok_s["plain (json lengths)"].append(measure(engine, prompts, plain_params, None)["tok_s"])
+        engine.masks.fill_threads = learned
+        med = {k: statistics.median(v) for k, v in tok_s.items()}
+        plain = med["plain (json lengths)"]
+        rec = {"batch": B, "tok_s": tok_s, "median_tok_s": med, "learned_row_cost_us": learned.row_cost_s * 1e6,
+               "learned_threads": learned.choose(B)}
+        records.append(rec)
+        rows.append([B, round(plain), round(med["per 8 rows"]), round(med["learned (FillThreads)"]),
+                     f"{med['per 8 rows'] / plain:.2f}", f"{med['learned (FillThreads)'] / plain:.2f}",
+                     f"{rec['learned_row_cost_us']:.1f}", rec["learned_threads"], PerEightRows(learned.max_threads).choose(B)])
+        print(rows[-1], flush=True)
+    engine.shutdown()
+    md = ("# Mask-fill threads, A/B on one engine (SmolLM2-135M bf16, real weights, greedy JSON)\n\n"
+          f"{machine().get('gpu', '')}, {os.cpu_count()} CPUs; tokens/s, median of {args.rounds} alternating rounds\n\n"
+          + markdown_table(["batch", "plain (json lengths)", "json, per 8 rows", "json, learned", "ratio per 8 rows",
+                            "ratio learned", "learned row cost us", "threads learned", "threads per 8 rows"], rows))
+    write_results(args.name, {"machine": machine(), "records": records}, md)
+
+
+if __name__ == "__main__":
+    main()
