@@ -16,6 +16,19 @@ from bench_gpu import measure
 from common import PERSON_SCHEMA, chat_prompts, machine, markdown_table, write_results
 
 
+class Fixed:
+    """A fixed thread count for every fill."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def choose(self, rows: int) -> int:
+        return self.threads
+
+    def observe(self, rows: int, threads: int, seconds: float) -> None:
+        pass
+
+
 class PerEightRows:
     """The thread rule before `FillThreads`: one thread per 8 rows, up to `max_threads`."""
 
@@ -33,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fixed", type=int, nargs="*", default=[], help="also fixed thread counts")
     ap.add_argument("--name", default="fill_policy_ab")
     args = ap.parse_args()
     from constrained_spec import SamplingParams
@@ -42,6 +56,7 @@ def main() -> None:
     engine = Engine(device="cuda")
     learned = engine.masks.fill_threads
     policies = {"learned (FillThreads)": learned, "per 8 rows": PerEightRows(learned.max_threads)}
+    policies.update({f"{t} threads": Fixed(t) for t in args.fixed})
     spec = GrammarSpec.json_schema(PERSON_SCHEMA)
     greedy = SamplingParams(max_tokens=128, temperature=0)
     records, rows = [], []
@@ -54,7 +69,7 @@ def main() -> None:
         tok_s["plain (json lengths)"] = []
         names = list(policies)
         for r in range(args.rounds):
-            for name in names[r % 2:] + names[:r % 2]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 engine.masks.fill_threads = policies[name]
                 tok_s[name].append(measure(engine, prompts, greedy, spec)["tok_s"])
             tok_s["plain (json lengths)"].append(measure(engine, prompts, plain_params, None)["tok_s"])
@@ -64,15 +79,15 @@ def main() -> None:
         rec = {"batch": B, "tok_s": tok_s, "median_tok_s": med, "learned_row_cost_us": learned.row_cost_s * 1e6,
                "learned_threads": learned.choose(B)}
         records.append(rec)
-        rows.append([B, round(plain), round(med["per 8 rows"]), round(med["learned (FillThreads)"]),
-                     f"{med['per 8 rows'] / plain:.2f}", f"{med['learned (FillThreads)'] / plain:.2f}",
-                     f"{rec['learned_row_cost_us']:.1f}", rec["learned_threads"], PerEightRows(learned.max_threads).choose(B)])
+        rows.append([B, round(plain)] + [f"{round(med[n])} ({med[n] / plain:.2f})" for n in names]
+                    + [f"{rec['learned_row_cost_us']:.1f}", rec["learned_threads"], PerEightRows(learned.max_threads).choose(B)])
         print(rows[-1], flush=True)
     engine.shutdown()
     md = ("# Mask-fill threads, A/B on one engine (SmolLM2-135M bf16, real weights, greedy JSON)\n\n"
           f"{machine().get('gpu', '')}, {os.cpu_count()} CPUs; tokens/s, median of {args.rounds} alternating rounds\n\n"
-          + markdown_table(["batch", "plain (json lengths)", "json, per 8 rows", "json, learned", "ratio per 8 rows",
-                            "ratio learned", "learned row cost us", "threads learned", "threads per 8 rows"], rows))
+          + "JSON tokens/s per thread rule (ratio to plain at the JSON lengths)\n\n"
+          + markdown_table(["batch", "plain (json lengths)"] + [f"json, {n}" for n in policies]
+                           + ["learned row cost us", "threads learned", "threads per 8 rows"], rows))
     write_results(args.name, {"machine": machine(), "records": records}, md)
 
 

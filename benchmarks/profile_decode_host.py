@@ -131,6 +131,7 @@ def main():
                     return call()
                 finally:
                     fill_acc["mask fill call, GIL-free (beside the appends)"] += time.perf_counter() - t0
+            timed_call.timed = call.timed  # the engine makes a timed fill alone (StartedFill)
             return timed_call
         eng.masks.start = timed_start
     if args.detail:  # a graphed decode launch, piece by piece (the same calls as ModelRunner.forward)

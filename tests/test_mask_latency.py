@@ -261,3 +261,41 @@ def test_fill_threads_follow_the_cost_model():
         learner.observe(rows, t, seconds)
     assert abs(learner.row_cost_s - true_cost) < 0.05 * true_cost
     assert learner.choose(128) == round((128 * true_cost / FillThreads.THREAD_COST_S) ** 0.5)
+
+
+def test_started_fill_teaches_only_when_timed():
+    """A started fill reports its time to FillThreads only when it was made alone (`timed`), and an
+    error is kept for `fill` to raise, untimed."""
+    from constrained_spec.engine.mask_filler import StartedFill
+    seen = []
+    observe = lambda rows, threads, seconds: seen.append((rows, threads))  # noqa: E731
+    for timed in (True, False):
+        f = StartedFill([], lambda: None, rows=12, threads=3, timed=timed, observe=observe)
+        f()
+        assert f.done and f.error is None
+    assert seen == [(12, 3)]
+
+    def boom():
+        raise RuntimeError("fill failed")
+    f = StartedFill([], boom, rows=5, threads=1, timed=True, observe=observe)
+    f()
+    assert f.done and isinstance(f.error, RuntimeError) and seen == [(12, 3)]
+
+
+def test_every_fiftieth_started_fill_is_timed(backend):
+    from constrained_spec.engine.mask_filler import TIMED_FILL_EVERY
+    ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), 12)
+    reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
+            for m in ms]
+    filler = MaskFiller(torch.zeros((12, 1536), dtype=torch.int32), threads=4, budget_ms=None, max_requests=12)
+    try:
+        timed = []
+        for _ in range(2 * TIMED_FILL_EVERY):
+            started = filler.start(reqs)
+            timed.append(started.timed)
+            started()
+            filler.fill(reqs)
+        assert [i for i, t in enumerate(timed) if t] == [0, TIMED_FILL_EVERY]
+        assert filler.fill_threads.row_cost_s != 10e-6  # learned from the timed ones
+    finally:
+        filler.close()

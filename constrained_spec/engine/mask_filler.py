@@ -57,6 +57,9 @@ CHAIN_ROWS_PER_CHUNK = 32
 SLOW_SHARE = 0.5
 # Workers started beyond `threads` to stand in for workers held by late fills (one per late fill).
 MAX_EXTRA_WORKERS = 32
+# Every so many started fills one is made alone, to time it (`StartedFill.timed`): its Python
+# work waits for it, ~1/50 of a step's appends on average (0.3-0.7 ms at batch 64-128).
+TIMED_FILL_EVERY = 50
 # A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
 # Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
 BACKGROUND_MIN_ROWS = 4
@@ -73,16 +76,21 @@ class FillThreads:
     """How many threads one batch fill gets. A fill on T > 1 threads costs about
     rows * c / T + T * o: c the time of one row (its grammar state's), o what each of xgrammar's
     threads costs to start and join (it makes them per call). The best T is sqrt(rows * c / o),
-    unless one thread (no o) is faster. c is learned from the fills made (a running mean), o is
-    THREAD_COST_S, measured on the H100 host (16 cores): benchmarks/bench_fill_threads.py,
-    results/fill_threads.md: on states of real JSON answers (c ~ 3.8 us) 128 rows took 0.49 ms on
-    1 thread, 0.40 on 4 and 0.88 on 14, 32 rows 0.09 / 0.13 / 0.47; the states random weights
-    wander into cost ~25 us a row, where 8 threads beat 4 (results/host_bm*.json)."""
+    unless one thread (no o) is faster. o is THREAD_COST_S; c is learned from fills timed alone
+    (`StartedFill.timed`, and the fills of the sequential path), a running mean, since it depends
+    on the schema and where the answers are in it.
 
-    THREAD_COST_S = 40e-6
-    WEIGHT = 0.2  # of the newest fill in the running mean of c
+    Measured on the H100 host (16 cores). xgrammar alone (benchmarks/bench_fill_threads.py,
+    results/fill_threads*.md, states of hand-written answers): o ~ 40-75 us; 128 rows took 0.40-0.47
+    ms on 4 threads, 0.48-0.96 on 1, 0.88-1.11 on 14. In the engine (bench_fill_policy.py,
+    results/fill_policy_ab.md, real weights; tokens/s of JSON over plain at the same lengths, batch
+    32 / 64 / 128): 1 thread 0.77 / 0.56 / 0.52, 4 threads 0.95 / 0.85 / 0.84, 14 threads 0.99 /
+    0.80 / 0.71: the engine's rows cost more than the hand-written answers' (~20 us against 4-8)."""
 
-    def __init__(self, max_threads: int, row_cost_s: float = 5e-6):
+    THREAD_COST_S = 50e-6
+    WEIGHT = 0.3  # of the newest timed fill in the running mean of c
+
+    def __init__(self, max_threads: int, row_cost_s: float = 10e-6):
         self.max_threads = max(1, max_threads)
         self.row_cost_s = row_cost_s
 
@@ -171,14 +179,31 @@ class _Workers:
                         waiter.event.set()
 
 
-class _Started:
-    """A fill prepared by `MaskFiller.start`: its requests, and whether its call ran (and how)."""
-    __slots__ = ("reqs", "done", "error")
+class StartedFill:
+    """A fill prepared by `MaskFiller.start`, to be called once (it never raises: `fill` raises what
+    it raised). `timed`: the caller must make this call alone, with no Python thread beside it,
+    because its time teaches `FillThreads` the row cost. A call made beside Python work returns
+    only when that work lets go of the GIL, so its time says nothing about the fill's."""
+    __slots__ = ("reqs", "done", "error", "timed", "_call", "_rows", "_threads", "_observe")
 
-    def __init__(self, reqs: list):
+    def __init__(self, reqs: list, call: Callable[[], None], rows: int, threads: int, timed: bool,
+                 observe: Callable[[int, int, float], None]):
         self.reqs = reqs
         self.done = False
         self.error: Exception | None = None
+        self.timed = timed
+        self._call, self._rows, self._threads, self._observe = call, rows, threads, observe
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._call()
+        except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
+            self.error = e
+        else:
+            if self.timed:
+                self._observe(self._rows, self._threads, time.perf_counter() - t0)
+        self.done = True
 
 
 class MaskFiller:
@@ -204,10 +229,11 @@ class MaskFiller:
         self._lock = threading.Lock()
         self._workers = _Workers(max(2, threads), self._staging, self._lock)
         self._outstanding: set[_Job] = set()  # jobs whose row has not been used yet
-        self._started: _Started | None = None
+        self._started: StartedFill | None = None
+        self._started_count = 0
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence) -> Callable[[], None] | None:
+    def start(self, reqs: Sequence) -> StartedFill | None:
         """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as one call
         into xgrammar and returns it; None when there are fewer than BACKGROUND_MIN_ROWS rows to
         fill, or with a budget (its per-row jobs run on workers anyway). The caller makes the call
@@ -227,19 +253,10 @@ class MaskFiller:
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
         threads = self.fill_threads.choose(len(live))
         call = batch_fill_call(self._batch_matcher(threads), [reqs[i].matcher for i in live], bitmask, live)
-        started = self._started = _Started(list(reqs))
-        observe = self.fill_threads.observe
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
-                started.error = e
-            else:
-                observe(len(live), threads, time.perf_counter() - t0)
-            started.done = True
-        return run
+        timed = self._started_count % TIMED_FILL_EVERY == 0
+        self._started_count += 1
+        self._started = StartedFill(list(reqs), call, len(live), threads, timed, self.fill_threads.observe)
+        return self._started
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed). Its
