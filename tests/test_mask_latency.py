@@ -263,39 +263,30 @@ def test_fill_threads_follow_the_cost_model():
     assert learner.choose(128) == round((128 * true_cost / FillThreads.THREAD_COST_S) ** 0.5)
 
 
-def test_started_fill_teaches_only_when_timed():
-    """A started fill reports its time to FillThreads only when it was made alone (`timed`), and an
-    error is kept for `fill` to raise, untimed."""
-    from constrained_spec.engine.mask_filler import StartedFill
-    seen = []
-    observe = lambda rows, threads, seconds: seen.append((rows, threads))  # noqa: E731
-    for timed in (True, False):
-        f = StartedFill([], lambda: None, rows=12, threads=3, timed=timed, observe=observe)
-        f()
-        assert f.done and f.error is None
-    assert seen == [(12, 3)]
-
-    def boom():
-        raise RuntimeError("fill failed")
-    f = StartedFill([], boom, rows=5, threads=1, timed=True, observe=observe)
-    f()
-    assert f.done and isinstance(f.error, RuntimeError) and seen == [(12, 3)]
-
-
-def test_every_fiftieth_started_fill_is_timed(backend):
-    from constrained_spec.engine.mask_filler import TIMED_FILL_EVERY
-    ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), 12)
-    reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
-            for m in ms]
-    filler = MaskFiller(torch.zeros((12, 1536), dtype=torch.int32), threads=4, budget_ms=None, max_requests=12)
+def test_fill_threads_learn_from_whole_fills_and_bounds():
+    """A fill that ended after the Python beside it teaches the row cost; one that returned with
+    that Python (it may have waited for the GIL) only bounds it from above."""
+    from constrained_spec.engine.mask_filler import GIL_HANDOVER_S, StartedFill
+    filler = MaskFiller(torch.zeros((4, 1536), dtype=torch.int32), threads=4, budget_ms=None, max_requests=4)
     try:
-        timed = []
-        for _ in range(2 * TIMED_FILL_EVERY):
-            started = filler.start(reqs)
-            timed.append(started.timed)
-            started()
-            filler.fill(reqs)
-        assert [i for i, t in enumerate(timed) if t] == [0, TIMED_FILL_EVERY]
-        assert filler.fill_threads.row_cost_s != 10e-6  # learned from the timed ones
+        ft = filler.fill_threads
+        ft.row_cost_s = 10e-6
+
+        def made(seconds: float) -> StartedFill:
+            f = StartedFill([], lambda: None, rows=100, threads=1)
+            f.started_at, f.returned_at, f.done = 1.0, 1.0 + seconds, True
+            return f
+        filler.learn(made(5e-3), beside_done_at=1.0)  # 50 us a row, well after the Python ended
+        assert ft.row_cost_s > 10e-6
+        high = ft.row_cost_s
+        filler.learn(made(9e-3), beside_done_at=1.0 + 9e-3 - GIL_HANDOVER_S / 2)  # returned with the Python
+        assert ft.row_cost_s == high  # a bound above the estimate says nothing
+        filler.learn(made(1e-4), beside_done_at=1.0 + 1e-4)  # at most 1 us a row
+        assert ft.row_cost_s < high
+        failed = made(1e-3)
+        failed.error = RuntimeError("x")
+        before = ft.row_cost_s
+        filler.learn(failed, beside_done_at=None)
+        assert ft.row_cost_s == before
     finally:
         filler.close()

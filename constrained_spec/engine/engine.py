@@ -390,11 +390,6 @@ class Engine:
                 done = set(first)
                 live = [i for i in live if i not in done and not reqs[i].finished]
         fill = self.masks.start(launched.sampling_requests()) if launched is not None else None
-        if fill is not None and fill.timed:  # alone, so that its time is the fill's (StartedFill)
-            t0 = time.perf_counter()
-            fill()
-            self.stats.grammar_mask_seconds += time.perf_counter() - t0
-            fill = None
         if fill is None:
             self._append_accepted(reqs, live, tokens, logprobs)
         else:
@@ -411,6 +406,7 @@ class Engine:
         fill()  # never raises: `masks.fill` raises what it raised
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
         self._step_thread.wait()
+        self.masks.learn(fill, self._step_thread.finished_at)
 
     def _append_accepted(self, reqs, live, tokens, logprobs) -> None:
         """`_append_token(..., accepted=True)` for the live positions, whose tokens are in their

@@ -57,9 +57,9 @@ CHAIN_ROWS_PER_CHUNK = 32
 SLOW_SHARE = 0.5
 # Workers started beyond `threads` to stand in for workers held by late fills (one per late fill).
 MAX_EXTRA_WORKERS = 32
-# Every so many started fills one is made alone, to time it (`StartedFill.timed`): its Python
-# work waits for it, ~1/50 of a step's appends on average (0.3-0.7 ms at batch 64-128).
-TIMED_FILL_EVERY = 50
+# A fill call that returns this long after the Python work beside it ended was not waiting for
+# the GIL (`MaskFiller.learn`): a thread switch takes some 5-50 us.
+GIL_HANDOVER_S = 100e-6
 # A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
 # Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
 BACKGROUND_MIN_ROWS = 4
@@ -76,9 +76,8 @@ class FillThreads:
     """How many threads one batch fill gets. A fill on T > 1 threads costs about
     rows * c / T + T * o: c the time of one row (its grammar state's), o what each of xgrammar's
     threads costs to start and join (it makes them per call). The best T is sqrt(rows * c / o),
-    unless one thread (no o) is faster. o is THREAD_COST_S; c is learned from fills timed alone
-    (`StartedFill.timed`, and the fills of the sequential path), a running mean, since it depends
-    on the schema and where the answers are in it.
+    unless one thread (no o) is faster. o is THREAD_COST_S; c is a running mean learned from the
+    fills made (`MaskFiller.learn`), since it depends on the schema and where the answers are in it.
 
     Measured on the H100 host (16 cores). xgrammar alone (benchmarks/bench_fill_threads.py,
     results/fill_threads*.md, states of hand-written answers): o ~ 40-75 us; 128 rows took 0.40-0.47
@@ -88,7 +87,7 @@ class FillThreads:
     0.80 / 0.71: the engine's rows cost more than the hand-written answers' (~20 us against 4-8)."""
 
     THREAD_COST_S = 50e-6
-    WEIGHT = 0.3  # of the newest timed fill in the running mean of c
+    WEIGHT = 0.3  # of the newest fill in the running mean of c
 
     def __init__(self, max_threads: int, row_cost_s: float = 10e-6):
         self.max_threads = max(1, max_threads)
@@ -100,9 +99,18 @@ class FillThreads:
         return t if t > 1 and work / t + t * self.THREAD_COST_S < work else 1
 
     def observe(self, rows: int, threads: int, seconds: float) -> None:
+        """A fill of `rows` on `threads` took `seconds`."""
+        self.row_cost_s += self.WEIGHT * (self._row_cost(rows, threads, seconds) - self.row_cost_s)
+
+    def observe_bound(self, rows: int, threads: int, seconds: float) -> None:
+        """A fill of `rows` on `threads` took at most `seconds`."""
+        bound = self._row_cost(rows, threads, seconds)
+        if bound < self.row_cost_s:
+            self.row_cost_s += self.WEIGHT * (bound - self.row_cost_s)
+
+    def _row_cost(self, rows: int, threads: int, seconds: float) -> float:
         overhead = threads * self.THREAD_COST_S if threads > 1 else 0.0
-        cost = max(0.2e-6, (seconds - overhead) * threads / max(1, rows))
-        self.row_cost_s += self.WEIGHT * (cost - self.row_cost_s)
+        return max(0.2e-6, (seconds - overhead) * threads / max(1, rows))
 
 
 class _Waiter:
@@ -180,29 +188,25 @@ class _Workers:
 
 
 class StartedFill:
-    """A fill prepared by `MaskFiller.start`, to be called once (it never raises: `fill` raises what
-    it raised). `timed`: the caller must make this call alone, with no Python thread beside it,
-    because its time teaches `FillThreads` the row cost. A call made beside Python work returns
-    only when that work lets go of the GIL, so its time says nothing about the fill's."""
-    __slots__ = ("reqs", "done", "error", "timed", "_call", "_rows", "_threads", "_observe")
+    """A fill prepared by `MaskFiller.start`, to be called once; it never raises (`fill` raises
+    what it raised). It notes when it ran, for `MaskFiller.learn`."""
+    __slots__ = ("reqs", "done", "error", "rows", "threads", "started_at", "returned_at", "_call")
 
-    def __init__(self, reqs: list, call: Callable[[], None], rows: int, threads: int, timed: bool,
-                 observe: Callable[[int, int, float], None]):
+    def __init__(self, reqs: list, call: Callable[[], None], rows: int, threads: int):
         self.reqs = reqs
         self.done = False
         self.error: Exception | None = None
-        self.timed = timed
-        self._call, self._rows, self._threads, self._observe = call, rows, threads, observe
+        self.rows, self.threads = rows, threads
+        self.started_at = self.returned_at = 0.0
+        self._call = call
 
     def __call__(self) -> None:
-        t0 = time.perf_counter()
+        self.started_at = time.perf_counter()
         try:
             self._call()
         except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
             self.error = e
-        else:
-            if self.timed:
-                self._observe(self._rows, self._threads, time.perf_counter() - t0)
+        self.returned_at = time.perf_counter()
         self.done = True
 
 
@@ -230,7 +234,6 @@ class MaskFiller:
         self._workers = _Workers(max(2, threads), self._staging, self._lock)
         self._outstanding: set[_Job] = set()  # jobs whose row has not been used yet
         self._started: StartedFill | None = None
-        self._started_count = 0
 
     # -- the step --------------------------------------------------------------------------------
     def start(self, reqs: Sequence) -> StartedFill | None:
@@ -253,10 +256,21 @@ class MaskFiller:
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
         threads = self.fill_threads.choose(len(live))
         call = batch_fill_call(self._batch_matcher(threads), [reqs[i].matcher for i in live], bitmask, live)
-        timed = self._started_count % TIMED_FILL_EVERY == 0
-        self._started_count += 1
-        self._started = StartedFill(list(reqs), call, len(live), threads, timed, self.fill_threads.observe)
+        self._started = StartedFill(list(reqs), call, len(live), threads)
         return self._started
+
+    def learn(self, fill: StartedFill, beside_done_at: float | None) -> None:
+        """What a started fill's time says about the row cost (`FillThreads`). A call made beside
+        Python work (which ended at `beside_done_at`) returns only once that work lets go of the
+        GIL: if it returned well after the work ended, its time is the fill's own; otherwise it is
+        only an upper bound on it."""
+        if fill.error is not None or not fill.done:
+            return
+        seconds = fill.returned_at - fill.started_at
+        if beside_done_at is None or fill.returned_at > beside_done_at + GIL_HANDOVER_S:
+            self.fill_threads.observe(fill.rows, fill.threads, seconds)
+        else:
+            self.fill_threads.observe_bound(fill.rows, fill.threads, seconds)
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed). Its

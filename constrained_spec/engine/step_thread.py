@@ -17,6 +17,7 @@ The fill pool's workers (`fill_pool.py`) are step threads too.
 from __future__ import annotations
 
 import threading
+import time
 
 
 class StepThread:
@@ -30,6 +31,7 @@ class StepThread:
         self._call = None
         self._error: BaseException | None = None
         self.busy = False  # submitted and not waited for (the submitting thread's view)
+        self.finished_at = 0.0  # time.perf_counter() when the last call returned
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -69,4 +71,5 @@ class StepThread:
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 - raised by `wait`, on the engine thread
                 self._error = e
+            self.finished_at = time.perf_counter()
             self._done.release()
