@@ -1,8 +1,8 @@
-"""Same-engine A/B of the mask fill's thread count on real weights: `FillThreads` (the default:
-learned row cost, sqrt rule) against the rule before it (one thread per 8 rows, up to all cores
-but two). SmolLM2-135M bf16, CUDA graphs + overlap, greedy JSON (PERSON_SCHEMA) at each batch
-size, and plain decoding for as many tokens per request as its JSON answer (the batch drains alike,
-so json / plain is the grammar's cost). The policies alternate over `--rounds` rounds; medians.
+"""Same-engine A/B of the mask fill's thread count on real weights: the engine's rule (one thread
+per 8 rows, up to all cores but two) against fixed thread counts (`--fixed`). SmolLM2-135M bf16,
+CUDA graphs + overlap, greedy JSON (PERSON_SCHEMA) at each batch size, and plain decoding for as
+many tokens per request as its JSON answer (the batch drains alike, so json / plain is the
+grammar's cost). The rules alternate over `--rounds` rounds; medians.
 
   python benchmarks/bench_fill_policy.py      # CUDA machine; writes results/fill_policy_ab.{json,md}
 """
@@ -16,37 +16,20 @@ from bench_gpu import measure
 from common import PERSON_SCHEMA, chat_prompts, machine, markdown_table, write_results
 
 
-class Fixed:
-    """A fixed thread count for every fill."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-
-    def choose(self, rows: int) -> int:
-        return self.threads
-
-    def observe(self, rows: int, threads: int, seconds: float) -> None:
-        pass
+def per_eight_rows(max_threads: int):
+    """The engine's rule (`MaskFiller._batch_matcher`): one thread per 8 rows, up to `max_threads`."""
+    return lambda rows: max(1, min(max_threads, rows // 8))
 
 
-class PerEightRows:
-    """The thread rule before `FillThreads`: one thread per 8 rows, up to `max_threads`."""
-
-    def __init__(self, max_threads: int):
-        self.max_threads = max_threads
-
-    def choose(self, rows: int) -> int:
-        return max(1, min(self.max_threads, rows // 8))
-
-    def observe(self, rows: int, threads: int, seconds: float) -> None:
-        pass
+def fixed(threads: int):
+    return lambda rows: threads
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--fixed", type=int, nargs="*", default=[], help="also fixed thread counts")
+    ap.add_argument("--fixed", type=int, nargs="*", default=[1, 4, 14], help="fixed thread counts")
     ap.add_argument("--name", default="fill_policy_ab")
     args = ap.parse_args()
     from constrained_spec import SamplingParams
@@ -54,9 +37,19 @@ def main() -> None:
     from constrained_spec.grammar import GrammarSpec
 
     engine = Engine(device="cuda")
-    learned = engine.masks.fill_threads
-    policies = {"learned (FillThreads)": learned, "per 8 rows": PerEightRows(learned.max_threads)}
-    policies.update({f"{t} threads": Fixed(t) for t in args.fixed})
+    import xgrammar as xgr
+    matchers: dict[int, xgr.BatchGrammarMatcher] = {}
+
+    def use(rule):  # the engine's batch fills on rule(rows) threads
+        def batch_matcher(rows: int) -> xgr.BatchGrammarMatcher:
+            n = rule(rows)
+            if n not in matchers:
+                matchers[n] = xgr.BatchGrammarMatcher(max_threads=n)
+            return matchers[n]
+        engine.masks._batch_matcher = batch_matcher
+    max_threads = engine.config.grammar_mask_threads
+    policies = {"per 8 rows (engine)": per_eight_rows(max_threads)}
+    policies.update({f"{t} threads": fixed(t) for t in args.fixed})
     spec = GrammarSpec.json_schema(PERSON_SCHEMA)
     greedy = SamplingParams(max_tokens=128, temperature=0)
     records, rows = [], []
@@ -70,24 +63,21 @@ def main() -> None:
         names = list(policies)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                engine.masks.fill_threads = policies[name]
+                use(policies[name])
                 tok_s[name].append(measure(engine, prompts, greedy, spec)["tok_s"])
             tok_s["plain (json lengths)"].append(measure(engine, prompts, plain_params, None)["tok_s"])
-        engine.masks.fill_threads = learned
+        use(policies["per 8 rows (engine)"])
         med = {k: statistics.median(v) for k, v in tok_s.items()}
         plain = med["plain (json lengths)"]
-        rec = {"batch": B, "tok_s": tok_s, "median_tok_s": med, "learned_row_cost_us": learned.row_cost_s * 1e6,
-               "learned_threads": learned.choose(B)}
+        rec = {"batch": B, "tok_s": tok_s, "median_tok_s": med, "threads": {n: p(B) for n, p in policies.items()}}
         records.append(rec)
-        rows.append([B, round(plain)] + [f"{round(med[n])} ({med[n] / plain:.2f})" for n in names]
-                    + [f"{rec['learned_row_cost_us']:.1f}", rec["learned_threads"], PerEightRows(learned.max_threads).choose(B)])
+        rows.append([B, round(plain)] + [f"{round(med[n])} ({med[n] / plain:.2f}; {policies[n](B)} threads)" for n in names])
         print(rows[-1], flush=True)
     engine.shutdown()
     md = ("# Mask-fill threads, A/B on one engine (SmolLM2-135M bf16, real weights, greedy JSON)\n\n"
           f"{machine().get('gpu', '')}, {os.cpu_count()} CPUs; tokens/s, median of {args.rounds} alternating rounds\n\n"
           + "JSON tokens/s per thread rule (ratio to plain at the JSON lengths)\n\n"
-          + markdown_table(["batch", "plain (json lengths)"] + [f"json, {n}" for n in policies]
-                           + ["learned row cost us", "threads learned", "threads per 8 rows"], rows))
+          + markdown_table(["batch", "plain (json lengths)"] + [f"json, {n}" for n in policies], rows))
     write_results(args.name, {"machine": machine(), "records": records}, md)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
-from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, FillThreads, MaskFiller
+from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, ROWS_PER_THREAD, MaskFiller
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
 
@@ -196,7 +196,7 @@ def test_xgrammar_writes_whole_rows(backend):
 
 
 @pytest.mark.parametrize("budget_ms", [None, 1000.0])
-@pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5, 33])
+@pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5, 4 * ROWS_PER_THREAD + 1])
 def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
     """Direct loop, batch matcher (on one or several threads) and worker threads all give the
     reference rows; rows without a matcher (or finished) allow everything."""
@@ -210,9 +210,8 @@ def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
     try:
         fill = filler.fill(reqs)
         assert fill.late == []
-        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS:  # one batch matcher, of FillThreads' choice
-            assert len(filler._batch) == 1 and 1 <= next(iter(filler._batch)) <= 4
-            assert filler.fill_threads.row_cost_s > 0
+        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS:  # one thread per ROWS_PER_THREAD live rows
+            assert list(filler._batch) == [min(4, (rows - 2) // ROWS_PER_THREAD)]
         expected = reference_rows([r.matcher if not r.finished else None for r in reqs], 1536)
         assert torch.equal(fill.bitmask, expected)
         assert all(r.mask_job is None for r in reqs)
@@ -238,55 +237,5 @@ def test_late_row_serves_the_next_fill(backend):
         assert fill.late == []
         assert torch.equal(fill.bitmask, reference_rows(ms, 1536))
         assert reqs[1].mask_fill_seconds >= 0.2
-    finally:
-        filler.close()
-
-
-def test_fill_threads_follow_the_cost_model():
-    """sqrt(rows * c / o) threads, one where that is no faster, at most max_threads; the row cost is
-    learned from fills timed by the model's own formula."""
-    cheap = FillThreads(14, row_cost_s=3.8e-6)  # states of real JSON answers (results/fill_threads.md)
-    assert cheap.choose(8) == 1 and cheap.choose(32) == 1
-    assert 3 <= cheap.choose(128) <= 4
-    costly = FillThreads(14, row_cost_s=25e-6)  # states random weights wander into
-    assert 8 <= costly.choose(128) <= 10
-    assert FillThreads(4, row_cost_s=25e-6).choose(128) == 4
-    assert FillThreads(1, row_cost_s=1e-3).choose(128) == 1
-    learner = FillThreads(14, row_cost_s=3e-6)
-    true_cost = 20e-6
-    for _ in range(40):
-        rows = 128
-        t = learner.choose(rows)
-        seconds = rows * true_cost / t + (t * FillThreads.THREAD_COST_S if t > 1 else 0.0)
-        learner.observe(rows, t, seconds)
-    assert abs(learner.row_cost_s - true_cost) < 0.05 * true_cost
-    assert learner.choose(128) == round((128 * true_cost / FillThreads.THREAD_COST_S) ** 0.5)
-
-
-def test_fill_threads_learn_from_whole_fills_and_bounds():
-    """A fill that ended after the Python beside it teaches the row cost; one that returned with
-    that Python (it may have waited for the GIL) only bounds it from above."""
-    from constrained_spec.engine.mask_filler import GIL_HANDOVER_S, StartedFill
-    filler = MaskFiller(torch.zeros((4, 1536), dtype=torch.int32), threads=4, budget_ms=None, max_requests=4)
-    try:
-        ft = filler.fill_threads
-        ft.row_cost_s = 10e-6
-
-        def made(seconds: float) -> StartedFill:
-            f = StartedFill([], lambda: None, rows=100, threads=1)
-            f.started_at, f.returned_at, f.done = 1.0, 1.0 + seconds, True
-            return f
-        filler.learn(made(5e-3), beside_done_at=1.0)  # 50 us a row, well after the Python ended
-        assert ft.row_cost_s > 10e-6
-        high = ft.row_cost_s
-        filler.learn(made(9e-3), beside_done_at=1.0 + 9e-3 - GIL_HANDOVER_S / 2)  # returned with the Python
-        assert ft.row_cost_s == high  # a bound above the estimate says nothing
-        filler.learn(made(1e-4), beside_done_at=1.0 + 1e-4)  # at most 1 us a row
-        assert ft.row_cost_s < high
-        failed = made(1e-3)
-        failed.error = RuntimeError("x")
-        before = ft.row_cost_s
-        filler.learn(failed, beside_done_at=None)
-        assert ft.row_cost_s == before
     finally:
         filler.close()

@@ -406,7 +406,6 @@ class Engine:
         fill()  # never raises: `masks.fill` raises what it raised
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
         self._step_thread.wait()
-        self.masks.learn(fill, self._step_thread.finished_at)
 
     def _append_accepted(self, reqs, live, tokens, logprobs) -> None:
         """`_append_token(..., accepted=True)` for the live positions, whose tokens are in their

@@ -2,13 +2,28 @@
 
 Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
 per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on `threads` C++ threads for
-larger ones (no Python per row, one GIL release) on as many threads as `FillThreads` finds fastest
-for the rows at hand: xgrammar starts and joins its threads in every call (~40 us each on the H100
-host), so a thread pays only where rows are many or their states costly. The thread count used to
-be one per 8 rows up to all cores but two, tuned on random weights (whose states cost ~25 us a row);
-on the states of real JSON answers (~4 us a row) that made batch 128's fill 0.88 ms where 4 threads
-take 0.40 (results/fill_threads.md), and that fill, not the step's Python beside it, bounded the
-overlapped JSON step at batch 64 and 128 (results/host_split_s7_*.json).
+larger ones (no Python per row, one GIL release). Measured on the H100 machine's 16-core host
+(benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
+benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
+batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
+step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (then min(8, cores / 2)):
+with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
+to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
+steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.
+Since the fill runs beside the step's Python work (below), the cap is all cores but two (14 on the
+H100 host): profile_decode_host.py there, JSON step at batch 64 / 128 1.81 / 4.38 ms with the cap
+at 8 and 1.62 / 3.10 ms at 14 (results/host_final.json, host_final_t14.json); bench_gpu.py with
+14: JSON batch 32 / 64 / 128 20.2k / 25.3k / 33.4k tok/s (results/gpu_final_t14.md).
+Rechecked later (session 7, H100 hosts): xgrammar starts and joins its threads in every call
+(~40-75 us each), and on the states of hand-written JSON answers (~4-8 us a row) 128 rows took
+0.40-0.47 ms on 4 threads against 0.88-1.11 on 14 (benchmarks/bench_fill_threads.py,
+results/fill_threads*.md); in the engine, though (bench_fill_policy.py, real weights), its rows cost
+more and no rule won on two hosts: JSON / plain at batch 32 / 64 / 128 was 0.95 / 0.85 / 0.84 on 4
+threads and 0.70 / 0.73 / 0.76 with this rule on one host, 0.93 / 0.90 / 0.79 against 0.95 / 0.94 /
+0.78 on another (results/fill_policy_ab_s7*.md); one thread was clearly worse (0.77 / 0.56 / 0.52).
+A thread count learned from the fills' times was tried and not kept (in the history after
+b6f717d: no better than this rule in the engine). That fill, not the step's Python beside it,
+bounds the overlapped JSON step at batch 64 and 128 (results/host_split_s7_*.json).
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
@@ -35,7 +50,6 @@ finished rows over in one gather.
 """
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -50,6 +64,8 @@ from .fill_pool import FillPool, split
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
+# Rows per thread of the batch matcher (measured at batch 32 to 128 with 1, 4 and 8 threads, above).
+ROWS_PER_THREAD = 8
 # Rows per chunk of draft-chain rows at least (`fill_chains`).
 CHAIN_ROWS_PER_CHUNK = 32
 # A request whose last fill took more than this share of the budget is queued after the others, so
@@ -57,9 +73,6 @@ CHAIN_ROWS_PER_CHUNK = 32
 SLOW_SHARE = 0.5
 # Workers started beyond `threads` to stand in for workers held by late fills (one per late fill).
 MAX_EXTRA_WORKERS = 32
-# A fill call that returns this long after the Python work beside it ended was not waiting for
-# the GIL (`MaskFiller.learn`): a thread switch takes some 5-50 us.
-GIL_HANDOVER_S = 100e-6
 # A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
 # Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
 BACKGROUND_MIN_ROWS = 4
@@ -70,47 +83,6 @@ class MaskFill:
     """The bitmask of a step and the rows that missed the budget."""
     bitmask: torch.Tensor | None  # rows [:n] of the pinned host buffer; None: nothing is constrained
     late: list[int] = field(default_factory=list)  # positions among the requests passed to `fill`
-
-
-class FillThreads:
-    """How many threads one batch fill gets. A fill on T > 1 threads costs about
-    rows * c / T + T * o: c the time of one row (its grammar state's), o what each of xgrammar's
-    threads costs to start and join (it makes them per call). The best T is sqrt(rows * c / o),
-    unless one thread (no o) is faster. o is THREAD_COST_S; c is a running mean learned from the
-    fills made (`MaskFiller.learn`), since it depends on the schema and where the answers are in it.
-
-    Measured on the H100 host (16 cores). xgrammar alone (benchmarks/bench_fill_threads.py,
-    results/fill_threads*.md, states of hand-written answers): o ~ 40-75 us; 128 rows took 0.40-0.47
-    ms on 4 threads, 0.48-0.96 on 1, 0.88-1.11 on 14. In the engine (bench_fill_policy.py,
-    results/fill_policy_ab.md, real weights; tokens/s of JSON over plain at the same lengths, batch
-    32 / 64 / 128): 1 thread 0.77 / 0.56 / 0.52, 4 threads 0.95 / 0.85 / 0.84, 14 threads 0.99 /
-    0.80 / 0.71: the engine's rows cost more than the hand-written answers' (~20 us against 4-8)."""
-
-    THREAD_COST_S = 50e-6
-    WEIGHT = 0.3  # of the newest fill in the running mean of c
-
-    def __init__(self, max_threads: int, row_cost_s: float = 10e-6):
-        self.max_threads = max(1, max_threads)
-        self.row_cost_s = row_cost_s
-
-    def choose(self, rows: int) -> int:
-        work = rows * self.row_cost_s
-        t = max(1, min(self.max_threads, round(math.sqrt(work / self.THREAD_COST_S))))
-        return t if t > 1 and work / t + t * self.THREAD_COST_S < work else 1
-
-    def observe(self, rows: int, threads: int, seconds: float) -> None:
-        """A fill of `rows` on `threads` took `seconds`."""
-        self.row_cost_s += self.WEIGHT * (self._row_cost(rows, threads, seconds) - self.row_cost_s)
-
-    def observe_bound(self, rows: int, threads: int, seconds: float) -> None:
-        """A fill of `rows` on `threads` took at most `seconds`."""
-        bound = self._row_cost(rows, threads, seconds)
-        if bound < self.row_cost_s:
-            self.row_cost_s += self.WEIGHT * (bound - self.row_cost_s)
-
-    def _row_cost(self, rows: int, threads: int, seconds: float) -> float:
-        overhead = threads * self.THREAD_COST_S if threads > 1 else 0.0
-        return max(0.2e-6, (seconds - overhead) * threads / max(1, rows))
 
 
 class _Waiter:
@@ -187,27 +159,14 @@ class _Workers:
                         waiter.event.set()
 
 
-class StartedFill:
-    """A fill prepared by `MaskFiller.start`, to be called once; it never raises (`fill` raises
-    what it raised). It notes when it ran, for `MaskFiller.learn`."""
-    __slots__ = ("reqs", "done", "error", "rows", "threads", "started_at", "returned_at", "_call")
+class _Started:
+    """A fill prepared by `MaskFiller.start`: its requests, and whether its call ran (and how)."""
+    __slots__ = ("reqs", "done", "error")
 
-    def __init__(self, reqs: list, call: Callable[[], None], rows: int, threads: int):
+    def __init__(self, reqs: list):
         self.reqs = reqs
         self.done = False
         self.error: Exception | None = None
-        self.rows, self.threads = rows, threads
-        self.started_at = self.returned_at = 0.0
-        self._call = call
-
-    def __call__(self) -> None:
-        self.started_at = time.perf_counter()
-        try:
-            self._call()
-        except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
-            self.error = e
-        self.returned_at = time.perf_counter()
-        self.done = True
 
 
 class MaskFiller:
@@ -219,7 +178,6 @@ class MaskFiller:
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
         self._threads = threads
-        self.fill_threads = FillThreads(threads)
         self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher
         self._one_thread: list[xgr.BatchGrammarMatcher] = []  # one per chunk of `fill_chains`
         self._pool: FillPool | None = None  # threads - 1 workers for `fill_chains` (it fills a chunk too)
@@ -233,10 +191,10 @@ class MaskFiller:
         self._lock = threading.Lock()
         self._workers = _Workers(max(2, threads), self._staging, self._lock)
         self._outstanding: set[_Job] = set()  # jobs whose row has not been used yet
-        self._started: StartedFill | None = None
+        self._started: _Started | None = None
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence) -> StartedFill | None:
+    def start(self, reqs: Sequence) -> Callable[[], None] | None:
         """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as one call
         into xgrammar and returns it; None when there are fewer than BACKGROUND_MIN_ROWS rows to
         fill, or with a budget (its per-row jobs run on workers anyway). The caller makes the call
@@ -254,23 +212,16 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        threads = self.fill_threads.choose(len(live))
-        call = batch_fill_call(self._batch_matcher(threads), [reqs[i].matcher for i in live], bitmask, live)
-        self._started = StartedFill(list(reqs), call, len(live), threads)
-        return self._started
+        call = batch_fill_call(self._batch_matcher(len(live)), [reqs[i].matcher for i in live], bitmask, live)
+        started = self._started = _Started(list(reqs))
 
-    def learn(self, fill: StartedFill, beside_done_at: float | None) -> None:
-        """What a started fill's time says about the row cost (`FillThreads`). A call made beside
-        Python work (which ended at `beside_done_at`) returns only once that work lets go of the
-        GIL: if it returned well after the work ended, its time is the fill's own; otherwise it is
-        only an upper bound on it."""
-        if fill.error is not None or not fill.done:
-            return
-        seconds = fill.returned_at - fill.started_at
-        if beside_done_at is None or fill.returned_at > beside_done_at + GIL_HANDOVER_S:
-            self.fill_threads.observe(fill.rows, fill.threads, seconds)
-        else:
-            self.fill_threads.observe_bound(fill.rows, fill.threads, seconds)
+        def run() -> None:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
+                started.error = e
+            started.done = True
+        return run
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed). Its
@@ -350,16 +301,16 @@ class MaskFiller:
             for i in live:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
-            threads = self.fill_threads.choose(len(live))
-            t0 = time.perf_counter()
-            self._batch_matcher(threads).batch_fill_next_token_bitmask(
+            self._batch_matcher(len(live)).batch_fill_next_token_bitmask(
                 [reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
-            self.fill_threads.observe(len(live), threads, time.perf_counter() - t0)
 
-    def _batch_matcher(self, threads: int) -> xgr.BatchGrammarMatcher:
-        if threads not in self._batch:
-            self._batch[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
-        return self._batch[threads]
+    def _batch_matcher(self, rows: int) -> xgr.BatchGrammarMatcher:
+        """A thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each
+        costs more than it saves."""
+        n = max(1, min(self._threads, rows // ROWS_PER_THREAD))
+        if n not in self._batch:
+            self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
+        return self._batch[n]
 
     # -- within a budget: on the workers ----------------------------------------------------------
     def _fill_within(self, reqs: Sequence, bitmask: torch.Tensor, deadline: float) -> list[int]:

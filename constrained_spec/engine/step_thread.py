@@ -17,7 +17,6 @@ The fill pool's workers (`fill_pool.py`) are step threads too.
 from __future__ import annotations
 
 import threading
-import time
 
 
 class StepThread:
@@ -31,7 +30,6 @@ class StepThread:
         self._call = None
         self._error: BaseException | None = None
         self.busy = False  # submitted and not waited for (the submitting thread's view)
-        self.finished_at = 0.0  # time.perf_counter() when the last call returned
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -71,5 +69,4 @@ class StepThread:
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 - raised by `wait`, on the engine thread
                 self._error = e
-            self.finished_at = time.perf_counter()
             self._done.release()
