@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine, markdown_table, write_results  # noqa: E402
 
-from constrained_spec.kernels.bench import (capture, decode_inputs, random_model, replay_ms,  # noqa: E402
+from constrained_spec.kernels.bench import (capture, capture_decode_forward, decode_inputs, random_model, replay_ms,  # noqa: E402
                                             smollm2_135m_config)
 
 H, KVH, D = 9, 3, 64
@@ -129,19 +129,8 @@ def bench_model(batches, contexts, targets, rounds: int, budget_ms: float) -> li
             graphs, outs = {}, {}
             with torch.inference_mode():
                 for v in targets:
-                    backend = TritonAttention(target_programs=v)
-
-                    def fwd(backend=backend):
-                        # the forward stores this step's K/V at meta.out_slots: the same on each replay
-                        return model.compute_logits(model(ids, pos, kv, meta, backend)).float()
-
-                    for _ in range(2):
-                        fwd()
-                    torch.cuda.synchronize()
-                    graphs[v], out = capture(fwd)
-                    graphs[v].replay()
-                    torch.cuda.synchronize()
-                    outs[v] = out.clone()
+                    graphs[v], outs[v] = capture_decode_forward(model, ids, pos, kv, meta,
+                                                                TritonAttention(target_programs=v))
                 ref = outs[targets[0]]
                 times = measure(graphs, rounds, budget_ms)
             row = {"B": B, "ctx": ctx, "variants": {}}

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine, markdown_table, write_results  # noqa: E402
 
-from constrained_spec.kernels.bench import capture, decode_inputs, random_model, replay_ms, smollm2_135m_config  # noqa: E402
+from constrained_spec.kernels.bench import (capture_decode_forward, decode_inputs, random_model, replay_ms,  # noqa: E402
+                                            smollm2_135m_config)
 
 WIDTH = 8192
 VARIANTS = {"separate": False, "fused": True}
@@ -35,18 +36,7 @@ def measure(batch: int, ctx: int, model, cfg, rounds: int, iters: int) -> dict:
     graphs, outs = {}, {}
     with torch.inference_mode():
         for name, fuse in VARIANTS.items():
-            backend = TritonAttention(fuse_rope=fuse)
-
-            def fwd(backend=backend):  # stores this step's K/V at meta.out_slots: the same on every replay
-                return model.compute_logits(model(ids, pos, kv, meta, backend)).float()
-
-            for _ in range(2):
-                fwd()
-            torch.cuda.synchronize()
-            graphs[name], out = capture(fwd)
-            graphs[name].replay()
-            torch.cuda.synchronize()
-            outs[name] = out.clone()
+            graphs[name], outs[name] = capture_decode_forward(model, ids, pos, kv, meta, TritonAttention(fuse_rope=fuse))
         times = {name: [] for name in graphs}
         names = list(graphs)
         for r in range(rounds):

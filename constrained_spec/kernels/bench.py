@@ -69,6 +69,21 @@ def capture(fn):
     return g, out
 
 
+def capture_decode_forward(model, ids, pos, kv, meta, backend):
+    """A whole decode forward (layers + float logits) with `backend`, warmed up and captured:
+    (graph, the logits of one replay, cloned). The forward stores this step's K/V at
+    meta.out_slots, the same on every replay. Call under torch.inference_mode()."""
+    def fwd():
+        return model.compute_logits(model(ids, pos, kv, meta, backend)).float()
+    for _ in range(2):
+        fwd()
+    torch.cuda.synchronize()
+    graph, out = capture(fwd)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out.clone()
+
+
 def main(batches=(1, 64), ctx=256, width=512, iters=200):
     from constrained_spec import kernels as K
     from constrained_spec.attention.triton_backend import TritonAttention
