@@ -71,8 +71,12 @@ def run_hf(path, tok, max_new_tokens):
             for kind in ("plain", "json"):
                 prompts = chat_prompts(tok, bs, json_task=True)
                 g = compiled if kind == "json" else None
-                hf_generate(hf, tok, prompts, 8, g, **kw)
-                hf_generate(hf, tok, prompts, 8, g, **kw)  # warm-up twice (static cache compiles)
+                # warm-up twice: the static cache compiles for the exact generation settings (length,
+                # min_new_tokens), so it warms up with the timed call's; an 8-token warm-up left a
+                # 50 s compile in the timed batch-1 plain run (results/gpu_s7c.md)
+                warm = (max_new_tokens, kind == "plain") if cache == "static" else (8, False)
+                for _ in range(2):
+                    hf_generate(hf, tok, prompts, warm[0], g, fixed_length=warm[1], **kw)
                 n, dt = hf_generate(hf, tok, prompts, max_new_tokens, g, fixed_length=kind == "plain", **kw)
                 records.append(dict(cache=cache, batch=bs, workload=kind, tokens=n, seconds=dt, tok_s=n / dt,
                                     step_ms=1000 * dt / max_new_tokens))
