@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.reference import rope_cos_sin_ref, rotate_ref
 from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
 
 
@@ -74,17 +75,7 @@ def _rope_and_store_cpu(q, k, v, layer: int, kv: KVCache, meta: AttentionMetadat
     besides the GEMMs). The arithmetic is `kernels.reference.apply_rope_ref`'s, bit for bit."""
     key = ("torch_rope", q.dtype)
     if key not in meta.scratch:  # positions are the same in every layer of this forward
-        positions, cos_sin_cache = rope
-        cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-        meta.scratch[key] = (torch.cat([cos, cos], -1).unsqueeze(1).to(q.dtype),
-                             torch.cat([sin, sin], -1).unsqueeze(1).to(q.dtype))  # [T, 1, D]
-    cos, sin = meta.scratch[key]
-    q.copy_(q * cos + _rotate_half(q) * sin)
-    k.copy_(k * cos + _rotate_half(k) * sin)
+        meta.scratch[key] = rope_cos_sin_ref(*rope, q.dtype)
+    rotate_ref(q, k, *meta.scratch[key])
     kv.store(layer, meta.out_slots, k, v)
     return q
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)

@@ -34,10 +34,20 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q and k; returns (q, k). Same arithmetic as the pre-fusion RotaryEmbedding:
     cos/sin (duplicated over both halves) cast to q.dtype, q * cos + rotate_half(q) * sin."""
-    cs = cos_sin_cache[positions]  # [T, D]
-    cos, sin = cs.chunk(2, dim=-1)
-    cos = torch.cat([cos, cos], -1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
-    sin = torch.cat([sin, sin], -1).unsqueeze(1).to(q.dtype)
+    return rotate_ref(q, k, *rope_cos_sin_ref(positions, cos_sin_cache, q.dtype))
+
+
+def rope_cos_sin_ref(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) `apply_rope_ref` rotates with, [T, 1, D] in `dtype`: the same in every layer
+    of a forward, so a caller may build them once (`rotate_ref` then does the rest)."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return torch.cat([cos, cos], -1).unsqueeze(1).to(dtype), torch.cat([sin, sin], -1).unsqueeze(1).to(dtype)
+
+
+def rotate_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q and k with the (cos, sin) of `rope_cos_sin_ref`; returns (q, k)."""
     q.copy_(q * cos + _rotate_half(q) * sin)
     k.copy_(k * cos + _rotate_half(k) * sin)
     return q, k
