@@ -1,11 +1,12 @@
-# The native n-gram trie (native/) is the only compiled part; everything else is pure Python.
+# The native parts (native/: the n-gram trie, the grammar mask fill pool) are the only compiled ones;
+# everything else is pure Python.
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 ext_modules = [
     Pybind11Extension(
         "constrained_spec._native",
-        ["native/ngram_trie.cpp", "native/bindings.cpp"],
+        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/bindings.cpp"],
         include_dirs=["native"],
         cxx_std=17,
         extra_compile_args=["-O3"],

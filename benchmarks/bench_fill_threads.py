@@ -4,7 +4,9 @@ pass through (not the states random weights wander into).
 States: every token position of valid JSON answers to the benchmark schema (PERSON_SCHEMA) and to
 the first hand-written schemas with an example instance; `rows` of them (cycled) make one batch.
 For each batch size, the wall time of one `BatchGrammarMatcher.batch_fill_next_token_bitmask`
-call with 1, 2, 4, 8 and 14 threads, and of a Python loop of per-row fills, median of `--repeats`.
+call with 1, 2, 4, 8 and 14 threads, of a Python loop of per-row fills, and of the engine's native
+pool (persistent threads, `grammar/native_fill.py`) with a thread per 2, 4, 8 or 16 rows, median
+of `--repeats`.
 
   python benchmarks/bench_fill_threads.py --model-dir DIR     # writes results/fill_threads.{json,md}
 """
@@ -18,6 +20,7 @@ import time
 import xgrammar as xgr
 
 from common import PERSON_SCHEMA, machine, markdown_table, write_results
+from constrained_spec.grammar.native_fill import NativeFill
 
 ANSWERS = [
     '{"name": "Alice Smith", "age": 34, "email": "alice@example.com", "skills": ["python", "hiking"], '
@@ -27,6 +30,18 @@ ANSWERS = [
     '"rust", "sql"],\n  "active": true\n}',
 ]
 THREADS = (1, 2, 4, 8, 14)
+NATIVE_ROWS_PER_THREAD = (2, 4, 8, 16)
+
+
+class _Handle:
+    """An xgrammar matcher as `NativeFill.call` takes it (what RequestMatcher carries)."""
+
+    def __init__(self, m):
+        self.ffi_handle = m._handle.__chandle__()
+        self._m = m
+
+    def fill_bitmask(self, bitmask, row):
+        self._m.fill_next_token_bitmask(bitmask, row)
 
 
 def states(tokenizer, vocab_size: int) -> list:
@@ -67,6 +82,7 @@ def main() -> None:
     vocab = 49152 if len(tok) <= 49152 else len(tok)
     pool = states(tok, vocab)
     matchers = {t: xgr.BatchGrammarMatcher(t) for t in THREADS}
+    native = NativeFill.create(max(THREADS) - 1)
     rows, records = [], []
     for B in args.batches:
         batch = [pool[i % len(pool)] for i in range(B)]
@@ -76,6 +92,11 @@ def main() -> None:
             rec["ms"][f"{t} threads"] = timed(lambda: bm.batch_fill_next_token_bitmask(batch, bitmask), args.repeats)
         rec["ms"]["python loop"] = timed(lambda: [m.fill_next_token_bitmask(bitmask, i) for i, m in enumerate(batch)],
                                          args.repeats)
+        if native is not None:  # the engine's persistent pool, a thread per k rows (the caller's included)
+            wrapped = [_Handle(m) for m in batch]
+            for k in NATIVE_ROWS_PER_THREAD:
+                call = native.call(wrapped, bitmask, list(range(B)), native.helpers_for(B, k))
+                rec["ms"][f"native, 1 thread/{k} rows"] = timed(call, args.repeats)
         records.append(rec)
         rows.append([B] + [f"{v:.3f}" for v in rec["ms"].values()])
         print(rows[-1], flush=True)

@@ -95,6 +95,18 @@ stage_fused_rope() {  # Triton attention + fused-kernel GPU tests, then the fuse
   grep "^| [0-9]" "$OUT/fused_rope.log"
 }
 
+stage_native_ab() {  # mask fill: native pool vs xgrammar's batch matcher (microbench, then the engine, one machine)
+  (cd benchmarks && timeout 120 python3 bench_fill_threads.py --model-dir ../.device/tok --name fill_threads_native) \
+    > "$OUT/fill_threads.log" 2>&1
+  grep "^| [0-9b]" "$OUT/fill_threads.log"
+  for fill in native xgrammar; do
+    opt=$([ "$fill" = native ] || echo "--xgrammar-fill")
+    (cd benchmarks && timeout 220 python3 bench_gpu.py --skip-hf --skip-8b $opt --name gpu_fill_$fill) \
+      > "$OUT/bench_gpu_$fill.log" 2>&1
+    echo "-- $fill"; grep "^| [0-9b]" "$OUT/bench_gpu_$fill.log"
+  done
+}
+
 touch "$OUT/.start"  # only what this call wrote goes back ($OUT holds a limited number of files)
 for stage in "$@"; do
   echo "== $stage"

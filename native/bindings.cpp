@@ -1,14 +1,17 @@
-// pybind11 bindings: constrained_spec._native.NgramTrie. Token inputs accept lists or numpy arrays
-// (converted to int32); outputs are numpy int32 arrays. The GIL is released around trie work.
+// pybind11 bindings: constrained_spec._native.NgramTrie and MaskFillPool. Token inputs accept lists
+// or numpy arrays (converted to int32); outputs are numpy int32 arrays. The GIL is released around
+// trie work and mask fills.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <optional>
 
+#include "mask_fill_pool.h"
 #include "ngram_trie.h"
 
 namespace py = pybind11;
+using cspec::MaskFillPool;
 using cspec::NgramConfig;
 using cspec::NgramTrie;
 using IntArr = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -27,7 +30,52 @@ static py::dict config_dict(const NgramConfig& c) {
 }
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "constrained-spec native parts: the n-gram lookahead trie (see native/ngram_trie.h)";
+  m.doc() = "constrained-spec native parts: the n-gram lookahead trie (native/ngram_trie.h) and the "
+            "grammar mask fill pool (native/mask_fill_pool.h)";
+
+  py::class_<MaskFillPool>(m, "MaskFillPool", R"doc(
+Persistent threads that fill grammar bitmask rows through xgrammar's FFI method (no GIL).
+
+MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
+  The last three: addresses of TVMFFIFunctionCall, TVMFFIErrorMoveFromRaised and
+  TVMFFIObjectDecRef in the loaded libtvm_ffi (constrained_spec/grammar/native_fill.py finds them).
+)doc")
+      .def(py::init([](int workers, uintptr_t call, uintptr_t error_move, uintptr_t dec_ref) {
+             if (workers < 0) throw py::value_error("workers must be >= 0");
+             if (!call || !error_move || !dec_ref) throw py::value_error("null TVM FFI entry point");
+             cspec::FfiApi api;
+             api.function_call = reinterpret_cast<decltype(api.function_call)>(call);
+             api.error_move_from_raised = reinterpret_cast<decltype(api.error_move_from_raised)>(error_move);
+             api.object_dec_ref = reinterpret_cast<decltype(api.object_dec_ref)>(dec_ref);
+             return new MaskFillPool(workers, api);
+           }),
+           py::arg("workers"), py::arg("function_call"), py::arg("error_move_from_raised"),
+           py::arg("object_dec_ref"))
+      .def_property_readonly("workers", &MaskFillPool::workers)
+      .def(
+          "fill",
+          [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, I64Arr rows,
+             uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
+            if (matchers.size() != rows.size()) throw py::value_error("matchers and rows differ in length");
+            const int64_t* r = rows.data();
+            for (int64_t i = 0; i < rows.size(); ++i)
+              if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
+            cspec::FillJob job;
+            job.fill_method = reinterpret_cast<void*>(method);
+            job.matcher_type_index = type_index;
+            job.matchers = reinterpret_cast<const uintptr_t*>(matchers.data());
+            job.rows = r;
+            job.n = rows.size();
+            job.bitmask = reinterpret_cast<int32_t*>(bitmask);
+            job.num_rows = num_rows;
+            job.width = width;
+            py::gil_scoped_release nogil;
+            return pool.Fill(job, helpers);
+          },
+          py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
+          py::arg("num_rows"), py::arg("width"), py::arg("helpers"),
+          "Fills bitmask[rows[i]] from matchers[i] (FFI object handles) with up to `helpers` pool threads "
+          "beside the caller; returns -1, or the position of a row whose call failed.");
 
   py::class_<NgramTrie>(m, "NgramTrie", R"doc(
 Shared n-gram trie with per-request tries; drafts trees in xgrammar's layout.

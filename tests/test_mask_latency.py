@@ -195,11 +195,12 @@ def test_xgrammar_writes_whole_rows(backend):
     assert torch.equal(poisoned, reference_rows(ms, 1536))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-batch"])
 @pytest.mark.parametrize("budget_ms", [None, 1000.0])
 @pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5, 4 * ROWS_PER_THREAD + 1])
-def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
-    """Direct loop, batch matcher (on one or several threads) and worker threads all give the
-    reference rows; rows without a matcher (or finished) allow everything."""
+def test_filler_rows_match_direct_fills(backend, budget_ms, rows, native):
+    """Direct loop, native pool, xgrammar's batch matcher (on one or several threads) and worker
+    threads all give the reference rows; rows without a matcher (or finished) allow everything."""
     ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
             for m in ms]
@@ -208,9 +209,12 @@ def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
     buf = torch.full((rows, 1536), 0x5A5A5A5A, dtype=torch.int32)
     filler = MaskFiller(buf, threads=4, budget_ms=budget_ms, max_requests=rows)
     try:
+        assert filler._native is not None  # the native extension is built with the package
+        if not native:  # xgrammar's batch matcher: where the native pool is not available
+            filler._native = None
         fill = filler.fill(reqs)
         assert fill.late == []
-        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS:  # one thread per ROWS_PER_THREAD live rows
+        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS and not native:  # a thread per ROWS_PER_THREAD rows
             assert list(filler._batch) == [min(4, (rows - 2) // ROWS_PER_THREAD)]
         expected = reference_rows([r.matcher if not r.finished else None for r in reqs], 1536)
         assert torch.equal(fill.bitmask, expected)

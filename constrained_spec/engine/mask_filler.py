@@ -60,6 +60,7 @@ import torch
 import xgrammar as xgr
 
 from ..grammar.backend import batch_fill_call, chain_fill_call
+from ..grammar.native_fill import NativeFill
 from .fill_pool import FillPool, split
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
@@ -178,7 +179,8 @@ class MaskFiller:
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
         self._bitmask = bitmask
         self._threads = threads
-        self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher
+        self._native = NativeFill.create(max(0, threads - 1))  # the caller's thread fills too
+        self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher, without it
         self._one_thread: list[xgr.BatchGrammarMatcher] = []  # one per chunk of `fill_chains`
         self._pool: FillPool | None = None  # threads - 1 workers for `fill_chains` (it fills a chunk too)
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
@@ -212,7 +214,7 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        call = batch_fill_call(self._batch_matcher(len(live)), [reqs[i].matcher for i in live], bitmask, live)
+        call = self._fill_call([reqs[i].matcher for i in live], bitmask, live)
         started = self._started = _Started(list(reqs))
 
         def run() -> None:
@@ -262,6 +264,7 @@ class MaskFiller:
 
     def close(self) -> None:
         self.cancel()
+        self._native = None  # its threads are joined as the pool goes
         self._workers.close()
         if self._pool is not None:
             self._pool.close()
@@ -301,16 +304,19 @@ class MaskFiller:
             for i in live:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
         else:
-            self._batch_matcher(len(live)).batch_fill_next_token_bitmask(
-                [reqs[i].matcher.xgr_matcher for i in live], bitmask, live)
+            self._fill_call([reqs[i].matcher for i in live], bitmask, live)()
 
-    def _batch_matcher(self, rows: int) -> xgr.BatchGrammarMatcher:
-        """A thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each
-        costs more than it saves."""
-        n = max(1, min(self._threads, rows // ROWS_PER_THREAD))
+    def _fill_call(self, matchers: Sequence, bitmask: torch.Tensor, rows: list[int]) -> Callable[[], None]:
+        """The fill of bitmask[rows[i]] from matchers[i] as one GIL-free call: on the native pool's
+        persistent threads, else on xgrammar's batch matcher (which starts its threads per call). A
+        thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each costs
+        more than it saves."""
+        if self._native is not None:
+            return self._native.call(matchers, bitmask, rows, self._native.helpers_for(len(rows), ROWS_PER_THREAD))
+        n = max(1, min(self._threads, len(rows) // ROWS_PER_THREAD))
         if n not in self._batch:
             self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
-        return self._batch[n]
+        return batch_fill_call(self._batch[n], matchers, bitmask, rows)
 
     # -- within a budget: on the workers ----------------------------------------------------------
     def _fill_within(self, reqs: Sequence, bitmask: torch.Tensor, deadline: float) -> list[int]:

@@ -61,13 +61,14 @@ def _ebnf_string(s: str) -> str:
 class RequestMatcher:
     """Per-request grammar state (one xgrammar GrammarMatcher). Not thread-safe."""
 
-    __slots__ = ("_m", "compiled", "vocab_size", "_bitmask_width")
+    __slots__ = ("_m", "compiled", "vocab_size", "_bitmask_width", "ffi_handle")
 
     def __init__(self, compiled: CompiledGrammar, vocab_size: int):
         self.compiled = compiled
         self.vocab_size = vocab_size
         self._bitmask_width = math.ceil(vocab_size / 32)
         self._m = xgr.GrammarMatcher(compiled.xgr_compiled)  # xgrammar 0.2.8: rollback is unbounded
+        self.ffi_handle = _ffi_handle(self._m)
 
     @property
     def xgr_matcher(self) -> xgr.GrammarMatcher:
@@ -110,6 +111,7 @@ class RequestMatcher:
         new.compiled, new.vocab_size, new._bitmask_width = (
             self.compiled, self.vocab_size, self._bitmask_width)
         new._m = self._m.fork()
+        new.ffi_handle = _ffi_handle(new._m)
         return new
 
     def jump_forward_string(self) -> str:
@@ -150,6 +152,15 @@ class RequestMatcher:
 
     def __repr__(self) -> str:
         return f"RequestMatcher(kind={self.compiled.spec.kind}, terminated={self.is_terminated()})"
+
+
+def _ffi_handle(matcher: xgr.GrammarMatcher) -> int:
+    """The matcher's TVM FFI object address, for `native_fill` (0 where xgrammar's layout has none).
+    The Python object keeps it alive."""
+    try:
+        return matcher._handle.__chandle__()
+    except AttributeError:
+        return 0
 
 
 def batch_accept(matchers: Sequence[RequestMatcher], tokens: Sequence[int]) -> List[int]:

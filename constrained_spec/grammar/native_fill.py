@@ -1,0 +1,80 @@
+"""Grammar bitmask rows on persistent native threads (`native/mask_fill_pool.h`).
+
+xgrammar's `BatchGrammarMatcher` starts and joins its threads in every call (~40-75 us each on
+the H100 host); at batch 32-128 that made the decode step's fill the last thing to end on the
+host (benchmarks/results/host_split_s7_*.json). `NativeFill` makes the same per-row calls into
+xgrammar (`GrammarMatcher.fill_next_token_bitmask`, through the TVM FFI C ABI that xgrammar's own
+Python bindings use) from threads that live as long as the engine.
+
+`NativeFill.create` returns None where that ABI is not found (another xgrammar or tvm-ffi layout,
+or no native extension): callers then use xgrammar's batch matcher.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_METHOD = "fill_next_token_bitmask"
+
+
+def _ffi_entry_points() -> tuple[int, int, int]:
+    import tvm_ffi.libinfo
+    lib = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi())  # already loaded by xgrammar: the same copy
+    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("TVMFFIFunctionCall", "TVMFFIErrorMoveFromRaised", "TVMFFIObjectDecRef"))
+
+
+class NativeFill:
+    """`workers` persistent threads; `call(...)` prepares a fill that the caller's thread makes with
+    up to `helpers` of them (the GIL is released for the whole fill)."""
+
+    def __init__(self, pool, method, type_index: int):
+        self._pool = pool
+        self._method = method  # the FFI function object: keeps the handle below alive
+        self._method_handle = method.__chandle__()
+        self._type_index = type_index
+        self.workers = pool.workers
+
+    @classmethod
+    def create(cls, workers: int) -> Optional["NativeFill"]:
+        try:
+            from xgrammar.tvm_ffi_binding._ffi_api import GrammarMatcher as FfiMatcher
+
+            from .._native import MaskFillPool
+            info = FfiMatcher.__tvm_ffi_type_info__
+            method = next(m.func for m in info.methods if m.name == _METHOD)
+            pool = MaskFillPool(workers, *_ffi_entry_points())
+        except Exception as e:  # noqa: BLE001 - any layout we do not know: use xgrammar's batch matcher
+            log.info("native grammar fill unavailable (%s: %s); using xgrammar's batch matcher",
+                     type(e).__name__, e)
+            return None
+        return cls(pool, method, info.type_index)
+
+    def helpers_for(self, rows: int, rows_per_thread: int) -> int:
+        """Pool threads beside the caller for `rows` rows: one thread per `rows_per_thread`."""
+        return max(0, min(self.workers, math.ceil(rows / rows_per_thread) - 1))
+
+    def call(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int],
+             helpers: int) -> Callable[[], None]:
+        """The fill of bitmask[rows[i]] from matchers[i] (RequestMatchers), prepared for later: the
+        call converts nothing and drops the GIL at once. A row whose xgrammar call fails is redone
+        through xgrammar's Python API, which raises its error."""
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
+        positions = np.asarray(rows, dtype=np.int64)
+        fill, method, type_index = self._pool.fill, self._method_handle, self._type_index
+        ptr, num_rows, width = bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1]
+
+        def run() -> None:
+            failed = fill(method, type_index, handles, positions, ptr, num_rows, width, helpers)
+            if failed >= 0:
+                matchers[failed].fill_bitmask(bitmask, int(positions[failed]))
+        return run

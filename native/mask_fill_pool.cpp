@@ -1,0 +1,120 @@
+#include "mask_fill_pool.h"
+
+namespace cspec {
+
+namespace {
+
+// dlpack's DLTensor, as xgrammar's FFI method takes the bitmask (a CPU int32 matrix).
+struct DLTensorView {
+  void* data;
+  int32_t device_type;  // kDLCPU = 1
+  int32_t device_id;
+  int32_t ndim;
+  uint8_t dtype_code;   // kDLInt = 0
+  uint8_t dtype_bits;
+  uint16_t dtype_lanes;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+
+}  // namespace
+
+MaskFillPool::MaskFillPool(int workers, FfiApi api) : api_(api) {
+  threads_.reserve(workers);
+  for (int i = 0; i < workers; ++i) threads_.emplace_back([this, i] { WorkerLoop(i); });
+}
+
+MaskFillPool::~MaskFillPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+bool MaskFillPool::FillRow(int64_t i) {
+  DLTensorView tensor{job_.bitmask, 1, 0, 2, 0, 32, 1, shape_, nullptr, 0};
+  FfiAny args[4];
+  args[0].type_index = job_.matcher_type_index;
+  args[0].zero_padding = 0;
+  args[0].v_ptr = reinterpret_cast<void*>(job_.matchers[i]);
+  args[1].type_index = kFfiDLTensorPtr;
+  args[1].zero_padding = 0;
+  args[1].v_ptr = &tensor;
+  args[2].type_index = kFfiInt;
+  args[2].zero_padding = 0;
+  args[2].v_int64 = job_.rows[i];
+  args[3].type_index = kFfiBool;
+  args[3].zero_padding = 0;
+  args[3].v_int64 = 0;  // debug_print
+  FfiAny result;
+  result.type_index = kFfiNone;
+  result.zero_padding = 0;
+  result.v_int64 = 0;
+  if (api_.function_call(job_.fill_method, args, 4, &result) != 0) {
+    void* error = nullptr;
+    api_.error_move_from_raised(&error);
+    if (error != nullptr) api_.object_dec_ref(error);
+    return false;
+  }
+  if (result.type_index >= kFfiStaticObjectBegin && result.v_ptr != nullptr) api_.object_dec_ref(result.v_ptr);
+  return true;
+}
+
+void MaskFillPool::Work() {
+  for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < job_.n;
+       i = next_.fetch_add(1, std::memory_order_relaxed)) {
+    if (!FillRow(i)) {
+      int64_t expected = -1;
+      failed_.compare_exchange_strong(expected, i);
+    }
+  }
+}
+
+void MaskFillPool::WorkerLoop(int id) {
+  uint64_t seen = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    if (stop_) return;
+    seen = generation_;
+    // A worker that wakes after the caller closed the job (it found no rows left) stays out.
+    if (!open_ || id >= helpers_) continue;
+    ++inside_;
+    lock.unlock();
+    Work();
+    lock.lock();
+    if (--inside_ == 0) idle_.notify_one();
+  }
+}
+
+int64_t MaskFillPool::Fill(const FillJob& job, int helpers) {
+  if (job.n <= 0) return -1;
+  job_ = job;
+  shape_[0] = job.num_rows;
+  shape_[1] = job.width;
+  next_.store(0, std::memory_order_relaxed);
+  failed_.store(-1, std::memory_order_relaxed);
+  if (helpers > workers()) helpers = workers();
+  if (helpers > job.n - 1) helpers = static_cast<int>(job.n - 1);
+  if (helpers > 0) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      helpers_ = helpers;
+      open_ = true;
+      ++generation_;
+    }
+    wake_.notify_all();
+  }
+  Work();
+  if (helpers > 0) {
+    std::unique_lock<std::mutex> lock(mu_);
+    open_ = false;
+    idle_.wait(lock, [&] { return inside_ == 0; });
+  }
+  return failed_.load(std::memory_order_relaxed);
+}
+
+}  // namespace cspec

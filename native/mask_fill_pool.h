@@ -1,0 +1,90 @@
+// Grammar bitmask rows filled on persistent threads.
+//
+// xgrammar's BatchGrammarMatcher starts and joins its threads inside every call (40-75 us each on
+// the H100 host), which made the decode step's mask fill the last thing to end on the host from
+// batch 32 up. This pool keeps its threads: a call wakes the helpers it wants, fills rows with
+// them (the calling thread fills too), and returns once every row is written.
+//
+// The rows are filled by xgrammar itself: its GrammarMatcher.fill_next_token_bitmask method,
+// called through the TVM FFI C ABI (stable, plain C, no GIL). The caller hands over the method's
+// function handle and the ABI's entry points (resolved from the loaded libtvm_ffi), so this file
+// needs no xgrammar or tvm-ffi headers at build time.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cspec {
+
+// The few pieces of the TVM FFI C ABI (tvm/ffi/c_api.h, 0.1.x) a method call needs.
+struct FfiAny {
+  int32_t type_index;
+  uint32_t zero_padding;
+  union {
+    int64_t v_int64;
+    void* v_ptr;
+  };
+};
+static_assert(sizeof(FfiAny) == 16, "TVMFFIAny is 16 bytes");
+
+enum : int32_t { kFfiNone = 0, kFfiInt = 1, kFfiBool = 2, kFfiDLTensorPtr = 7, kFfiStaticObjectBegin = 64 };
+
+struct FfiApi {
+  int (*function_call)(void* func, FfiAny* args, int32_t num_args, FfiAny* result);
+  void (*error_move_from_raised)(void** result);
+  int (*object_dec_ref)(void* obj);
+};
+
+// One fill: rows[i] of an int32 bitmask [num_rows, width] from matchers[i].
+struct FillJob {
+  void* fill_method = nullptr;      // GrammarMatcher.fill_next_token_bitmask (an FFI function)
+  int32_t matcher_type_index = 0;   // the FFI type index of the matchers
+  const uintptr_t* matchers = nullptr;
+  const int64_t* rows = nullptr;
+  int64_t n = 0;
+  int32_t* bitmask = nullptr;
+  int64_t num_rows = 0;
+  int64_t width = 0;
+};
+
+class MaskFillPool {
+ public:
+  MaskFillPool(int workers, FfiApi api);
+  ~MaskFillPool();
+  MaskFillPool(const MaskFillPool&) = delete;
+  MaskFillPool& operator=(const MaskFillPool&) = delete;
+
+  int workers() const { return static_cast<int>(threads_.size()); }
+
+  // Fills every row with up to `helpers` pool threads beside the caller. Returns -1, or the
+  // position i of a row whose call failed (its error is dropped; the caller may redo that row
+  // through xgrammar's Python API to raise it). Not reentrant: one call at a time.
+  int64_t Fill(const FillJob& job, int helpers);
+
+ private:
+  void WorkerLoop(int id);
+  void Work();
+  bool FillRow(int64_t i);
+
+  FfiApi api_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable wake_;   // workers wait for a new job
+  std::condition_variable idle_;   // the caller waits for the workers inside a job
+  uint64_t generation_ = 0;        // bumped per job (guarded by mu_)
+  int helpers_ = 0;                // workers with id < helpers_ join the current job
+  bool open_ = false;              // rows may still be claimed (guarded by mu_)
+  int inside_ = 0;                 // workers working on the current job (guarded by mu_)
+  bool stop_ = false;
+
+  FillJob job_;
+  int64_t shape_[2] = {0, 0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> failed_{-1};
+};
+
+}  // namespace cspec

@@ -1,0 +1,89 @@
+"""The native mask-fill pool (`grammar/native_fill.py`, `native/mask_fill_pool.cpp`): the rows it
+writes are xgrammar's own, for any number of helper threads and any row order, call after call;
+an xgrammar error reaches the caller."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from constrained_spec.grammar import GrammarSpec
+from constrained_spec.grammar.native_fill import NativeFill
+from matcher_states import backend, matchers_along  # noqa: F401 (backend: a fixture)
+
+SCHEMA = GrammarSpec.json_schema({
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                   "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+                   "ok": {"type": "boolean"}},
+    "required": ["name", "age", "tags", "ok"], "additionalProperties": False})
+TEXT = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["bb", "a"], "ok": True})
+WIDTH = 1536  # SmolLM2's 49152 tokens / 32
+
+
+@pytest.fixture(scope="module")
+def states(backend):
+    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False)) + 1
+    ms, _ = matchers_along(backend, SCHEMA, TEXT, n)
+    ref = torch.empty((n, WIDTH), dtype=torch.int32)
+    for i, m in enumerate(ms):
+        m.fill_bitmask(ref, i)
+    return ms, ref
+
+
+@pytest.fixture(scope="module")
+def native():
+    fill = NativeFill.create(3)
+    assert fill is not None, "the native extension and xgrammar's FFI layout are part of the package"
+    yield fill
+
+
+@pytest.mark.parametrize("helpers", [0, 1, 3])
+def test_rows_are_xgrammars(states, native, helpers):
+    ms, ref = states
+    order = list(range(len(ms)))
+    random.Random(helpers).shuffle(order)
+    out = torch.full((len(ms) + 5, WIDTH), 0x5A5A5A5A, dtype=torch.int32)
+    rows = [r + 5 for r in order]  # matcher order[k] fills row order[k] + 5
+    native.call([ms[i] for i in order], out, rows, helpers)()
+    assert torch.equal(out[5:], ref)
+    assert (out[:5] == 0x5A5A5A5A).all()  # rows it was not given are untouched
+
+
+def test_repeated_calls_are_stable(states, native):
+    """Many calls in a row on the same threads (the engine's use): every one complete and exact."""
+    ms, ref = states
+    out = torch.empty_like(ref)
+    call = native.call(ms, out, list(range(len(ms))), native.workers)
+    for _ in range(300):
+        out.fill_(0)
+        call()
+        assert torch.equal(out, ref)
+
+
+def test_matcher_state_is_unchanged(states, native):
+    ms, ref = states
+    out = torch.empty_like(ref)
+    native.call(ms, out, list(range(len(ms))), 2)()
+    again = torch.empty_like(ref)
+    for i, m in enumerate(ms):
+        m.fill_bitmask(again, i)
+    assert torch.equal(again, ref)
+
+
+def test_xgrammar_error_is_raised(states, native):
+    """A bitmask too narrow for the vocabulary: xgrammar refuses it, and the caller hears why."""
+    ms, _ = states
+    narrow = torch.zeros((len(ms), WIDTH // 2), dtype=torch.int32)
+    with pytest.raises(Exception):
+        native.call(ms[:4], narrow, [0, 1, 2, 3], 1)()
+
+
+def test_bad_arguments_are_refused(states, native):
+    ms, ref = states
+    with pytest.raises(ValueError):
+        native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int64), [0, 1], 0)
+    with pytest.raises(IndexError):
+        native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int32), [0, 2], 0)()
