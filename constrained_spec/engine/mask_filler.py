@@ -67,6 +67,9 @@ from .fill_pool import FillPool, split
 DIRECT_FILL_MAX_ROWS = 8
 # Rows per thread of the batch matcher (measured at batch 32 to 128 with 1, 4 and 8 threads, above).
 ROWS_PER_THREAD = 8
+# Rows per thread of the native pool, whose threads are waiting (bench_fill_threads.py, H100 host:
+# 2 rows a thread fastest at batch 32 and 64, 4 at 128; results/fill_threads_native.md).
+NATIVE_ROWS_PER_THREAD = 2
 # Rows per chunk of draft-chain rows at least (`fill_chains`).
 CHAIN_ROWS_PER_CHUNK = 32
 # A request whose last fill took more than this share of the budget is queued after the others, so
@@ -312,7 +315,7 @@ class MaskFiller:
         thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each costs
         more than it saves."""
         if self._native is not None:
-            return self._native.call(matchers, bitmask, rows, self._native.helpers_for(len(rows), ROWS_PER_THREAD))
+            return self._native.call(matchers, bitmask, rows, self._native.helpers_for(len(rows), NATIVE_ROWS_PER_THREAD))
         n = max(1, min(self._threads, len(rows) // ROWS_PER_THREAD))
         if n not in self._batch:
             self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
