@@ -56,26 +56,49 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
           "fill",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, I64Arr rows,
              uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
-            if (matchers.size() != rows.size()) throw py::value_error("matchers and rows differ in length");
+            const int64_t n = rows.size();
+            if (matchers.size() != n) throw py::value_error("matchers and rows differ in length");
             const int64_t* r = rows.data();
-            for (int64_t i = 0; i < rows.size(); ++i)
+            for (int64_t i = 0; i < n; ++i)
               if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
             cspec::FillJob job;
             job.fill_method = reinterpret_cast<void*>(method);
             job.matcher_type_index = type_index;
             job.matchers = reinterpret_cast<const uintptr_t*>(matchers.data());
+            job.n = n;
             job.rows = r;
-            job.n = rows.size();
             job.bitmask = reinterpret_cast<int32_t*>(bitmask);
             job.num_rows = num_rows;
             job.width = width;
             py::gil_scoped_release nogil;
-            return pool.Fill(job, helpers);
+            return pool.Run(job, helpers);
           },
           py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
           py::arg("num_rows"), py::arg("width"), py::arg("helpers"),
           "Fills bitmask[rows[i]] from matchers[i] (FFI object handles) with up to `helpers` pool threads "
-          "beside the caller; returns -1, or the position of a row whose call failed.");
+          "beside the caller; returns -1, or the position of a row whose fill failed.")
+      .def(
+          "accept",
+          [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, IntArr tokens,
+             py::array_t<int8_t, py::array::c_style> accepted, int helpers) {
+            const int64_t n = matchers.size();
+            if (tokens.size() != n || accepted.size() != n)
+              throw py::value_error("matchers, tokens and accepted differ in length");
+            if (!accepted.writeable()) throw py::value_error("accepted must be writeable");
+            cspec::FillJob job;
+            job.accept_method = reinterpret_cast<void*>(method);
+            job.matcher_type_index = type_index;
+            job.matchers = reinterpret_cast<const uintptr_t*>(matchers.data());
+            job.n = n;
+            job.tokens = tokens.data();
+            job.accepted = accepted.mutable_data();
+            py::gil_scoped_release nogil;
+            pool.Run(job, helpers);
+          },
+          py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("tokens"), py::arg("accepted"),
+          py::arg("helpers"),
+          "matchers[i] accepts tokens[i], with up to `helpers` pool threads beside the caller; accepted[i] "
+          "(int8): 1, or 0 where the grammar refused it (that matcher is unchanged).");
 
   py::class_<NgramTrie>(m, "NgramTrie", R"doc(
 Shared n-gram trie with per-request tries; drafts trees in xgrammar's layout.

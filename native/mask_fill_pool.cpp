@@ -34,39 +34,57 @@ MaskFillPool::~MaskFillPool() {
   for (auto& t : threads_) t.join();
 }
 
-bool MaskFillPool::FillRow(int64_t i) {
-  DLTensorView tensor{job_.bitmask, 1, 0, 2, 0, 32, 1, shape_, nullptr, 0};
-  FfiAny args[4];
-  args[0].type_index = job_.matcher_type_index;
-  args[0].zero_padding = 0;
-  args[0].v_ptr = reinterpret_cast<void*>(job_.matchers[i]);
-  args[1].type_index = kFfiDLTensorPtr;
-  args[1].zero_padding = 0;
-  args[1].v_ptr = &tensor;
-  args[2].type_index = kFfiInt;
-  args[2].zero_padding = 0;
-  args[2].v_int64 = job_.rows[i];
-  args[3].type_index = kFfiBool;
-  args[3].zero_padding = 0;
-  args[3].v_int64 = 0;  // debug_print
-  FfiAny result;
-  result.type_index = kFfiNone;
-  result.zero_padding = 0;
-  result.v_int64 = 0;
-  if (api_.function_call(job_.fill_method, args, 4, &result) != 0) {
+bool MaskFillPool::Call(void* method, FfiAny* args, int32_t num_args, FfiAny* result) {
+  result->type_index = kFfiNone;
+  result->zero_padding = 0;
+  result->v_int64 = 0;
+  if (api_.function_call(method, args, num_args, result) != 0) {
     void* error = nullptr;
     api_.error_move_from_raised(&error);
     if (error != nullptr) api_.object_dec_ref(error);
     return false;
   }
-  if (result.type_index >= kFfiStaticObjectBegin && result.v_ptr != nullptr) api_.object_dec_ref(result.v_ptr);
+  if (result->type_index >= kFfiStaticObjectBegin && result->v_ptr != nullptr) api_.object_dec_ref(result->v_ptr);
   return true;
+}
+
+static void SetArg(FfiAny* arg, int32_t type_index, int64_t value) {
+  arg->type_index = type_index;
+  arg->zero_padding = 0;
+  arg->v_int64 = value;
+}
+
+static void SetPtrArg(FfiAny* arg, int32_t type_index, void* value) {
+  arg->type_index = type_index;
+  arg->zero_padding = 0;
+  arg->v_ptr = value;
+}
+
+bool MaskFillPool::AcceptToken(int64_t i) {
+  FfiAny args[3];
+  SetPtrArg(&args[0], job_.matcher_type_index, reinterpret_cast<void*>(job_.matchers[i]));
+  SetArg(&args[1], kFfiInt, job_.tokens[i]);
+  SetArg(&args[2], kFfiBool, 0);  // debug_print
+  FfiAny result;
+  return Call(job_.accept_method, args, 3, &result) && result.type_index == kFfiBool && result.v_int64 != 0;
+}
+
+bool MaskFillPool::FillRow(int64_t i) {
+  DLTensorView tensor{job_.bitmask, 1, 0, 2, 0, 32, 1, shape_, nullptr, 0};
+  FfiAny args[4];
+  SetPtrArg(&args[0], job_.matcher_type_index, reinterpret_cast<void*>(job_.matchers[i]));
+  SetPtrArg(&args[1], kFfiDLTensorPtr, &tensor);
+  SetArg(&args[2], kFfiInt, job_.rows[i]);
+  SetArg(&args[3], kFfiBool, 0);  // debug_print
+  FfiAny result;
+  return Call(job_.fill_method, args, 4, &result);
 }
 
 void MaskFillPool::Work() {
   for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < job_.n;
        i = next_.fetch_add(1, std::memory_order_relaxed)) {
-    if (!FillRow(i)) {
+    if (job_.accept_method != nullptr) job_.accepted[i] = static_cast<int8_t>(AcceptToken(i));
+    if (job_.fill_method != nullptr && !FillRow(i)) {
       int64_t expected = -1;
       failed_.compare_exchange_strong(expected, i);
     }
@@ -90,7 +108,7 @@ void MaskFillPool::WorkerLoop(int id) {
   }
 }
 
-int64_t MaskFillPool::Fill(const FillJob& job, int helpers) {
+int64_t MaskFillPool::Run(const FillJob& job, int helpers) {
   if (job.n <= 0) return -1;
   job_ = job;
   shape_[0] = job.num_rows;

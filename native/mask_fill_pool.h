@@ -39,13 +39,18 @@ struct FfiApi {
   int (*object_dec_ref)(void* obj);
 };
 
-// One fill: rows[i] of an int32 bitmask [num_rows, width] from matchers[i].
+// One job over n matchers: matchers[i] accepts tokens[i] (with an accept method; accepted[i] says
+// whether it did: 1, or 0 and the matcher is as it was), then fills row rows[i] of an int32 bitmask
+// [num_rows, width] (with a fill method).
 struct FillJob {
-  void* fill_method = nullptr;      // GrammarMatcher.fill_next_token_bitmask (an FFI function)
+  void* accept_method = nullptr;    // GrammarMatcher.accept_token (an FFI function), or none
+  void* fill_method = nullptr;      // GrammarMatcher.fill_next_token_bitmask (an FFI function), or none
   int32_t matcher_type_index = 0;   // the FFI type index of the matchers
   const uintptr_t* matchers = nullptr;
-  const int64_t* rows = nullptr;
   int64_t n = 0;
+  const int32_t* tokens = nullptr;  // with accept_method
+  int8_t* accepted = nullptr;       // with accept_method
+  const int64_t* rows = nullptr;    // with fill_method
   int32_t* bitmask = nullptr;
   int64_t num_rows = 0;
   int64_t width = 0;
@@ -60,14 +65,17 @@ class MaskFillPool {
 
   int workers() const { return static_cast<int>(threads_.size()); }
 
-  // Fills every row with up to `helpers` pool threads beside the caller. Returns -1, or the
-  // position i of a row whose call failed (its error is dropped; the caller may redo that row
-  // through xgrammar's Python API to raise it). Not reentrant: one call at a time.
-  int64_t Fill(const FillJob& job, int helpers);
+  // Runs the job with up to `helpers` pool threads beside the caller. Returns -1, or the position
+  // i of a row whose fill failed (its error is dropped; the caller may redo that row through
+  // xgrammar's Python API to raise it). A failed accept reads as refused. Not reentrant: one call
+  // at a time.
+  int64_t Run(const FillJob& job, int helpers);
 
  private:
   void WorkerLoop(int id);
   void Work();
+  bool Call(void* method, FfiAny* args, int32_t num_args, FfiAny* result);
+  bool AcceptToken(int64_t i);
   bool FillRow(int64_t i);
 
   FfiApi api_;

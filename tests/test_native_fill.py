@@ -87,3 +87,24 @@ def test_bad_arguments_are_refused(states, native):
         native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int64), [0, 1], 0)
     with pytest.raises(IndexError):
         native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int32), [0, 2], 0)()
+
+
+def test_accept(backend, native):
+    """Each matcher accepts its token (in parallel): the rows then are those of the next state; a
+    refused token (illegal there, or outside the vocabulary) leaves its matcher as it was and is
+    reported."""
+    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
+    ms, ids = matchers_along(backend, SCHEMA, TEXT, n)  # ms[k] has accepted ids[:k]
+    after, _ = matchers_along(backend, SCHEMA, TEXT, n + 1)
+    ref = torch.empty((n + 1, WIDTH), dtype=torch.int32)
+    for i, m in enumerate(after):
+        m.fill_bitmask(ref, i)
+    tokens = list(ids[:n])
+    tokens[0] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # an object must open first
+    tokens[3] = 60000  # outside the vocabulary
+    assert native.accept(ms, tokens, 2) == [0, 3]
+    out = torch.empty((n, WIDTH), dtype=torch.int32)
+    native.call(ms, out, list(range(n)), 2)()
+    for k in range(n):
+        assert torch.equal(out[k], ref[k] if k in (0, 3) else ref[k + 1]), k
+    assert native.accept(ms[:0], [], 2) == []

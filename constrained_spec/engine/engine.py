@@ -34,7 +34,6 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
-from ..grammar.backend import batch_accept
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..spec.grammar_draft import stable_forced_tokens
@@ -376,7 +375,7 @@ class Engine:
         grammar = [i for i in live if reqs[i].matcher is not None]
         if grammar:
             t0 = time.perf_counter()
-            refused = batch_accept([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar])
+            refused = self.masks.accept([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar])
             self.stats.grammar_accept_seconds += time.perf_counter() - t0
             for j in refused:
                 i = grammar[j]

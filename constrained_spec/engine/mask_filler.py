@@ -1,8 +1,15 @@
 """Grammar bitmask rows for one step, optionally within a time budget ("bounded mask latency").
 
 Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
-per row for small batches, one call of xgrammar's `BatchGrammarMatcher` on `threads` C++ threads for
-larger ones (no Python per row, one GIL release). Measured on the H100 machine's 16-core host
+per row for small batches, one GIL-free call for larger ones: on the native pool's persistent
+threads (`grammar/native_fill.py`: a thread per NATIVE_ROWS_PER_THREAD rows, up to `threads`;
+the step's token accepts go through it too), or where that is not available on xgrammar's
+`BatchGrammarMatcher`, which starts its `threads` C++ threads in every call. Native pool against
+the batch matcher, H100, one machine (bench_gpu.py --xgrammar-fill, results/gpu_fill_native.md,
+gpu_fill_xgrammar.log): JSON / plain 0.97 / 0.95 / 0.79 / 0.89 against 0.94 / 0.90 / 0.54 / 0.91
+at batch 8 / 32 / 64 / 128, batch-64 JSON 27.7k against 19.8k tok/s.
+
+The history of the batch matcher's thread count follows. Measured on the H100 machine's 16-core host
 (benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
 benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
 batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
@@ -59,7 +66,7 @@ from typing import Callable, Sequence
 import torch
 import xgrammar as xgr
 
-from ..grammar.backend import batch_fill_call, chain_fill_call
+from ..grammar.backend import batch_accept, batch_fill_call, chain_fill_call
 from ..grammar.native_fill import NativeFill
 from .fill_pool import FillPool, split
 
@@ -70,6 +77,8 @@ ROWS_PER_THREAD = 8
 # Rows per thread of the native pool, whose threads are waiting (bench_fill_threads.py, H100 host:
 # 2 rows a thread fastest at batch 32 and 64, 4 at 128; results/fill_threads_native.md).
 NATIVE_ROWS_PER_THREAD = 2
+# Tokens accepted per thread of the native pool (an accept costs about what a cheap fill does).
+ACCEPT_ROWS_PER_THREAD = 8
 # Rows per chunk of draft-chain rows at least (`fill_chains`).
 CHAIN_ROWS_PER_CHUNK = 32
 # A request whose last fill took more than this share of the budget is queued after the others, so
@@ -271,6 +280,14 @@ class MaskFiller:
         self._workers.close()
         if self._pool is not None:
             self._pool.close()
+
+    def accept(self, matchers: Sequence, tokens: Sequence[int]) -> list[int]:
+        """matchers[i] accepts tokens[i]; returns the positions whose token was refused (those
+        matchers are unchanged). On the native pool's threads (a thread per ACCEPT_ROWS_PER_THREAD
+        rows), else in one xgrammar call on this thread."""
+        if self._native is None:
+            return batch_accept(matchers, tokens)
+        return self._native.accept(matchers, tokens, self._native.helpers_for(len(matchers), ACCEPT_ROWS_PER_THREAD))
 
     # -- a speculative step's draft chains -------------------------------------------------------
     def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,

@@ -1,10 +1,12 @@
-"""Grammar bitmask rows on persistent native threads (`native/mask_fill_pool.h`).
+"""Grammar bitmask rows, and token accepts, on persistent native threads (`native/mask_fill_pool.h`).
 
 xgrammar's `BatchGrammarMatcher` starts and joins its threads in every call (~40-75 us each on
 the H100 host); at batch 32-128 that made the decode step's fill the last thing to end on the
-host (benchmarks/results/host_split_s7_*.json). `NativeFill` makes the same per-row calls into
-xgrammar (`GrammarMatcher.fill_next_token_bitmask`, through the TVM FFI C ABI that xgrammar's own
-Python bindings use) from threads that live as long as the engine.
+host (benchmarks/results/host_split_s7_*.json), and its batch accept runs on one thread.
+`NativeFill` makes the same per-row calls into xgrammar (`GrammarMatcher.fill_next_token_bitmask`
+and `accept_token`, through the TVM FFI C ABI that xgrammar's own Python bindings use) from
+threads that live as long as the engine. 128 rows of real JSON states on the H100 host: 0.10 ms
+against 0.47 for xgrammar's best thread count (benchmarks/results/fill_threads_native.md).
 
 `NativeFill.create` returns None where that ABI is not found (another xgrammar or tvm-ffi layout,
 or no native extension): callers then use xgrammar's batch matcher.
@@ -21,9 +23,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_METHOD = "fill_next_token_bitmask"
-
-
 def _ffi_entry_points() -> tuple[int, int, int]:
     import tvm_ffi.libinfo
     lib = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi())  # already loaded by xgrammar: the same copy
@@ -35,10 +34,11 @@ class NativeFill:
     """`workers` persistent threads; `call(...)` prepares a fill that the caller's thread makes with
     up to `helpers` of them (the GIL is released for the whole fill)."""
 
-    def __init__(self, pool, method, type_index: int):
+    def __init__(self, pool, fill_method, accept_method, type_index: int):
         self._pool = pool
-        self._method = method  # the FFI function object: keeps the handle below alive
-        self._method_handle = method.__chandle__()
+        self._methods = (fill_method, accept_method)  # the FFI function objects: keep the handles alive
+        self._fill_handle = fill_method.__chandle__()
+        self._accept_handle = accept_method.__chandle__()
         self._type_index = type_index
         self.workers = pool.workers
 
@@ -49,13 +49,14 @@ class NativeFill:
 
             from .._native import MaskFillPool
             info = FfiMatcher.__tvm_ffi_type_info__
-            method = next(m.func for m in info.methods if m.name == _METHOD)
+            methods = {m.name: m.func for m in info.methods}
+            fill, accept = methods["fill_next_token_bitmask"], methods["accept_token"]
             pool = MaskFillPool(workers, *_ffi_entry_points())
         except Exception as e:  # noqa: BLE001 - any layout we do not know: use xgrammar's batch matcher
             log.info("native grammar fill unavailable (%s: %s); using xgrammar's batch matcher",
                      type(e).__name__, e)
             return None
-        return cls(pool, method, info.type_index)
+        return cls(pool, fill, accept, info.type_index)
 
     def helpers_for(self, rows: int, rows_per_thread: int) -> int:
         """Pool threads beside the caller for `rows` rows: one thread per `rows_per_thread`."""
@@ -65,12 +66,13 @@ class NativeFill:
              helpers: int) -> Callable[[], None]:
         """The fill of bitmask[rows[i]] from matchers[i] (RequestMatchers), prepared for later: the
         call converts nothing and drops the GIL at once. A row whose xgrammar call fails is redone
-        through xgrammar's Python API, which raises its error."""
+        through xgrammar's Python API, which raises its error. The returned call holds `matchers`:
+        the FFI handles it passes stay alive however the requests end meanwhile."""
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
         handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
         positions = np.asarray(rows, dtype=np.int64)
-        fill, method, type_index = self._pool.fill, self._method_handle, self._type_index
+        fill, method, type_index = self._pool.fill, self._fill_handle, self._type_index
         ptr, num_rows, width = bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1]
 
         def run() -> None:
@@ -78,3 +80,16 @@ class NativeFill:
             if failed >= 0:
                 matchers[failed].fill_bitmask(bitmask, int(positions[failed]))
         return run
+
+    def accept(self, matchers: Sequence, tokens: Sequence[int], helpers: int) -> list[int]:
+        """matchers[i] accepts tokens[i], on up to `helpers` pool threads beside this one (the GIL
+        released); returns the positions whose token the grammar refused (those matchers are
+        unchanged), as `backend.batch_accept` does on one thread."""
+        n = len(matchers)
+        handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=n)
+        ids = np.asarray(tokens, dtype=np.int32)
+        accepted = np.empty(n, dtype=np.int8)
+        self._pool.accept(self._accept_handle, self._type_index, handles, ids, accepted, helpers)
+        if accepted.all():
+            return []
+        return np.flatnonzero(accepted == 0).tolist()
