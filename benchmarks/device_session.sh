@@ -95,10 +95,13 @@ stage_fused_rope() {  # Triton attention + fused-kernel GPU tests, then the fuse
   grep "^| [0-9]" "$OUT/fused_rope.log"
 }
 
-stage_native_ab() {  # mask fill: native pool vs xgrammar's batch matcher (microbench, then the engine, one machine)
+stage_fill_micro() {  # mask fill microbench: xgrammar's batch matcher by threads vs the native pool (tokenizer only)
   (cd benchmarks && timeout 120 python3 bench_fill_threads.py --model-dir ../.device/tok --name fill_threads_native) \
     > "$OUT/fill_threads.log" 2>&1
   grep "^| [0-9b]" "$OUT/fill_threads.log"
+}
+
+stage_native_ab() {  # grammar work on the native pool vs xgrammar's batch matcher, in the engine, one machine
   for fill in native xgrammar; do
     opt=$([ "$fill" = native ] || echo "--xgrammar-fill")
     (cd benchmarks && timeout 220 python3 bench_gpu.py --skip-hf --skip-8b $opt --name gpu_fill_$fill) \
