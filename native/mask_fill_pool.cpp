@@ -60,31 +60,62 @@ static void SetPtrArg(FfiAny* arg, int32_t type_index, void* value) {
   arg->v_ptr = value;
 }
 
-bool MaskFillPool::AcceptToken(int64_t i) {
+bool MaskFillPool::AcceptToken(int64_t i, int32_t token) {
   FfiAny args[3];
   SetPtrArg(&args[0], job_.matcher_type_index, reinterpret_cast<void*>(job_.matchers[i]));
-  SetArg(&args[1], kFfiInt, job_.tokens[i]);
+  SetArg(&args[1], kFfiInt, token);
   SetArg(&args[2], kFfiBool, 0);  // debug_print
   FfiAny result;
   return Call(job_.accept_method, args, 3, &result) && result.type_index == kFfiBool && result.v_int64 != 0;
 }
 
-bool MaskFillPool::FillRow(int64_t i) {
+bool MaskFillPool::FillRow(int64_t i, int64_t row) {
   DLTensorView tensor{job_.bitmask, 1, 0, 2, 0, 32, 1, shape_, nullptr, 0};
   FfiAny args[4];
   SetPtrArg(&args[0], job_.matcher_type_index, reinterpret_cast<void*>(job_.matchers[i]));
   SetPtrArg(&args[1], kFfiDLTensorPtr, &tensor);
-  SetArg(&args[2], kFfiInt, job_.rows[i]);
+  SetArg(&args[2], kFfiInt, row);
   SetArg(&args[3], kFfiBool, 0);  // debug_print
   FfiAny result;
   return Call(job_.fill_method, args, 4, &result);
 }
 
+bool MaskFillPool::Rollback(int64_t i, int64_t num_tokens) {
+  if (num_tokens <= 0) return true;
+  FfiAny args[2];
+  SetPtrArg(&args[0], job_.matcher_type_index, reinterpret_cast<void*>(job_.matchers[i]));
+  SetArg(&args[1], kFfiInt, num_tokens);
+  FfiAny result;
+  return Call(job_.rollback_method, args, 2, &result);
+}
+
+bool MaskFillPool::WalkChain(int64_t i) {
+  const int64_t begin = job_.chain_offsets[i], length = job_.chain_offsets[i + 1] - begin;
+  int64_t taken = 0;
+  bool ok = true;
+  for (int64_t d = 0; d < length && ok; ++d) {
+    if (d > 0) {
+      ok = AcceptToken(i, job_.chain_tokens[begin + d]);
+      if (!ok) break;
+      ++taken;
+    }
+    if (!(d == length - 1 && job_.skip_last_fill[i])) ok = FillRow(i, job_.rows[i] + d);
+  }
+  return Rollback(i, taken) && ok;
+}
+
 void MaskFillPool::Work() {
   for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < job_.n;
        i = next_.fetch_add(1, std::memory_order_relaxed)) {
-    if (job_.accept_method != nullptr) job_.accepted[i] = static_cast<int8_t>(AcceptToken(i));
-    if (job_.fill_method != nullptr && !FillRow(i)) {
+    bool ok = true;
+    if (job_.chain_offsets != nullptr) {
+      ok = WalkChain(i);
+      job_.accepted[i] = static_cast<int8_t>(ok);
+    } else {
+      if (job_.accept_method != nullptr) job_.accepted[i] = static_cast<int8_t>(AcceptToken(i, job_.tokens[i]));
+      if (job_.fill_method != nullptr) ok = FillRow(i, job_.rows[i]);
+    }
+    if (!ok) {
       int64_t expected = -1;
       failed_.compare_exchange_strong(expected, i);
     }

@@ -39,12 +39,22 @@ struct FfiApi {
   int (*object_dec_ref)(void* obj);
 };
 
-// One job over n matchers: matchers[i] accepts tokens[i] (with an accept method; accepted[i] says
-// whether it did: 1, or 0 and the matcher is as it was), then fills row rows[i] of an int32 bitmask
-// [num_rows, width] (with a fill method).
+// One job over n matchers, one of three kinds:
+// * accept: matchers[i] accepts tokens[i]; accepted[i] says whether it did (1, or 0 and the matcher
+//   is as it was);
+// * fill: matchers[i] fills row rows[i] of an int32 bitmask [num_rows, width];
+// * chains (a speculative step's draft chains): matchers[i] has taken the chain's root,
+//   chain_tokens[chain_offsets[i]]; for each depth d of the chain it accepts the chain's token d
+//   (d >= 1) and fills row rows[i] + d, except the row after a last token that ends the grammar
+//   (skip_last_fill[i]); then it is rolled back to where it was. accepted[i] = 0 where a chain
+//   token was refused (the walk stops there and is rolled back too).
 struct FillJob {
   void* accept_method = nullptr;    // GrammarMatcher.accept_token (an FFI function), or none
   void* fill_method = nullptr;      // GrammarMatcher.fill_next_token_bitmask (an FFI function), or none
+  void* rollback_method = nullptr;  // GrammarMatcher.rollback (an FFI function): chains
+  const int64_t* chain_offsets = nullptr;  // [n + 1]: chains
+  const int32_t* chain_tokens = nullptr;   // chains
+  const int8_t* skip_last_fill = nullptr;  // [n]: chains
   int32_t matcher_type_index = 0;   // the FFI type index of the matchers
   const uintptr_t* matchers = nullptr;
   int64_t n = 0;
@@ -75,8 +85,10 @@ class MaskFillPool {
   void WorkerLoop(int id);
   void Work();
   bool Call(void* method, FfiAny* args, int32_t num_args, FfiAny* result);
-  bool AcceptToken(int64_t i);
-  bool FillRow(int64_t i);
+  bool AcceptToken(int64_t i, int32_t token);
+  bool FillRow(int64_t i, int64_t row);
+  bool Rollback(int64_t i, int64_t num_tokens);
+  bool WalkChain(int64_t i);
 
   FfiApi api_;
   std::vector<std::thread> threads_;

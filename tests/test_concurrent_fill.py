@@ -479,12 +479,13 @@ def test_step_thread_hands_over_and_raises():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads):
-    """A speculative step's rows for grammar-guided chains, filled depth by depth in chunks
-    (`MaskFiller.fill_chains`), equal xgrammar's walk of each chain; a chain may end on the
-    grammar's stop token (the row after it is left alone); the matchers are where they were."""
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
+    """A speculative step's rows for grammar-guided chains (`MaskFiller.fill_chains`: a chain per
+    thread on the native pool, or depth by depth in xgrammar calls) equal xgrammar's walk of each
+    chain; a chain may end on the grammar's stop token (the row after it is left alone); the
+    matchers are where they were."""
     import numpy as np
-    from constrained_spec.engine.mask_filler import CHAIN_ROWS_PER_CHUNK
     text = json.dumps({"name": "Bo Lee of the " * 4 + "Hills", "age": 7})
     ms, ids = matchers_along(backend, PERSON, text, 24)
     chains = [[ids[k - 1]] + ids[k:k + 1 + k % 7] for k in range(1, 24)]  # root (accepted) + 1..7 drafts
@@ -505,9 +506,11 @@ def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads):
     buf = torch.full_like(expected, 0x5A5A5A5A)
     filler = MaskFiller(torch.zeros((1, 1536), dtype=torch.int32), threads=threads, budget_ms=None, max_requests=1)
     try:
+        assert filler._native is not None
+        if not native:
+            filler._native = None
         filler.fill_chains(ms, [np.array(c) for c in chains], buf, [b * N for b in range(len(ms))],
                            frozenset(backend.grammar.tokenizer_info.stop_token_ids))
-        assert sum(map(len, chains)) >= 2 * CHAIN_ROWS_PER_CHUNK  # several chunks with 3 threads
         assert torch.equal(buf, expected)
         assert torch.equal(rows_of(ms), before) and not choice.is_terminated()
     finally:

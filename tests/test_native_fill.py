@@ -108,3 +108,24 @@ def test_accept(backend, native):
     for k in range(n):
         assert torch.equal(out[k], ref[k] if k in (0, 3) else ref[k + 1]), k
     assert native.accept(ms[:0], [], 2) == []
+
+
+def test_refused_chain_token_raises_and_rolls_back(backend, native):
+    """A draft chain the grammar refuses midway (a bug upstream: guided chains are legal) raises;
+    every matcher, the refusing one included, is back where it was."""
+    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
+    ms, ids = matchers_along(backend, SCHEMA, TEXT, n - 4)
+    ms = ms[1:]  # ms[k] has taken ids[:k + 1]: its chain's root is ids[k]
+    chains = [[ids[k], ids[k + 1], ids[k + 2]] for k in range(len(ms))]
+    chains[0][2] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # refused after '{"'
+    before = torch.empty((len(ms), WIDTH), dtype=torch.int32)
+    for i, m in enumerate(ms):
+        m.fill_bitmask(before, i)
+    out = torch.zeros((3 * len(ms), WIDTH), dtype=torch.int32)
+    call = native.chains_call(ms, chains, out, [3 * i for i in range(len(ms))], frozenset(), 2)
+    with pytest.raises(RuntimeError, match="refused"):
+        call()
+    after = torch.empty_like(before)
+    for i, m in enumerate(ms):
+        m.fill_bitmask(after, i)
+    assert torch.equal(after, before)

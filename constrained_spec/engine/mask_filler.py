@@ -68,7 +68,6 @@ import xgrammar as xgr
 
 from ..grammar.backend import batch_accept, batch_fill_call, chain_fill_call
 from ..grammar.native_fill import NativeFill
-from .fill_pool import FillPool, split
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
@@ -79,8 +78,8 @@ ROWS_PER_THREAD = 8
 NATIVE_ROWS_PER_THREAD = 2
 # Tokens accepted per thread of the native pool (an accept costs about what a cheap fill does).
 ACCEPT_ROWS_PER_THREAD = 8
-# Rows per chunk of draft-chain rows at least (`fill_chains`).
-CHAIN_ROWS_PER_CHUNK = 32
+# Draft chains per thread of the native pool (`fill_chains`; a chain is up to ~8 fills and accepts).
+CHAINS_PER_THREAD = 2
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that with few workers the rows that can still make it are not stuck behind it.
 SLOW_SHARE = 0.5
@@ -193,8 +192,7 @@ class MaskFiller:
         self._threads = threads
         self._native = NativeFill.create(max(0, threads - 1))  # the caller's thread fills too
         self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch matcher, without it
-        self._one_thread: list[xgr.BatchGrammarMatcher] = []  # one per chunk of `fill_chains`
-        self._pool: FillPool | None = None  # threads - 1 workers for `fill_chains` (it fills a chunk too)
+        self._one_thread: xgr.BatchGrammarMatcher | None = None  # `fill_chains` without the native pool
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         # One staging row per job; late jobs of finished requests may briefly hold a row each, hence
         # the room beyond one per request. The last row stays all-ones (rows nobody constrains).
@@ -278,8 +276,6 @@ class MaskFiller:
         self.cancel()
         self._native = None  # its threads are joined as the pool goes
         self._workers.close()
-        if self._pool is not None:
-            self._pool.close()
 
     def accept(self, matchers: Sequence, tokens: Sequence[int]) -> list[int]:
         """matchers[i] accepts tokens[i]; returns the positions whose token was refused (those
@@ -292,27 +288,16 @@ class MaskFiller:
     # -- a speculative step's draft chains -------------------------------------------------------
     def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
                     first_rows: Sequence[int], stop_ids: frozenset) -> None:
-        """A speculative step's rows for grammar-guided draft chains (`backend.chain_fill_call`),
-        in chunks of CHAIN_ROWS_PER_CHUNK rows or more, up to `threads` chunks, made in parallel by
-        this thread and the fill pool's (`fill_pool.py`). Each chunk makes two calls per draft
-        depth; nothing else runs Python meanwhile (the engine thread waits here), so the threads
-        only queue for the GIL to enter their calls."""
-        rows = sum(len(c) for c in chains)
-        n = max(1, min(self._threads, rows // CHAIN_ROWS_PER_CHUNK, len(chains)))
-        while len(self._one_thread) < n:
-            self._one_thread.append(xgr.BatchGrammarMatcher(max_threads=1))
-        if n > 1 and self._pool is None:
-            self._pool = FillPool(self._threads - 1)
-        parts = split(len(chains), n)
-        calls = [chain_fill_call(self._one_thread[p], [matchers[j] for j in part], [chains[j] for j in part],
-                                 bitmask, [first_rows[j] for j in part], stop_ids) for p, part in enumerate(parts)]
-        if n > 1:
-            self._pool.launch(calls[1:])
-        try:
-            calls[0]()
-        finally:
-            if n > 1:
-                self._pool.join()
+        """A speculative step's rows for grammar-guided draft chains: on the native pool, a chain per
+        thread at a time (a thread per CHAINS_PER_THREAD chains); else depth by depth in xgrammar
+        calls on this thread (`backend.chain_fill_call`). Raises if a chain token was refused."""
+        if self._native is not None:
+            helpers = self._native.helpers_for(len(chains), CHAINS_PER_THREAD)
+            self._native.chains_call(matchers, chains, bitmask, first_rows, stop_ids, helpers)()
+            return
+        if self._one_thread is None:
+            self._one_thread = xgr.BatchGrammarMatcher(max_threads=1)
+        chain_fill_call(self._one_thread, matchers, chains, bitmask, first_rows, stop_ids)()
 
     # -- without a budget: on the engine thread ---------------------------------------------------
     def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> None:

@@ -266,9 +266,9 @@ class SpeculativeWorker:
 
     def _mask_trees(self, reqs, trees: HostTrees, io: VerifyIO) -> HostTrees:
         """Fills one bitmask row per node into the pinned rows the tail copies, and prunes the nodes
-        whose path the grammar forbids. Grammar-guided chains (every token legal) are filled depth
-        by depth for the whole batch on the fill pool's threads; other trees of requests with a
-        grammar (a drafter without ranked next tokens) by xgrammar's walk of the tree."""
+        whose path the grammar forbids. Grammar-guided chains (every token legal) are filled chain
+        by chain on the native pool's threads (`MaskFiller.fill_chains`); other trees of requests
+        with a grammar (a drafter without ranked next tokens) by xgrammar's walk of the tree."""
         N = self.width
         rows = self._guided_rows(reqs)
         guided = set(rows)

@@ -11,8 +11,6 @@ for the GIL up to the interpreter's switch interval, 5 ms).
 While the step thread runs, the engine thread is inside the call or waiting for the step thread
 (`wait`); between the two it only notes that the call returned. Engine state is therefore used by
 one thread at a time, and callbacks (`on_output`) still come one at a time, in order.
-
-The fill pool's workers (`fill_pool.py`) are step threads too.
 """
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def chain_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[R
         def run() -> None:
             for d in range(depth):
                 if accepts[d] is not None and 0 in _BATCH_ACCEPT(*accepts[d], False):
-                    raise RuntimeError(_REFUSED_DRAFT)
+                    raise RuntimeError(REFUSED_DRAFT)
                 handles, rows = fills[d]
                 if len(rows):
                     fill(handles, bitmask, rows, False)
@@ -241,7 +241,7 @@ def chain_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[R
                 ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in accept_at[d][0]],
                                                                 accept_at[d][1])
                 if not all(ok):
-                    raise RuntimeError(_REFUSED_DRAFT)
+                    raise RuntimeError(REFUSED_DRAFT)
             if fill_at[d][1]:
                 batch_matcher.batch_fill_next_token_bitmask([m.xgr_matcher for m in fill_at[d][0]], bitmask,
                                                             fill_at[d][1])
@@ -251,7 +251,7 @@ def chain_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[R
 
 # A chain fill whose chain the grammar refuses (a bug: guided chains are legal by construction)
 # raises this; the matchers are left where the walk stopped, and the engine fails the running requests.
-_REFUSED_DRAFT = "a draft chain token was refused by its grammar"
+REFUSED_DRAFT = "a draft chain token was refused by its grammar"
 
 
 def _as_i64(x) -> torch.Tensor:

@@ -21,7 +21,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from .backend import REFUSED_DRAFT
+
 log = logging.getLogger(__name__)
+
+_METHODS = frozenset({"fill_next_token_bitmask", "accept_token", "rollback"})
 
 def _ffi_entry_points() -> tuple[int, int, int]:
     import tvm_ffi.libinfo
@@ -34,11 +38,12 @@ class NativeFill:
     """`workers` persistent threads; `call(...)` prepares a fill that the caller's thread makes with
     up to `helpers` of them (the GIL is released for the whole fill)."""
 
-    def __init__(self, pool, fill_method, accept_method, type_index: int):
+    def __init__(self, pool, methods: dict, type_index: int):
         self._pool = pool
-        self._methods = (fill_method, accept_method)  # the FFI function objects: keep the handles alive
-        self._fill_handle = fill_method.__chandle__()
-        self._accept_handle = accept_method.__chandle__()
+        self._methods = methods  # the FFI function objects: keep the handles below alive
+        self._fill_handle = methods["fill_next_token_bitmask"].__chandle__()
+        self._accept_handle = methods["accept_token"].__chandle__()
+        self._rollback_handle = methods["rollback"].__chandle__()
         self._type_index = type_index
         self.workers = pool.workers
 
@@ -49,14 +54,16 @@ class NativeFill:
 
             from .._native import MaskFillPool
             info = FfiMatcher.__tvm_ffi_type_info__
-            methods = {m.name: m.func for m in info.methods}
-            fill, accept = methods["fill_next_token_bitmask"], methods["accept_token"]
+            methods = {m.name: m.func for m in info.methods if m.name in _METHODS}
+            missing = _METHODS.difference(methods)
+            if missing:
+                raise AttributeError(f"xgrammar's GrammarMatcher has no FFI method {sorted(missing)}")
             pool = MaskFillPool(workers, *_ffi_entry_points())
         except Exception as e:  # noqa: BLE001 - any layout we do not know: use xgrammar's batch matcher
             log.info("native grammar fill unavailable (%s: %s); using xgrammar's batch matcher",
                      type(e).__name__, e)
             return None
-        return cls(pool, fill, accept, info.type_index)
+        return cls(pool, methods, info.type_index)
 
     def helpers_for(self, rows: int, rows_per_thread: int) -> int:
         """Pool threads beside the caller for `rows` rows: one thread per `rows_per_thread`."""
@@ -93,3 +100,31 @@ class NativeFill:
         if accepted.all():
             return []
         return np.flatnonzero(accepted == 0).tolist()
+
+    def chains_call(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
+                    first_rows: Sequence[int], stop_ids: frozenset, helpers: int) -> Callable[[], None]:
+        """A speculative step's rows for draft chains, prepared for later (what
+        `backend.chain_fill_call` does, a chain per thread at a time): matchers[i], which has taken
+        chains[i][0], fills row first_rows[i] + d after accepting chains[i][1:d + 1], for every
+        d < len(chains[i]), and is rolled back at the end; a chain whose last token is one of
+        `stop_ids` (it ends the grammar) leaves the row after it alone. The call raises
+        RuntimeError(REFUSED_DRAFT) if a chain token was refused (those matchers are rolled back)."""
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        n = len(matchers)
+        handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=n)
+        lengths = np.fromiter((len(c) for c in chains), dtype=np.int64, count=n)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate([np.asarray(c, dtype=np.int32) for c in chains]) if n else np.zeros(0, np.int32)
+        skip_last = np.fromiter((len(c) > 1 and int(c[-1]) in stop_ids for c in chains), dtype=np.int8, count=n)
+        rows = np.asarray(first_rows, dtype=np.int64)
+        ok = np.empty(n, dtype=np.int8)
+        pool, ptr, num_rows, width = self._pool, bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1]
+        methods = (self._fill_handle, self._accept_handle, self._rollback_handle, self._type_index)
+
+        def run() -> None:
+            pool.fill_chains(*methods, handles, offsets, tokens, skip_last, rows, ptr, num_rows, width, ok, helpers)
+            if not ok.all():  # (the closure holds `matchers`: the FFI handles stay alive through the call)
+                raise RuntimeError(f"{REFUSED_DRAFT} ({len(matchers) - int(ok.sum())} of {len(matchers)} chains)")
+        return run
