@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
+from ..models.cpu_linear import prepack_bf16_linears
 from .batch import ScheduledBatch
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, GraphStep
@@ -58,6 +59,8 @@ class StepResult:
 class ModelRunner:
     def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model = loaded.model
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            prepack_bf16_linears(self.model)  # oneDNN's blocked weights: the step's GEMMs 1.3-1.5x faster
         self.mcfg = loaded.config
         self.device, self.dtype = device, dtype
         self.vocab_size = self.mcfg.vocab_size

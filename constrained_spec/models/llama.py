@@ -97,6 +97,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head = None  # the head prepacked for oneDNN (bfloat16 on CPU: models/cpu_linear.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -106,9 +107,14 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rope, kv, meta, backend)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
+        return F.linear(hidden, self.head_weight)
 
     # -- weights ---------------------------------------------------------------------------------
     _FUSED = {  # HF name fragment -> (our fused parameter, shard index)
