@@ -4,7 +4,8 @@ Every decode step multiplies each layer's fused q/k/v, o, fused gate/up and down
 logits head by as many rows as the batch has requests (plus draft tokens when speculating). This
 times exactly those matmuls (`F.linear`, as both our forward and `transformers` call them; random
 weights of the real shapes, 30 layers streamed from memory as in a real step, not one layer cached)
-at 1, 8 and 16 rows, in float32 and bfloat16, and MKL's packed float32 GEMM for comparison. The
+at 1, 8 and 16 rows, in float32 and bfloat16, MKL's packed float32 GEMM for comparison, and the
+engine's bfloat16 path (oneDNN's prepacked weights, `models/cpu_linear.py`). The
 ceiling on tokens/s at batch B is B / (GEMM time of a B-row step); results/cpu_vs_hf.json gives
 what both engines reach.
 
@@ -32,7 +33,14 @@ def step_ms(dtype: torch.dtype, rows: int, packed: bool, repeats: int) -> float:
     torch.manual_seed(0)
     weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes()]
     inputs = {i: torch.randn(rows, i, dtype=dtype) for i in (HIDDEN, INTER)}
-    if packed:
+    if packed and dtype == torch.bfloat16:  # what the engine runs (models/cpu_linear.py)
+        from constrained_spec.models.cpu_linear import PackedLinear
+        layers = [PackedLinear(w, None) for w in weights]
+
+        def step():
+            for w, layer in zip(weights, layers):
+                layer(inputs[w.shape[1]])
+    elif packed:
         packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
 
         def step():
@@ -64,7 +72,8 @@ def main() -> None:
     hf_fp32_plain = hf.get(("float32", 8, "plain"))
     records, rows_md = [], []
     for dtype_name, dtype, packed in (("float32", torch.float32, False), ("float32, MKL packed", torch.float32, True),
-                                      ("bfloat16", torch.bfloat16, False)):
+                                      ("bfloat16", torch.bfloat16, False),
+                                      ("bfloat16, oneDNN prepacked (the engine's)", torch.bfloat16, True)):
         for rows in [int(r) for r in args.rows.split(",")]:
             try:
                 ms = step_ms(dtype, rows, packed, args.repeats)
