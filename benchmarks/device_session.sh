@@ -101,9 +101,9 @@ stage_fill_micro() {  # mask fill microbench: xgrammar's batch matcher by thread
   grep "^| [0-9b]" "$OUT/fill_threads.log"
 }
 
-stage_native_ab() {  # grammar work on the native pool vs xgrammar's batch matcher, in the engine, one machine
-  for fill in native xgrammar; do
-    opt=$([ "$fill" = native ] || echo "--xgrammar-fill")
+stage_native_ab() {  # grammar work on the native pool (on its threads / one call beside the step thread) vs xgrammar's batch matcher
+  for fill in native beside xgrammar; do
+    opt=$(case $fill in native) ;; beside) echo "--fill-beside-step-thread";; *) echo "--xgrammar-fill";; esac)
     (cd benchmarks && timeout 220 python3 bench_gpu.py --skip-hf --skip-8b $opt --name gpu_fill_$fill) \
       > "$OUT/bench_gpu_$fill.log" 2>&1
     echo "-- $fill"; grep "^| [0-9b]" "$OUT/bench_gpu_$fill.log"

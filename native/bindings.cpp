@@ -61,6 +61,7 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
             const int64_t* r = rows.data();
             for (int64_t i = 0; i < n; ++i)
               if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
+            if (pool.pending()) throw std::runtime_error("fill while a started fill is pending");
             cspec::FillJob job;
             job.fill_method = reinterpret_cast<void*>(method);
             job.matcher_type_index = type_index;
@@ -78,6 +79,41 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
           "Fills bitmask[rows[i]] from matchers[i] (FFI object handles) with up to `helpers` pool threads "
           "beside the caller; returns -1, or the position of a row whose fill failed.")
       .def(
+          "fill_start",
+          [](MaskFillPool& pool, uintptr_t method, int32_t type_index, py::array matchers, py::array rows,
+             uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
+            // No conversion here: the arrays are read after this returns, so they must be the
+            // caller's own (which it keeps until fill_finish).
+            auto exact = [](const py::array& a, const char* name) {
+              if (!a.dtype().is(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style) || a.ndim() != 1)
+                throw py::value_error(std::string(name) + " must be a contiguous 1-d int64 array");
+            };
+            if (pool.pending()) throw std::runtime_error("fill_start before the last fill_finish");
+            exact(matchers, "matchers");
+            exact(rows, "rows");
+            const int64_t n = rows.size();
+            if (matchers.size() != n) throw py::value_error("matchers and rows differ in length");
+            const int64_t* r = static_cast<const int64_t*>(rows.data());
+            for (int64_t i = 0; i < n; ++i)
+              if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
+            cspec::FillJob job;
+            job.fill_method = reinterpret_cast<void*>(method);
+            job.matcher_type_index = type_index;
+            job.matchers = static_cast<const uintptr_t*>(matchers.data());
+            job.n = n;
+            job.rows = r;
+            job.bitmask = reinterpret_cast<int32_t*>(bitmask);
+            job.num_rows = num_rows;
+            job.width = width;
+            pool.Start(job, helpers);
+          },
+          py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
+          py::arg("num_rows"), py::arg("width"), py::arg("helpers"),
+          "`fill` in two halves: wakes up to `helpers` pool threads on the rows and returns at once; the "
+          "arrays must stay alive until fill_finish.")
+      .def("fill_finish", &MaskFillPool::Finish, py::call_guard<py::gil_scoped_release>(),
+           "Fills the rows no pool thread has taken, waits for the threads; returns what `fill` returns.")
+      .def(
           "accept",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, IntArr tokens,
              py::array_t<int8_t, py::array::c_style> accepted, int helpers) {
@@ -85,6 +121,7 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
             if (tokens.size() != n || accepted.size() != n)
               throw py::value_error("matchers, tokens and accepted differ in length");
             if (!accepted.writeable()) throw py::value_error("accepted must be writeable");
+            if (pool.pending()) throw std::runtime_error("accept while a started fill is pending");
             cspec::FillJob job;
             job.accept_method = reinterpret_cast<void*>(method);
             job.matcher_type_index = type_index;
@@ -117,6 +154,7 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
               if (off[i + 1] <= off[i]) throw py::value_error("every chain holds its root");
               if (r[i] < 0 || r[i] + (off[i + 1] - off[i]) > num_rows) throw py::index_error("bitmask row out of range");
             }
+            if (pool.pending()) throw std::runtime_error("fill_chains while a started fill is pending");
             cspec::FillJob job;
             job.fill_method = reinterpret_cast<void*>(fill_method);
             job.accept_method = reinterpret_cast<void*>(accept_method);

@@ -139,31 +139,43 @@ void MaskFillPool::WorkerLoop(int id) {
   }
 }
 
-int64_t MaskFillPool::Run(const FillJob& job, int helpers) {
-  if (job.n <= 0) return -1;
+void MaskFillPool::Start(const FillJob& job, int helpers) {
+  pending_ = true;
   job_ = job;
   shape_[0] = job.num_rows;
   shape_[1] = job.width;
   next_.store(0, std::memory_order_relaxed);
   failed_.store(-1, std::memory_order_relaxed);
   if (helpers > workers()) helpers = workers();
-  if (helpers > job.n - 1) helpers = static_cast<int>(job.n - 1);
-  if (helpers > 0) {
+  if (helpers > job.n) helpers = static_cast<int>(job.n);
+  started_helpers_ = helpers > 0 ? helpers : 0;
+  if (started_helpers_ > 0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      helpers_ = helpers;
+      helpers_ = started_helpers_;
       open_ = true;
       ++generation_;
     }
     wake_.notify_all();
   }
-  Work();
-  if (helpers > 0) {
+}
+
+int64_t MaskFillPool::Finish() {
+  Work();  // the rows no worker has taken yet
+  if (started_helpers_ > 0) {
     std::unique_lock<std::mutex> lock(mu_);
     open_ = false;
     idle_.wait(lock, [&] { return inside_ == 0; });
   }
+  started_helpers_ = 0;
+  pending_ = false;
   return failed_.load(std::memory_order_relaxed);
+}
+
+int64_t MaskFillPool::Run(const FillJob& job, int helpers) {
+  if (job.n <= 0) return -1;
+  Start(job, helpers < job.n - 1 ? helpers : static_cast<int>(job.n - 1));
+  return Finish();
 }
 
 }  // namespace cspec

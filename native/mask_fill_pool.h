@@ -74,12 +74,19 @@ class MaskFillPool {
   MaskFillPool& operator=(const MaskFillPool&) = delete;
 
   int workers() const { return static_cast<int>(threads_.size()); }
+  bool pending() const { return pending_; }
 
   // Runs the job with up to `helpers` pool threads beside the caller. Returns -1, or the position
   // i of a row whose fill failed (its error is dropped; the caller may redo that row through
   // xgrammar's Python API to raise it). A failed accept reads as refused. Not reentrant: one call
   // at a time.
   int64_t Run(const FillJob& job, int helpers);
+
+  // Run in two halves, for a caller with other work meanwhile: Start wakes up to `helpers` pool
+  // threads on the job and returns; Finish fills the rows none of them has taken yet, waits for
+  // them and returns what Run would. The job's arrays must live until Finish; one job at a time.
+  void Start(const FillJob& job, int helpers);
+  int64_t Finish();
 
  private:
   void WorkerLoop(int id);
@@ -100,6 +107,8 @@ class MaskFillPool {
   bool open_ = false;              // rows may still be claimed (guarded by mu_)
   int inside_ = 0;                 // workers working on the current job (guarded by mu_)
   bool stop_ = false;
+  int started_helpers_ = 0;        // helpers woken for the job in flight (the caller's thread only)
+  bool pending_ = false;           // Start called, Finish not yet (the caller's thread only)
 
   FillJob job_;
   int64_t shape_[2] = {0, 0};

@@ -37,8 +37,12 @@ def build(tiny_llama_dir, **kw) -> Engine:
                   grammar_mask_threads=2, **kw)
 
 
-def overlapped(engine: Engine) -> list[int]:
-    """Forces the overlapped loop; returns a list that counts the fills made beside the processing."""
+def overlapped(engine: Engine, native: bool = True) -> list[int]:
+    """Forces the overlapped loop (`native=False`: with xgrammar's calls, not the native pool);
+    returns a list that counts the fills made beside the processing."""
+    assert engine.masks._native is not None
+    if not native:
+        engine.masks._native = None
     started = [0]
     start = engine.masks.start
 
@@ -64,9 +68,15 @@ def workload():
     return specs, params
 
 
-def beside_a_fill() -> bool:
-    """Whether the caller runs on the engine's step thread: while the engine thread fills masks."""
-    return threading.current_thread().name == "constrained-spec-step"
+def beside_a_fill(engine: Engine) -> bool:
+    """Whether the caller runs beside a running mask fill: on the engine's step thread (while the
+    engine thread makes xgrammar's call), or on the engine thread while the fill runs on the native
+    pool's threads."""
+    name = threading.current_thread().name
+    if name == "constrained-spec-step":
+        return True
+    started = engine.masks._started
+    return name == "constrained-spec-engine" and started is not None and started.on_threads and not started.done
 
 
 def summary(outs):
@@ -89,10 +99,11 @@ def reference(tiny_llama_dir):
     return summary(outs)
 
 
-def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference):
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference, native):
     eng = build(tiny_llama_dir)
     try:
-        started = overlapped(eng)
+        started = overlapped(eng, native)
         specs, params = workload()
         assert summary(eng.generate(PROMPTS, params, specs)) == reference
         assert started[0] >= 10  # the fills did run beside the processing
@@ -110,9 +121,11 @@ def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference):
         eng.shutdown()
 
 
-def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch):
-    """The ownership rule: the step thread runs while the fill holds the batch's matchers, so it
-    must not call any matcher (a race xgrammar would not report)."""
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch, native):
+    """The ownership rule: the Python that runs while a fill holds the batch's matchers (the engine
+    thread's, the fill on the native pool; the step thread's, beside xgrammar's call) must not call
+    any matcher (a race xgrammar would not report)."""
     from constrained_spec.grammar.backend import RequestMatcher
     offenders = []
     for name in ("accept_token", "accept_tokens", "rollback", "fill_bitmask", "is_terminated", "can_terminate",
@@ -120,13 +133,13 @@ def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch):
         method = getattr(RequestMatcher, name)
 
         def guarded(self, *args, _method=method, _name=name, **kwargs):
-            if beside_a_fill():
+            if beside_a_fill(eng):
                 offenders.append(_name)
             return _method(self, *args, **kwargs)
         monkeypatch.setattr(RequestMatcher, name, guarded)
     eng = build(tiny_llama_dir)
     try:
-        started = overlapped(eng)
+        started = overlapped(eng, native)
         specs, params = workload()
         assert summary(eng.generate(PROMPTS, params, specs)) == reference
         assert started[0] >= 10 and offenders == []
@@ -219,7 +232,7 @@ def test_abort_while_the_fill_runs(tiny_llama_dir, reference):
         def trigger(out):  # request 0's updates arrive on the step thread, beside a fill
             collectors[0](out)
             if len(collectors[0].ids) == 4:
-                in_fill.append(beside_a_fill())
+                in_fill.append(beside_a_fill(eng))
                 eng.abort(reqs[victim].request_id)
         callbacks = [trigger] + collectors[1:]
         for p, sp, g, c in zip(PROMPTS, params, specs, callbacks):
@@ -247,7 +260,7 @@ def test_failed_step_with_a_started_fill_keeps_serving(tiny_llama_dir, reference
         def raising(out):
             collector(out)
             if len(collector.ids) == 3 and not raised:
-                raised.append(beside_a_fill())
+                raised.append(beside_a_fill(eng))
                 raise RuntimeError("injected failure in an output callback")
         others = [_Collector() for _ in PROMPTS[1:]]
         reqs = [eng.add_request(PROMPTS[0], params[0], specs[0], raising)]
@@ -352,7 +365,8 @@ def fake_reqs(matchers):
 
 
 @pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 19])
-def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls):
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls, native):
     ms, _ = matchers_along(backend, PERSON, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows + 2)
     reqs = fake_reqs(ms)
     reqs[1].matcher = None  # no grammar
@@ -360,10 +374,13 @@ def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls):
     expected = rows_of([r.matcher if not r.finished else None for r in reqs])
     buf = torch.full((len(reqs), 1536), 0x5A5A5A5A, dtype=torch.int32)
     filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
+    if not native:
+        filler._native = None
     try:
-        call = filler.start(reqs)
-        assert call is not None and filler.start(reqs) is None  # one at a time
-        worker = threading.Thread(target=call)  # any thread may make the call
+        started = filler.start(reqs)
+        assert started is not None and filler.start(reqs) is None  # one at a time
+        assert started.on_threads == native
+        worker = threading.Thread(target=started.finish)  # any thread may finish it
         worker.start()
         worker.join()
         fill = filler.fill(reqs)
@@ -371,15 +388,18 @@ def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls):
         assert torch.equal(fill.bitmask, expected)
         # a fill for other requests than the started ones fills anew
         buf.fill_(0x5A5A5A5A)
-        filler.start(reqs)()
+        filler.start(reqs).finish()
         other = reqs[::-1]
         assert torch.equal(filler.fill(other).bitmask, rows_of([r.matcher if not r.finished else None for r in other]))
-        # a call never made: the fill is made by `fill`
+        # never finished by the caller: `fill` finishes it (native) or fills anew
         buf.fill_(0x5A5A5A5A)
         assert filler.start(reqs) is not None
         assert torch.equal(filler.fill(reqs).bitmask, expected)
-        # cancel: nothing pending afterwards
-        filler.start(reqs)()
+        # cancel: nothing pending afterwards (a fill on the pool is waited for)
+        filler.start(reqs)
+        filler.cancel()
+        assert filler._started is None
+        filler.start(reqs).finish()
         filler.cancel()
         assert filler._started is None
         buf.fill_(0x5A5A5A5A)
@@ -404,8 +424,9 @@ def test_started_fill_not_used_below_its_threshold_or_with_a_budget(backend):
         budgeted.close()
 
 
-@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 24])  # one xgrammar thread, or several
-def test_started_fill_error_reaches_the_engine_thread(backend, rows):
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+@pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 24])  # one thread, or several
+def test_started_fill_error_reaches_the_engine_thread(backend, rows, native):
     """A fill call that fails does not raise (it runs beside the step's Python work); `fill` raises
     it (the engine fails that step), and the filler works on afterwards."""
     ms, _ = matchers_along(backend, CHOICE, "yes", 2)  # at the start, after "yes"
@@ -416,8 +437,10 @@ def test_started_fill_error_reaches_the_engine_thread(backend, rows):
     reqs = fake_reqs(ms)
     buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
     filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(ms))
+    if not native:
+        filler._native = None
     try:
-        filler.start(reqs)()
+        filler.start(reqs).finish()
         with pytest.raises(Exception, match="terminated"):
             filler.fill(reqs)
         assert filler._started is None
@@ -426,7 +449,8 @@ def test_started_fill_error_reaches_the_engine_thread(backend, rows):
         filler.close()
 
 
-def test_fill_call_releases_the_gil(backend):
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+def test_fill_call_releases_the_gil(backend, native):
     """The prepared fill call drops the GIL (at once: its arguments are converted beforehand), so
     Python on another thread runs on while it fills. A thread that wakes from a sleep needs the
     GIL to go on; with the switch interval raised, a call holding the GIL would hold it back to
@@ -438,10 +462,11 @@ def test_fill_call_releases_the_gil(backend):
     reqs = fake_reqs(ms)
     buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
     filler = MaskFiller(buf, threads=1, budget_ms=None, max_requests=len(ms))
+    if not native:
+        filler._native = None
     interval = sys.getswitchinterval()
     try:
-        call = filler.start(reqs)
-        worker = threading.Thread(target=call)
+        worker = threading.Thread(target=filler.start(reqs).finish)
         sys.setswitchinterval(5.0)
         ticks = 0
         t0 = time.perf_counter()

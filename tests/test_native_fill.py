@@ -129,3 +129,20 @@ def test_refused_chain_token_raises_and_rolls_back(backend, native):
     for i, m in enumerate(ms):
         m.fill_bitmask(after, i)
     assert torch.equal(after, before)
+
+
+@pytest.mark.parametrize("helpers", [1, 3])
+def test_started_fill_runs_on_the_pool(states, native, helpers):
+    """`start` returns at once with the rows filling on the pool's threads; `finish` completes them.
+    Until then the pool takes no other job."""
+    ms, ref = states
+    out = torch.zeros_like(ref)
+    started = native.start(ms, out, list(range(len(ms))), helpers)
+    with pytest.raises(RuntimeError, match="before the last fill_finish"):
+        native.start(ms, out, list(range(len(ms))), helpers)
+    with pytest.raises(RuntimeError, match="pending"):
+        native.call(ms, out, list(range(len(ms))), 0)()
+    started.finish()
+    started.finish()  # once is enough; again is a no-op
+    assert torch.equal(out, ref)
+    native.call(ms, out, list(range(len(ms))), 1)()  # the pool serves again

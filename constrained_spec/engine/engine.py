@@ -395,14 +395,24 @@ class Engine:
             self._fill_beside(fill, reqs, live, tokens, logprobs)
 
     def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
-        """Makes the mask fill on this thread while the step thread appends the step's tokens. The
-        fill drops the GIL at once, so the step thread, waking meanwhile, finds it free
-        (`step_thread.py` says why not the other way round)."""
+        """Appends the step's tokens while the mask fill runs. A fill on the native pool's threads
+        runs by itself: this thread appends meanwhile, then waits for it. Otherwise this thread makes
+        the fill call while the step thread appends: the call drops the GIL at once, so the step
+        thread, waking meanwhile, finds it free (`step_thread.py` says why not the other way round).
+        `grammar_mask_seconds` counts what the fill holds this thread up."""
+        if fill.on_threads:
+            try:
+                self._append_accepted(reqs, live, tokens, logprobs)
+            finally:
+                t0 = time.perf_counter()
+                fill.finish()  # never raises: `masks.fill` raises what it raised
+                self.stats.grammar_mask_seconds += time.perf_counter() - t0
+            return
         if self._step_thread is None:
             self._step_thread = StepThread()
         self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
         t0 = time.perf_counter()
-        fill()  # never raises: `masks.fill` raises what it raised
+        fill.finish()  # never raises: `masks.fill` raises what it raised
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
         self._step_thread.wait()
 

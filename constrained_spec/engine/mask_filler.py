@@ -85,6 +85,10 @@ CHAINS_PER_THREAD = 2
 SLOW_SHARE = 0.5
 # Workers started beyond `threads` to stand in for workers held by late fills (one per late fill).
 MAX_EXTRA_WORKERS = 32
+# Started fills run on the native pool's threads while the engine thread appends the step's tokens
+# (False: the engine thread makes the fill as one call while its step thread appends; an A/B lever,
+# `bench_gpu.py --fill-beside-step-thread`).
+START_ON_POOL = True
 # A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
 # Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
 BACKGROUND_MIN_ROWS = 4
@@ -171,14 +175,28 @@ class _Workers:
                         waiter.event.set()
 
 
-class _Started:
-    """A fill prepared by `MaskFiller.start`: its requests, and whether its call ran (and how)."""
-    __slots__ = ("reqs", "done", "error")
+class StartedFill:
+    """A fill prepared by `MaskFiller.start`. `finish()` makes it or waits for it (it never raises:
+    `MaskFiller.fill` raises what it raised). `on_threads`: it runs on the native pool's threads
+    from `start` on, so the caller's thread is free meanwhile; otherwise `finish` is the whole
+    call, which drops the GIL at once (a thread of the caller's may run Python beside it)."""
+    __slots__ = ("reqs", "done", "error", "on_threads", "_finish")
 
-    def __init__(self, reqs: list):
+    def __init__(self, reqs: list, finish: Callable[[], None], on_threads: bool):
         self.reqs = reqs
         self.done = False
         self.error: Exception | None = None
+        self.on_threads = on_threads
+        self._finish = finish
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        try:
+            self._finish()
+        except Exception as e:  # noqa: BLE001 - raised by `MaskFiller.fill`, on the engine thread
+            self.error = e
+        self.done = True
 
 
 class MaskFiller:
@@ -203,17 +221,18 @@ class MaskFiller:
         self._lock = threading.Lock()
         self._workers = _Workers(max(2, threads), self._staging, self._lock)
         self._outstanding: set[_Job] = set()  # jobs whose row has not been used yet
-        self._started: _Started | None = None
+        self._started: StartedFill | None = None
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence) -> Callable[[], None] | None:
-        """Prepares the fill of a step whose sampling requests are `reqs` (in this order) as one call
-        into xgrammar and returns it; None when there are fewer than BACKGROUND_MIN_ROWS rows to
-        fill, or with a budget (its per-row jobs run on workers anyway). The caller makes the call
-        (on any one thread; it never raises) before the step samples; `fill(reqs)` then returns the
-        rows or raises what the call raised. Call `start` only once the device has read the previous
-        step's bitmask (the engine waits for its tokens first) and every matcher is up to date.
-        From here until the call returns, the rows' matchers are the call's (module docstring)."""
+    def start(self, reqs: Sequence) -> StartedFill | None:
+        """Prepares the fill of a step whose sampling requests are `reqs` (in this order) and returns
+        it; None when there are fewer than BACKGROUND_MIN_ROWS rows to fill, or with a budget (its
+        per-row jobs run on workers anyway). On the native pool the fill starts at once on its
+        threads; else it is one call into xgrammar that `finish` makes. The caller finishes it
+        before the step samples; `fill(reqs)` then returns the rows or raises what the fill raised.
+        Call `start` only once the device has read the previous step's bitmask (the engine waits
+        for its tokens first) and every matcher is up to date. From here until `finish` returns,
+        the rows' matchers are the fill's (module docstring)."""
         if self.budget_s is not None or self._started is not None:
             return None
         live = [i for i, r in enumerate(reqs)  # _needs_row, inlined (every step, every request)
@@ -224,20 +243,21 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        call = self._fill_call([reqs[i].matcher for i in live], bitmask, live)
-        started = self._started = _Started(list(reqs))
-
-        def run() -> None:
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - raised by `fill`, on the engine thread
-                started.error = e
-            started.done = True
-        return run
+        matchers = [reqs[i].matcher for i in live]
+        if self._native is not None and START_ON_POOL:
+            running = self._native.start(matchers, bitmask, live,
+                                         self._native.helpers_for(len(live), NATIVE_ROWS_PER_THREAD))
+            started = StartedFill(list(reqs), running.finish, on_threads=True)
+        else:
+            started = StartedFill(list(reqs), self._fill_call(matchers, bitmask, live), on_threads=False)
+        self._started = started
+        return started
 
     def cancel(self) -> None:
-        """Drops a started fill (the step it was for will not sample: an engine step failed). Its
-        call must have returned, or never be made."""
+        """Drops a started fill (the step it was for will not sample: an engine step failed), once it
+        is done: a fill still running on the pool's threads is waited for."""
+        if self._started is not None and self._started.on_threads:
+            self._started.finish()
         self._started = None
 
     def fill(self, reqs: Sequence) -> MaskFill:
@@ -245,6 +265,8 @@ class MaskFiller:
         (no grammar, finished, or a sample that will be discarded anyway) allow every token."""
         if self._started is not None:
             started, self._started = self._started, None
+            if started.on_threads:
+                started.finish()  # done already when the engine finished it (a no-op then)
             if started.done:
                 if started.error is not None:
                     raise started.error

@@ -88,6 +88,17 @@ class NativeFill:
                 matchers[failed].fill_bitmask(bitmask, int(positions[failed]))
         return run
 
+    def start(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int], helpers: int) -> "StartedFill":
+        """`call`'s fill, started on up to `helpers` (at least one, where the pool has any) pool
+        threads; it runs while the caller does other work, until `StartedFill.finish`. Until then
+        the pool takes no other job, and the rows' matchers belong to the fill."""
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        started = StartedFill(self._pool, matchers, bitmask, rows)
+        self._pool.fill_start(self._fill_handle, self._type_index, started.handles, started.positions,
+                              bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1], max(1, helpers))
+        return started
+
     def accept(self, matchers: Sequence, tokens: Sequence[int], helpers: int) -> list[int]:
         """matchers[i] accepts tokens[i], on up to `helpers` pool threads beside this one (the GIL
         released); returns the positions whose token the grammar refused (those matchers are
@@ -128,3 +139,26 @@ class NativeFill:
             if not ok.all():  # (the closure holds `matchers`: the FFI handles stay alive through the call)
                 raise RuntimeError(f"{REFUSED_DRAFT} ({len(matchers) - int(ok.sum())} of {len(matchers)} chains)")
         return run
+
+
+class StartedFill:
+    """A fill running on the pool's threads (`NativeFill.start`). It holds what the threads read (the
+    matchers, whose FFI handles they use, and the arrays) until `finish`."""
+
+    def __init__(self, pool, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int]):
+        self._pool = pool
+        self.matchers = matchers
+        self.bitmask = bitmask
+        self.handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
+        self.positions = np.asarray(rows, dtype=np.int64)
+        self.finished = False
+
+    def finish(self) -> None:
+        """Fills the rows no pool thread took yet and waits for the rest (the GIL released); a row
+        whose xgrammar call failed is redone through xgrammar's Python API, which raises its error."""
+        if self.finished:
+            return
+        failed = self._pool.fill_finish()
+        self.finished = True
+        if failed >= 0:
+            self.matchers[failed].fill_bitmask(self.bitmask, int(self.positions[failed]))
