@@ -34,15 +34,17 @@ bounds the overlapped JSON step at batch 64 and 128 (results/host_split_s7_*.jso
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
-Started fills (`start`, the overlapped loop without a budget): `start` prepares the fill of the
-step already on the device as one call into xgrammar and hands it to the engine, which makes the
-call on its own thread while its step thread finishes and streams the requests of the step before
-(`engine.py`); `fill` then hands out the rows. xgrammar releases the GIL inside the call, and the
-call's arguments are converted in `start`, so the call drops the GIL at once and the step thread,
-waking meanwhile, finds it free. Ownership: from `start` until the call returns, the matchers of its
-rows and the step's bitmask rows belong to the call; no other thread may call them (not even
-`is_terminated`: a fill moves a matcher's state and rolls it back). A row whose request finishes in
-the meantime is filled anyway and unused (its sample is discarded).
+Started fills (`start`, the overlapped loop without a budget): `start` starts the fill of the step
+already on the device and returns it (`StartedFill`). On the native pool it runs on the pool's
+threads from there, while the engine thread finishes and streams the requests of the step before,
+then waits for it (`StartedFill.finish`). Without the pool it is one call into xgrammar that the
+engine makes on its own thread while its step thread does that work (`engine.py`): xgrammar
+releases the GIL inside the call, and the call's arguments are converted in `start`, so the call
+drops the GIL at once and the step thread, waking meanwhile, finds it free. `fill` then hands out
+the rows. Ownership: from `start` until `finish` returns, the matchers of its rows and the step's
+bitmask rows belong to the fill; no other thread may call them (not even `is_terminated`: a fill
+moves a matcher's state and rolls it back). A row whose request finishes in the meantime is filled
+anyway and unused (its sample is discarded).
 
 With a budget (`grammar_mask_budget_ms`) every row is a job for worker threads. They run in
 parallel with the engine thread because xgrammar's fill releases the GIL (measured: a thread looping
