@@ -29,6 +29,24 @@ static py::dict config_dict(const NgramConfig& c) {
   return d;
 }
 
+// The job of a plain fill (`fill`, `fill_start`): checks the lengths and the rows.
+static cspec::FillJob fill_job(uintptr_t method, int32_t type_index, const int64_t* matchers, int64_t num_matchers,
+                               const int64_t* rows, int64_t n, uintptr_t bitmask, int64_t num_rows, int64_t width) {
+  if (num_matchers != n) throw py::value_error("matchers and rows differ in length");
+  for (int64_t i = 0; i < n; ++i)
+    if (rows[i] < 0 || rows[i] >= num_rows) throw py::index_error("bitmask row out of range");
+  cspec::FillJob job;
+  job.fill_method = reinterpret_cast<void*>(method);
+  job.matcher_type_index = type_index;
+  job.matchers = reinterpret_cast<const uintptr_t*>(matchers);
+  job.n = n;
+  job.rows = rows;
+  job.bitmask = reinterpret_cast<int32_t*>(bitmask);
+  job.num_rows = num_rows;
+  job.width = width;
+  return job;
+}
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "constrained-spec native parts: the n-gram lookahead trie (native/ngram_trie.h) and the "
             "grammar mask fill pool (native/mask_fill_pool.h)";
@@ -56,21 +74,9 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
           "fill",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, I64Arr rows,
              uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
-            const int64_t n = rows.size();
-            if (matchers.size() != n) throw py::value_error("matchers and rows differ in length");
-            const int64_t* r = rows.data();
-            for (int64_t i = 0; i < n; ++i)
-              if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
             if (pool.pending()) throw std::runtime_error("fill while a started fill is pending");
-            cspec::FillJob job;
-            job.fill_method = reinterpret_cast<void*>(method);
-            job.matcher_type_index = type_index;
-            job.matchers = reinterpret_cast<const uintptr_t*>(matchers.data());
-            job.n = n;
-            job.rows = r;
-            job.bitmask = reinterpret_cast<int32_t*>(bitmask);
-            job.num_rows = num_rows;
-            job.width = width;
+            cspec::FillJob job = fill_job(method, type_index, matchers.data(), matchers.size(), rows.data(),
+                                          rows.size(), bitmask, num_rows, width);
             py::gil_scoped_release nogil;
             return pool.Run(job, helpers);
           },
@@ -91,20 +97,9 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
             if (pool.pending()) throw std::runtime_error("fill_start before the last fill_finish");
             exact(matchers, "matchers");
             exact(rows, "rows");
-            const int64_t n = rows.size();
-            if (matchers.size() != n) throw py::value_error("matchers and rows differ in length");
-            const int64_t* r = static_cast<const int64_t*>(rows.data());
-            for (int64_t i = 0; i < n; ++i)
-              if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
-            cspec::FillJob job;
-            job.fill_method = reinterpret_cast<void*>(method);
-            job.matcher_type_index = type_index;
-            job.matchers = static_cast<const uintptr_t*>(matchers.data());
-            job.n = n;
-            job.rows = r;
-            job.bitmask = reinterpret_cast<int32_t*>(bitmask);
-            job.num_rows = num_rows;
-            job.width = width;
+            cspec::FillJob job = fill_job(method, type_index, static_cast<const int64_t*>(matchers.data()),
+                                          matchers.size(), static_cast<const int64_t*>(rows.data()), rows.size(),
+                                          bitmask, num_rows, width);
             pool.Start(job, helpers);
           },
           py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
