@@ -87,6 +87,9 @@ def test_bad_arguments_are_refused(states, native):
         native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int64), [0, 1], 0)
     with pytest.raises(IndexError):
         native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int32), [0, 2], 0)()
+    from types import SimpleNamespace
+    with pytest.raises(ValueError, match="FFI handle"):  # the pool would dereference it
+        native.call([SimpleNamespace(ffi_handle=0)], torch.zeros((1, WIDTH), dtype=torch.int32), [0], 0)
 
 
 def test_accept(backend, native):

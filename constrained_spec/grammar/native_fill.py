@@ -3,10 +3,12 @@
 xgrammar's `BatchGrammarMatcher` starts and joins its threads in every call (~40-75 us each on
 the H100 host); at batch 32-128 that made the decode step's fill the last thing to end on the
 host (benchmarks/results/host_split_s7_*.json), and its batch accept runs on one thread.
-`NativeFill` makes the same per-row calls into xgrammar (`GrammarMatcher.fill_next_token_bitmask`
-and `accept_token`, through the TVM FFI C ABI that xgrammar's own Python bindings use) from
-threads that live as long as the engine. 128 rows of real JSON states on the H100 host: 0.10 ms
-against 0.47 for xgrammar's best thread count (benchmarks/results/fill_threads_native.md).
+`NativeFill` makes the same per-row calls into xgrammar (`GrammarMatcher.fill_next_token_bitmask`,
+`accept_token`, `rollback`, through the TVM FFI C ABI that xgrammar's own Python bindings use) from
+threads that live as long as the engine: a step's token accepts (`accept`), its bitmask rows (`call`,
+or `start` to have them filled while the caller does other work) and a speculative step's draft
+chains (`chains_call`). 128 rows of real JSON states on the H100 host: 0.11 ms against 0.52-0.96 for
+xgrammar's batch matcher at 1-14 threads (benchmarks/results/fill_threads_native.md).
 
 `NativeFill.create` returns None where that ABI is not found (another xgrammar or tvm-ffi layout,
 or no native extension): callers then use xgrammar's batch matcher.
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _METHODS = frozenset({"fill_next_token_bitmask", "accept_token", "rollback"})
 
+
 def _ffi_entry_points() -> tuple[int, int, int]:
     import tvm_ffi.libinfo
     lib = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi())  # already loaded by xgrammar: the same copy
@@ -34,9 +37,23 @@ def _ffi_entry_points() -> tuple[int, int, int]:
                  for name in ("TVMFFIFunctionCall", "TVMFFIErrorMoveFromRaised", "TVMFFIObjectDecRef"))
 
 
+def _check_bitmask(bitmask: torch.Tensor) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+
+
+def _handles(matchers: Sequence) -> np.ndarray:
+    """The matchers' FFI object addresses (RequestMatcher.ffi_handle), checked: the pool would
+    dereference a null one."""
+    handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
+    if len(handles) and not handles.all():
+        raise ValueError("a matcher without an FFI handle (another xgrammar layout)")
+    return handles
+
+
 class NativeFill:
-    """`workers` persistent threads; `call(...)` prepares a fill that the caller's thread makes with
-    up to `helpers` of them (the GIL is released for the whole fill)."""
+    """`workers` persistent threads. Each call runs on the caller's thread and up to `helpers` of
+    them, with the GIL released for the whole of it."""
 
     def __init__(self, pool, methods: dict, type_index: int):
         self._pool = pool
@@ -75,9 +92,8 @@ class NativeFill:
         call converts nothing and drops the GIL at once. A row whose xgrammar call fails is redone
         through xgrammar's Python API, which raises its error. The returned call holds `matchers`:
         the FFI handles it passes stay alive however the requests end meanwhile."""
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
-            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
-        handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
+        _check_bitmask(bitmask)
+        handles = _handles(matchers)
         positions = np.asarray(rows, dtype=np.int64)
         fill, method, type_index = self._pool.fill, self._fill_handle, self._type_index
         ptr, num_rows, width = bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1]
@@ -92,8 +108,7 @@ class NativeFill:
         """`call`'s fill, started on up to `helpers` (at least one, where the pool has any) pool
         threads; it runs while the caller does other work, until `StartedFill.finish`. Until then
         the pool takes no other job, and the rows' matchers belong to the fill."""
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
-            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        _check_bitmask(bitmask)
         started = StartedFill(self._pool, matchers, bitmask, rows)
         self._pool.fill_start(self._fill_handle, self._type_index, started.handles, started.positions,
                               bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1], max(1, helpers))
@@ -104,7 +119,7 @@ class NativeFill:
         released); returns the positions whose token the grammar refused (those matchers are
         unchanged), as `backend.batch_accept` does on one thread."""
         n = len(matchers)
-        handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=n)
+        handles = _handles(matchers)
         ids = np.asarray(tokens, dtype=np.int32)
         accepted = np.empty(n, dtype=np.int8)
         self._pool.accept(self._accept_handle, self._type_index, handles, ids, accepted, helpers)
@@ -120,10 +135,9 @@ class NativeFill:
         d < len(chains[i]), and is rolled back at the end; a chain whose last token is one of
         `stop_ids` (it ends the grammar) leaves the row after it alone. The call raises
         RuntimeError(REFUSED_DRAFT) if a chain token was refused (those matchers are rolled back)."""
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
-            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        _check_bitmask(bitmask)
         n = len(matchers)
-        handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=n)
+        handles = _handles(matchers)
         lengths = np.fromiter((len(c) for c in chains), dtype=np.int64, count=n)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -149,7 +163,7 @@ class StartedFill:
         self._pool = pool
         self.matchers = matchers
         self.bitmask = bitmask
-        self.handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
+        self.handles = _handles(matchers)
         self.positions = np.asarray(rows, dtype=np.int64)
         self.finished = False
 
