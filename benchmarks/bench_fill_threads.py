@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import xgrammar as xgr
 
@@ -95,8 +96,8 @@ def main() -> None:
         if native is not None:  # the engine's persistent pool, a thread per k rows (the caller's included)
             wrapped = [_Handle(m) for m in batch]
             for k in NATIVE_ROWS_PER_THREAD:
-                call = native.call(wrapped, bitmask, list(range(B)), native.helpers_for(B, k))
-                rec["ms"][f"native, 1 thread/{k} rows"] = timed(call, args.repeats)
+                fill = native.prepare(wrapped, bitmask, list(range(B)))
+                rec["ms"][f"native, 1 thread/{k} rows"] = timed(partial(fill.run, native.helpers_for(B, k)), args.repeats)
         records.append(rec)
         rows.append([B] + [f"{v:.3f}" for v in rec["ms"].values()])
         print(rows[-1], flush=True)

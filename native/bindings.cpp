@@ -29,7 +29,7 @@ static py::dict config_dict(const NgramConfig& c) {
   return d;
 }
 
-// The job of a plain fill (`fill`, `fill_start`): checks the lengths and the rows.
+// The job of a plain fill (`fill_start`): checks the lengths and the rows.
 static cspec::FillJob fill_job(uintptr_t method, int32_t type_index, const int64_t* matchers, int64_t num_matchers,
                                const int64_t* rows, int64_t n, uintptr_t bitmask, int64_t num_rows, int64_t width) {
   if (num_matchers != n) throw py::value_error("matchers and rows differ in length");
@@ -71,20 +71,6 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
            py::arg("object_dec_ref"))
       .def_property_readonly("workers", &MaskFillPool::workers)
       .def(
-          "fill",
-          [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, I64Arr rows,
-             uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
-            if (pool.pending()) throw std::runtime_error("fill while a started fill is pending");
-            cspec::FillJob job = fill_job(method, type_index, matchers.data(), matchers.size(), rows.data(),
-                                          rows.size(), bitmask, num_rows, width);
-            py::gil_scoped_release nogil;
-            return pool.Run(job, helpers);
-          },
-          py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
-          py::arg("num_rows"), py::arg("width"), py::arg("helpers"),
-          "Fills bitmask[rows[i]] from matchers[i] (FFI object handles) with up to `helpers` pool threads "
-          "beside the caller; returns -1, or the position of a row whose fill failed.")
-      .def(
           "fill_start",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, py::array matchers, py::array rows,
              uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
@@ -104,10 +90,11 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
           },
           py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
           py::arg("num_rows"), py::arg("width"), py::arg("helpers"),
-          "`fill` in two halves: wakes up to `helpers` pool threads on the rows and returns at once; the "
-          "arrays must stay alive until fill_finish.")
+          "Starts filling bitmask[rows[i]] from matchers[i] (FFI object handles): wakes up to `helpers` pool "
+          "threads on the rows and returns at once; the arrays must stay alive until fill_finish.")
       .def("fill_finish", &MaskFillPool::Finish, py::call_guard<py::gil_scoped_release>(),
-           "Fills the rows no pool thread has taken, waits for the threads; returns what `fill` returns.")
+           "Fills the rows no pool thread has taken and waits for the threads; returns -1, or the position of a "
+           "row whose fill failed.")
       .def(
           "accept",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, IntArr tokens,

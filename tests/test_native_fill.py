@@ -47,7 +47,7 @@ def test_rows_are_xgrammars(states, native, helpers):
     random.Random(helpers).shuffle(order)
     out = torch.full((len(ms) + 5, WIDTH), 0x5A5A5A5A, dtype=torch.int32)
     rows = [r + 5 for r in order]  # matcher order[k] fills row order[k] + 5
-    native.call([ms[i] for i in order], out, rows, helpers)()
+    native.prepare([ms[i] for i in order], out, rows).run(helpers)
     assert torch.equal(out[5:], ref)
     assert (out[:5] == 0x5A5A5A5A).all()  # rows it was not given are untouched
 
@@ -56,17 +56,17 @@ def test_repeated_calls_are_stable(states, native):
     """Many calls in a row on the same threads (the engine's use): every one complete and exact."""
     ms, ref = states
     out = torch.empty_like(ref)
-    call = native.call(ms, out, list(range(len(ms))), native.workers)
+    fill = native.prepare(ms, out, list(range(len(ms))))
     for _ in range(300):
         out.fill_(0)
-        call()
+        fill.run(native.workers)
         assert torch.equal(out, ref)
 
 
 def test_matcher_state_is_unchanged(states, native):
     ms, ref = states
     out = torch.empty_like(ref)
-    native.call(ms, out, list(range(len(ms))), 2)()
+    native.prepare(ms, out, list(range(len(ms)))).run(2)
     again = torch.empty_like(ref)
     for i, m in enumerate(ms):
         m.fill_bitmask(again, i)
@@ -78,18 +78,18 @@ def test_xgrammar_error_is_raised(states, native):
     ms, _ = states
     narrow = torch.zeros((len(ms), WIDTH // 2), dtype=torch.int32)
     with pytest.raises(Exception):
-        native.call(ms[:4], narrow, [0, 1, 2, 3], 1)()
+        native.prepare(ms[:4], narrow, [0, 1, 2, 3]).run(1)
 
 
 def test_bad_arguments_are_refused(states, native):
     ms, ref = states
     with pytest.raises(ValueError):
-        native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int64), [0, 1], 0)
+        native.prepare(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int64), [0, 1])
     with pytest.raises(IndexError):
-        native.call(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int32), [0, 2], 0)()
+        native.prepare(ms[:2], torch.zeros((2, WIDTH), dtype=torch.int32), [0, 2]).run(0)
     from types import SimpleNamespace
     with pytest.raises(ValueError, match="FFI handle"):  # the pool would dereference it
-        native.call([SimpleNamespace(ffi_handle=0)], torch.zeros((1, WIDTH), dtype=torch.int32), [0], 0)
+        native.prepare([SimpleNamespace(ffi_handle=0)], torch.zeros((1, WIDTH), dtype=torch.int32), [0])
 
 
 def test_accept(backend, native):
@@ -107,7 +107,7 @@ def test_accept(backend, native):
     tokens[3] = 60000  # outside the vocabulary
     assert native.accept(ms, tokens, 2) == [0, 3]
     out = torch.empty((n, WIDTH), dtype=torch.int32)
-    native.call(ms, out, list(range(n)), 2)()
+    native.prepare(ms, out, list(range(n))).run(2)
     for k in range(n):
         assert torch.equal(out[k], ref[k] if k in (0, 3) else ref[k + 1]), k
     assert native.accept(ms[:0], [], 2) == []
@@ -140,12 +140,15 @@ def test_started_fill_runs_on_the_pool(states, native, helpers):
     Until then the pool takes no other job."""
     ms, ref = states
     out = torch.zeros_like(ref)
-    started = native.start(ms, out, list(range(len(ms))), helpers)
+    started = native.prepare(ms, out, list(range(len(ms))))
+    started.start(helpers)
     with pytest.raises(RuntimeError, match="before the last fill_finish"):
-        native.start(ms, out, list(range(len(ms))), helpers)
+        native.prepare(ms, out, list(range(len(ms)))).start(helpers)
+    with pytest.raises(RuntimeError, match="before the last fill_finish"):
+        native.prepare(ms, out, list(range(len(ms)))).run(0)
     with pytest.raises(RuntimeError, match="pending"):
-        native.call(ms, out, list(range(len(ms))), 0)()
+        native.accept(ms[:1], [0], 0)
     started.finish()
     started.finish()  # once is enough; again is a no-op
     assert torch.equal(out, ref)
-    native.call(ms, out, list(range(len(ms))), 1)()  # the pool serves again
+    native.prepare(ms, out, list(range(len(ms)))).run(1)  # the pool serves again

@@ -404,17 +404,18 @@ class Engine:
             try:
                 self._append_accepted(reqs, live, tokens, logprobs)
             finally:
-                t0 = time.perf_counter()
-                fill.finish()  # never raises: `masks.fill` raises what it raised
-                self.stats.grammar_mask_seconds += time.perf_counter() - t0
+                self._finish_fill(fill)
             return
         if self._step_thread is None:
             self._step_thread = StepThread()
         self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
+        self._finish_fill(fill)
+        self._step_thread.wait()
+
+    def _finish_fill(self, fill) -> None:
         t0 = time.perf_counter()
         fill.finish()  # never raises: `masks.fill` raises what it raised
         self.stats.grammar_mask_seconds += time.perf_counter() - t0
-        self._step_thread.wait()
 
     def _append_accepted(self, reqs, live, tokens, logprobs) -> None:
         """`_append_token(..., accepted=True)` for the live positions, whose tokens are in their

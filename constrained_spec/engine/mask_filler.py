@@ -63,6 +63,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -247,8 +248,8 @@ class MaskFiller:
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
         matchers = [reqs[i].matcher for i in live]
         if self._native is not None and START_ON_POOL:
-            running = self._native.start(matchers, bitmask, live,
-                                         self._native.helpers_for(len(live), NATIVE_ROWS_PER_THREAD))
+            running = self._native.prepare(matchers, bitmask, live)
+            running.start(max(1, self._native.helpers_for(len(live), NATIVE_ROWS_PER_THREAD)))
             started = StartedFill(list(reqs), running.finish, on_threads=True)
         else:
             started = StartedFill(list(reqs), self._fill_call(matchers, bitmask, live), on_threads=False)
@@ -337,11 +338,12 @@ class MaskFiller:
 
     def _fill_call(self, matchers: Sequence, bitmask: torch.Tensor, rows: list[int]) -> Callable[[], None]:
         """The fill of bitmask[rows[i]] from matchers[i] as one GIL-free call: on the native pool's
-        persistent threads, else on xgrammar's batch matcher (which starts its threads per call). A
-        thread per ROWS_PER_THREAD rows, up to `threads`: waking threads for a few rows each costs
-        more than it saves."""
+        persistent threads (a thread per NATIVE_ROWS_PER_THREAD rows), else on xgrammar's batch
+        matcher, which starts its threads per call (a thread per ROWS_PER_THREAD rows: waking them
+        for a few rows each costs more than it saves); up to `threads` either way."""
         if self._native is not None:
-            return self._native.call(matchers, bitmask, rows, self._native.helpers_for(len(rows), NATIVE_ROWS_PER_THREAD))
+            return partial(self._native.prepare(matchers, bitmask, rows).run,
+                           self._native.helpers_for(len(rows), NATIVE_ROWS_PER_THREAD))
         n = max(1, min(self._threads, len(rows) // ROWS_PER_THREAD))
         if n not in self._batch:
             self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)

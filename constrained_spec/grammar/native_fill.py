@@ -5,9 +5,9 @@ the H100 host); at batch 32-128 that made the decode step's fill the last thing 
 host (benchmarks/results/host_split_s7_*.json), and its batch accept runs on one thread.
 `NativeFill` makes the same per-row calls into xgrammar (`GrammarMatcher.fill_next_token_bitmask`,
 `accept_token`, `rollback`, through the TVM FFI C ABI that xgrammar's own Python bindings use) from
-threads that live as long as the engine: a step's token accepts (`accept`), its bitmask rows (`call`,
-or `start` to have them filled while the caller does other work) and a speculative step's draft
-chains (`chains_call`). 128 rows of real JSON states on the H100 host: 0.11 ms against 0.52-0.96 for
+threads that live as long as the engine: a step's token accepts (`accept`), its bitmask rows
+(`prepare`, then `PoolFill.run`, or `start` and `finish` around other work) and a speculative
+step's draft chains (`chains_call`). 128 rows of real JSON states on the H100 host: 0.11 ms against 0.52-0.96 for
 xgrammar's batch matcher at 1-14 threads (benchmarks/results/fill_threads_native.md).
 
 `NativeFill.create` returns None where that ABI is not found (another xgrammar or tvm-ffi layout,
@@ -86,33 +86,12 @@ class NativeFill:
         """Pool threads beside the caller for `rows` rows: one thread per `rows_per_thread`."""
         return max(0, min(self.workers, math.ceil(rows / rows_per_thread) - 1))
 
-    def call(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int],
-             helpers: int) -> Callable[[], None]:
-        """The fill of bitmask[rows[i]] from matchers[i] (RequestMatchers), prepared for later: the
-        call converts nothing and drops the GIL at once. A row whose xgrammar call fails is redone
-        through xgrammar's Python API, which raises its error. The returned call holds `matchers`:
-        the FFI handles it passes stay alive however the requests end meanwhile."""
+    def prepare(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int]) -> "PoolFill":
+        """The fill of bitmask[rows[i]] from matchers[i] (RequestMatchers), its arguments converted
+        for the pool: `PoolFill.run` makes it (dropping the GIL at once), or `start` and `finish`
+        with other work between."""
         _check_bitmask(bitmask)
-        handles = _handles(matchers)
-        positions = np.asarray(rows, dtype=np.int64)
-        fill, method, type_index = self._pool.fill, self._fill_handle, self._type_index
-        ptr, num_rows, width = bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1]
-
-        def run() -> None:
-            failed = fill(method, type_index, handles, positions, ptr, num_rows, width, helpers)
-            if failed >= 0:
-                matchers[failed].fill_bitmask(bitmask, int(positions[failed]))
-        return run
-
-    def start(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int], helpers: int) -> "StartedFill":
-        """`call`'s fill, started on up to `helpers` (at least one, where the pool has any) pool
-        threads; it runs while the caller does other work, until `StartedFill.finish`. Until then
-        the pool takes no other job, and the rows' matchers belong to the fill."""
-        _check_bitmask(bitmask)
-        started = StartedFill(self._pool, matchers, bitmask, rows)
-        self._pool.fill_start(self._fill_handle, self._type_index, started.handles, started.positions,
-                              bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1], max(1, helpers))
-        return started
+        return PoolFill(self._pool, self._fill_handle, self._type_index, matchers, bitmask, rows)
 
     def accept(self, matchers: Sequence, tokens: Sequence[int], helpers: int) -> list[int]:
         """matchers[i] accepts tokens[i], on up to `helpers` pool threads beside this one (the GIL
@@ -155,24 +134,37 @@ class NativeFill:
         return run
 
 
-class StartedFill:
-    """A fill running on the pool's threads (`NativeFill.start`). It holds what the threads read (the
-    matchers, whose FFI handles they use, and the arrays) until `finish`."""
+class PoolFill:
+    """A fill of bitmask rows on the pool (`NativeFill.prepare`). It holds what the pool's threads
+    read (the matchers, whose FFI handles they use, and the arrays) for as long as it lives."""
 
-    def __init__(self, pool, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int]):
+    def __init__(self, pool, method: int, type_index: int, matchers: Sequence, bitmask: torch.Tensor,
+                 rows: Sequence[int]):
         self._pool = pool
-        self.matchers = matchers
-        self.bitmask = bitmask
-        self.handles = _handles(matchers)
-        self.positions = np.asarray(rows, dtype=np.int64)
-        self.finished = False
+        self._args = (method, type_index, _handles(matchers), np.asarray(rows, dtype=np.int64),
+                      bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1])
+        self._matchers = matchers
+        self._bitmask = bitmask
+        self._running = False
+
+    def start(self, helpers: int) -> None:
+        """Wakes up to `helpers` pool threads on the rows and returns at once. Until `finish` the
+        pool takes no other job, and the rows' matchers belong to the fill."""
+        self._pool.fill_start(*self._args, helpers)
+        self._running = True
 
     def finish(self) -> None:
         """Fills the rows no pool thread took yet and waits for the rest (the GIL released); a row
-        whose xgrammar call failed is redone through xgrammar's Python API, which raises its error."""
-        if self.finished:
+        whose xgrammar call failed is redone through xgrammar's Python API, which raises its error.
+        Once is enough: again is a no-op."""
+        if not self._running:
             return
+        self._running = False
         failed = self._pool.fill_finish()
-        self.finished = True
         if failed >= 0:
-            self.matchers[failed].fill_bitmask(self.bitmask, int(self.positions[failed]))
+            self._matchers[failed].fill_bitmask(self._bitmask, int(self._args[3][failed]))
+
+    def run(self, helpers: int) -> None:
+        """The whole fill, this thread filling beside up to `helpers` pool threads."""
+        self.start(helpers)
+        self.finish()
