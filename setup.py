@@ -1,15 +1,17 @@
-# The native parts (native/: the n-gram trie, the grammar mask fill pool) are the only compiled ones;
-# everything else is pure Python.
+# The native parts (native/: the n-gram trie, the grammar mask fill pool, the CPU bfloat16 kernels)
+# are the only compiled ones; everything else is pure Python.
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 ext_modules = [
     Pybind11Extension(
         "constrained_spec._native",
-        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/bindings.cpp"],
+        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/bindings.cpp"],
         include_dirs=["native"],
         cxx_std=17,
-        extra_compile_args=["-O3"],
+        # no FMA contraction: the CPU kernels must round where torch's ops do (native/cpu_kernels.h);
+        # no errno / trap semantics for float math (as torch is built), which lets their loops vectorize
+        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"],
     )
 ]
 

@@ -1,12 +1,15 @@
-// pybind11 bindings: constrained_spec._native.NgramTrie and MaskFillPool. Token inputs accept lists
-// or numpy arrays (converted to int32); outputs are numpy int32 arrays. The GIL is released around
-// trie work and mask fills.
+// pybind11 bindings: constrained_spec._native.NgramTrie, MaskFillPool and the cpu_kernels submodule.
+// Token inputs accept lists or numpy arrays (converted to int32); outputs are numpy int32 arrays.
+// The CPU kernels take tensors as data_ptr() integers with their sizes (checked by the Python
+// caller, constrained_spec/kernels/cpu_native.py). The GIL is released around trie work, mask
+// fills and the kernels.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <optional>
 
+#include "cpu_kernels.h"
 #include "mask_fill_pool.h"
 #include "ngram_trie.h"
 
@@ -47,9 +50,97 @@ static cspec::FillJob fill_job(uintptr_t method, int32_t type_index, const int64
   return job;
 }
 
+template <typename T>
+static T* pointer(uintptr_t address, const char* name) {
+  if (!address) throw py::value_error(std::string(name) + " is a null pointer");
+  return reinterpret_cast<T*>(address);
+}
+
+static int sum_lanes(int lanes) {
+  if (lanes != 4 && lanes != 8 && lanes != 16) throw py::value_error("sum_lanes must be 4, 8 or 16");
+  return lanes;
+}
+
+static void bind_cpu_kernels(py::module_& parent) {
+  auto m = parent.def_submodule("cpu_kernels", "Fused bfloat16 CPU kernels (native/cpu_kernels.h): tensors as "
+                                               "data_ptr() integers, bfloat16 as uint16 bits; no checks of "
+                                               "shapes or strides here");
+  m.def(
+      "rms_norm_bf16",
+      [](uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t width, double eps, int lanes) {
+        lanes = sum_lanes(lanes);
+        auto* xp = pointer<const uint16_t>(x, "x");
+        auto* wp = pointer<const uint16_t>(weight, "weight");
+        auto* op = pointer<uint16_t>(out, "out");
+        py::gil_scoped_release nogil;
+        cspec::rms_norm_bf16(xp, wp, op, rows, width, static_cast<float>(eps), lanes);
+      },
+      py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("width"), py::arg("eps"),
+      py::arg("sum_lanes"), "out = rms_norm(x) * weight over rows of `width`.");
+  m.def(
+      "add_rms_norm_bf16",
+      [](uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t width, double eps, int lanes) {
+        lanes = sum_lanes(lanes);
+        auto* xp = pointer<uint16_t>(x, "x");
+        auto* rp = pointer<uint16_t>(residual, "residual");
+        auto* wp = pointer<const uint16_t>(weight, "weight");
+        py::gil_scoped_release nogil;
+        cspec::add_rms_norm_bf16(xp, rp, wp, rows, width, static_cast<float>(eps), lanes);
+      },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("rows"), py::arg("width"), py::arg("eps"),
+      py::arg("sum_lanes"),
+      "In place: residual += x, then x = rms_norm(residual) * weight.");
+  m.def(
+      "rope_bf16",
+      [](int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uintptr_t q, int64_t q_row_stride,
+         uintptr_t k, int64_t k_row_stride, uintptr_t v, int64_t v_row_stride, uintptr_t positions,
+         uintptr_t cos_sin_cache, int64_t max_position, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slots,
+         int64_t num_slots) {
+        cspec::RopeArgs a;
+        a.tokens = tokens;
+        a.num_heads = num_heads;
+        a.num_kv_heads = num_kv_heads;
+        a.head_dim = head_dim;
+        a.q = pointer<uint16_t>(q, "q");
+        a.q_row_stride = q_row_stride;
+        a.k = pointer<uint16_t>(k, "k");
+        a.k_row_stride = k_row_stride;
+        a.positions = pointer<const int64_t>(positions, "positions");
+        a.cos_sin_cache = pointer<const float>(cos_sin_cache, "cos_sin_cache");
+        a.max_position = max_position;
+        if (k_cache) {
+          a.v = pointer<const uint16_t>(v, "v");
+          a.v_row_stride = v_row_stride;
+          a.k_cache = pointer<uint16_t>(k_cache, "k_cache");
+          a.v_cache = pointer<uint16_t>(v_cache, "v_cache");
+          a.slots = pointer<const int64_t>(slots, "slots");
+          a.num_slots = num_slots;
+        }
+        py::gil_scoped_release nogil;
+        cspec::rope_bf16(a);
+      },
+      py::arg("tokens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q"),
+      py::arg("q_row_stride"), py::arg("k"), py::arg("k_row_stride"), py::arg("v") = 0, py::arg("v_row_stride") = 0,
+      py::arg("positions") = 0, py::arg("cos_sin_cache") = 0, py::arg("max_position") = 0, py::arg("k_cache") = 0,
+      py::arg("v_cache") = 0, py::arg("slots") = 0, py::arg("num_slots") = 0,
+      "RoPE on q in place; with k_cache, rotated k and v stored at rows `slots` of the caches, else k "
+      "rotated in place. Raises IndexError for a position or slot out of range, before writing.");
+  m.def(
+      "silu_and_mul_bf16",
+      [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t inter) {
+        auto* gp = pointer<const uint16_t>(gate_up, "gate_up");
+        auto* op = pointer<uint16_t>(out, "out");
+        py::gil_scoped_release nogil;
+        cspec::silu_and_mul_bf16(gp, op, rows, inter);
+      },
+      py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("inter"), "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:].");
+}
+
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "constrained-spec native parts: the n-gram lookahead trie (native/ngram_trie.h) and the "
-            "grammar mask fill pool (native/mask_fill_pool.h)";
+  m.doc() = "constrained-spec native parts: the n-gram lookahead trie (native/ngram_trie.h), the "
+            "grammar mask fill pool (native/mask_fill_pool.h) and fused bfloat16 CPU kernels "
+            "(native/cpu_kernels.h)";
+  bind_cpu_kernels(m);
 
   py::class_<MaskFillPool>(m, "MaskFillPool", R"doc(
 Persistent threads that fill grammar bitmask rows through xgrammar's FFI method (no GIL).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import uses_native_cpu_kernels
 from ..kernels.reference import rope_cos_sin_ref, rotate_ref
 from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
 
@@ -13,9 +14,9 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, layer, kv: KVCache, meta: AttentionMetadata, scale, rope=None):
-        if rope is not None and not q.is_cuda:
+        if rope is not None and not q.is_cuda and not uses_native_cpu_kernels(q):
             q = _rope_and_store_cpu(q, k, v, layer, kv, meta, rope)
-        else:
+        else:  # one fused kernel on CUDA, and for bfloat16 on the CPU
             q = self.store_kv(q, k, v, layer, kv, meta, rope)
         T, H, D = q.shape
         B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
@@ -70,7 +71,7 @@ def _attention_mask(meta: AttentionMetadata, Q: int, K: int, device) -> torch.Te
 
 
 def _rope_and_store_cpu(q, k, v, layer: int, kv: KVCache, meta: AttentionMetadata, rope) -> torch.Tensor:
-    """`store_kv` on CPU, with the rotation's cos/sin gathered, widened and cast once per forward
+    """`store_kv` on CPU in torch ops (float32, or the reference kernels forced), with the rotation's cos/sin gathered, widened and cast once per forward
     instead of in every layer (6 of its ~16 small ops; a decode step on CPU is mostly small ops
     besides the GEMMs). The arithmetic is `kernels.reference.apply_rope_ref`'s, bit for bit."""
     key = ("torch_rope", q.dtype)

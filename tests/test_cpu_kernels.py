@@ -1,0 +1,284 @@
+"""The native bfloat16 CPU kernels (`constrained_spec.kernels.cpu_native`, native/cpu_kernels.h) vs
+their torch references (`kernels/reference.py`).
+
+All of them are bitwise equal to the reference: RoPE and SiLU-and-mul do the reference's float ops
+one for one; the norms' mean is a float sum whose result depends on the order of its additions,
+and the kernel adds in the order torch's sum kernel does (a different order, e.g. a float64 mean,
+moves some outputs by one bfloat16 ulp: checked below, so that equality is not luck). SiLU is
+checked on every bfloat16 value, in torch's vectorized loop and in its scalar row tail (torch calls
+a different exp in each).
+
+Then the model and the engine: a bfloat16 forward and the greedy tokens of the real SmolLM2 are the
+same with the native kernels as with the reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from constrained_spec import kernels as K
+from constrained_spec.kernels import cpu_native as N
+from constrained_spec.kernels import reference as R
+from constrained_spec.models.rope import inverse_frequencies
+
+pytestmark = pytest.mark.skipif(not N.available(), reason="the native extension has no CPU kernels")
+
+NORM_SHAPES = [(1, 576), (8, 576), (3, 64), (5, 7), (2, 1000), (4, 1536), (2, 8192), (1, 20000)]
+SILU_SHAPES = [(1, 1536), (8, 1536), (3, 7), (2, 100), (5, 64)]
+ROPE_SHAPES = [(1, 9, 3, 64), (8, 9, 3, 64), (5, 4, 4, 32), (3, 14, 2, 128), (2, 2, 1, 512), (4, 3, 3, 6)]
+
+
+def bf16(*shape, gen, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen)).to(torch.bfloat16)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal bit for bit, NaNs included (torch's vectorized and scalar bf16 NaNs differ in their bits)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    same = (a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} of {a.numel()} elements differ"
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,width", NORM_SHAPES)
+def test_rms_norm_equals_reference(rows, width):
+    gen = torch.Generator().manual_seed(rows * 10_000 + width)
+    x, w = bf16(rows, width, gen=gen, scale=3.0), (1 + bf16(width, gen=gen, scale=0.1))
+    out = N.rms_norm(x, w, 1e-5)
+    assert_bits_equal(out, R.rms_norm_ref(x, w, 1e-5))
+    assert out.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("rows,width", NORM_SHAPES)
+def test_add_rms_norm_in_place_equals_reference(rows, width):
+    gen = torch.Generator().manual_seed(rows + width)
+    x, res, w = bf16(rows, width, gen=gen), bf16(rows, width, gen=gen, scale=4.0), 1 + bf16(width, gen=gen, scale=0.1)
+    normed, summed = R.add_rms_norm_ref(x, res, w, 1e-6)
+    xi, ri = x.clone(), res.clone()
+    out, new_res = N.add_rms_norm(xi, ri, w, 1e-6)
+    assert out is xi and new_res is ri  # in place: the norm into x, the sum into residual
+    assert_bits_equal(ri, summed)
+    assert_bits_equal(xi, normed)
+
+
+def test_norm_mean_order_matters_and_is_torchs():
+    """Over many rows, a mean summed in another order (float64 here) changes some outputs; the
+    kernel's changes none. A batch of hidden states of any shape goes through the same rows."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = bf16(20000, 576, gen=gen), 1 + bf16(576, gen=gen, scale=0.1)
+    ref = R.rms_norm_ref(x, w, 1e-5)
+    xf = x.float()
+    other_order = w * (xf * torch.rsqrt(xf.pow(2).double().mean(-1, keepdim=True).float() + 1e-5)).to(torch.bfloat16)
+    assert (other_order != ref).any(), "these rows no longer tell summation orders apart"
+    assert_bits_equal(N.rms_norm(x, w, 1e-5), ref)
+    assert_bits_equal(N.rms_norm(x.view(100, 200, 576), w, 1e-5), ref.view(100, 200, 576))
+
+
+# ----------------------------------------------------------------------------------------------
+# SiLU-and-mul
+# ----------------------------------------------------------------------------------------------
+
+ALL_BF16 = torch.arange(2 ** 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # NaNs and infs too
+
+
+def test_silu_and_mul_every_bf16_value():
+    """Every bfloat16 value as a gate, in torch's vectorized loop (1024-wide rows) and in its scalar
+    row tail (the last 16 of 48-wide rows: it takes 32 at a time)."""
+    gen = torch.Generator().manual_seed(0)
+    vector_rows = torch.cat([ALL_BF16.view(64, 1024), bf16(64, 1024, gen=gen)], dim=1)
+    assert_bits_equal(N.silu_and_mul(vector_rows), R.silu_and_mul_ref(vector_rows))
+    gate = torch.cat([bf16(4096, 32, gen=gen), ALL_BF16.view(4096, 16)], dim=1)
+    tail_rows = torch.cat([gate, bf16(4096, 48, gen=gen)], dim=1)
+    assert_bits_equal(N.silu_and_mul(tail_rows), R.silu_and_mul_ref(tail_rows))
+
+
+@pytest.mark.parametrize("rows,inter", SILU_SHAPES)
+def test_silu_and_mul_equals_reference(rows, inter):
+    gen = torch.Generator().manual_seed(rows * inter)
+    gate_up = bf16(rows, 2 * inter, gen=gen, scale=4.0)
+    out = N.silu_and_mul(gate_up)
+    assert out.shape == (rows, inter)
+    assert_bits_equal(out, R.silu_and_mul_ref(gate_up))
+    assert_bits_equal(N.silu_and_mul(gate_up.view(1, rows, 2 * inter)), out.view(1, rows, inter))
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE (+ the KV store)
+# ----------------------------------------------------------------------------------------------
+
+def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """q, k, v as the model makes them: strided views of one fused qkv row per token."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
+
+
+def rope_case(t, h, kvh, d, seed, max_position=4096):
+    gen = torch.Generator().manual_seed(seed)
+    cache = R.build_cos_sin_cache(inverse_frequencies(d, 100000.0, None), max_position)
+    qkv = bf16(t, (h + 2 * kvh) * d, gen=gen, scale=2.0)
+    positions = torch.randint(0, max_position, (t,), generator=gen)
+    q_ref, k_ref, _ = [z.clone() for z in split_qkv(qkv, h, kvh, d)]
+    R.apply_rope_ref(q_ref, k_ref, positions, cache)
+    return qkv, positions, cache, q_ref, k_ref
+
+
+@pytest.mark.parametrize("t,h,kvh,d", ROPE_SHAPES)
+def test_rope_in_place_on_strided_views(t, h, kvh, d):
+    qkv, positions, cache, q_ref, k_ref = rope_case(t, h, kvh, d, seed=t * h + d)
+    q, k, v = split_qkv(qkv, h, kvh, d)
+    if t > 1:  # rows of the fused qkv output (one token's view has no row stride to speak of)
+        assert q.stride(0) == k.stride(0) == (h + 2 * kvh) * d
+    v_before = v.clone()
+    q2, k2 = N.apply_rope(q, k, positions, cache)
+    assert q2 is q and k2 is k
+    assert_bits_equal(q, q_ref)
+    assert_bits_equal(k, k_ref)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("t,h,kvh,d", ROPE_SHAPES)
+def test_rope_and_store_writes_only_the_slots(t, h, kvh, d):
+    qkv, positions, cache, q_ref, k_ref = rope_case(t, h, kvh, d, seed=t + h * d)
+    q, k, v = split_qkv(qkv, h, kvh, d)
+    k_before = k.clone()
+    num_slots = 3 * t + 5
+    k_cache = torch.zeros(num_slots, kvh, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(t))[:t]
+    assert N.apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slots) is q
+    assert_bits_equal(q, q_ref)
+    assert_bits_equal(k_cache[slots], k_ref)
+    assert torch.equal(v_cache[slots], v)
+    assert torch.equal(k, k_before), "k itself is left as it is"
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any(), "wrote outside the slots"
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch and bad inputs
+# ----------------------------------------------------------------------------------------------
+
+def test_dispatch_bf16_native_float32_reference(monkeypatch):
+    """bfloat16 CPU tensors go to the native kernels (in place for add_rms_norm), float32 ones to
+    the reference; set_fused_kernels(False) sends bfloat16 to the reference too."""
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope_and_store"):
+        real = getattr(N, name)
+        monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, r, w = [t.to(dtype) for t in (torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen),
+                                         torch.randn(64, generator=gen))]
+        for enabled in (True, False):
+            K.set_fused_kernels(enabled)
+            try:
+                calls.clear()
+                assert torch.equal(K.rms_norm(x, w, 1e-6), R.rms_norm_ref(x, w, 1e-6))
+                xi, ri = x.clone(), r.clone()
+                out, res = K.add_rms_norm(xi, ri, w, 1e-6)
+                ref_out, ref_res = R.add_rms_norm_ref(x, r, w, 1e-6)
+                assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+                assert K.silu_and_mul(torch.cat([x, r], 1)).shape == (4, 64)
+                native = enabled and dtype is torch.bfloat16
+                assert (out is xi) == native
+                assert calls == (["rms_norm", "add_rms_norm", "silu_and_mul"] if native else [])
+            finally:
+                K.set_fused_kernels(True)
+    # a float32 weight with bfloat16 activations promotes like the reference: not the kernel's case
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    calls.clear()
+    assert torch.equal(K.rms_norm(x, torch.ones(64), 1e-6), R.rms_norm_ref(x, torch.ones(64), 1e-6))
+    assert calls == []
+
+
+def test_bad_inputs_are_rejected():
+    bf = torch.bfloat16
+    x, w = torch.randn(4, 64).to(bf), torch.ones(64, dtype=bf)
+    with pytest.raises(ValueError, match="bfloat16 CPU tensor"):
+        N.rms_norm(x.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        N.rms_norm(torch.randn(64, 4).to(bf).t(), w, 1e-6)
+    with pytest.raises(ValueError, match="does not match"):
+        N.rms_norm(x, torch.ones(32, dtype=bf), 1e-6)
+    with pytest.raises(ValueError, match="differ in shape"):
+        N.add_rms_norm(x, torch.zeros(2, 64, dtype=bf), w, 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        N.silu_and_mul(torch.zeros(2, 7, dtype=bf))
+
+    qkv, positions, cache, _, _ = rope_case(3, 4, 2, 32, seed=1, max_position=64)
+    q, k, v = split_qkv(qkv, 4, 2, 32)
+    k_cache, v_cache = torch.zeros(10, 2, 32, dtype=bf), torch.zeros(10, 2, 32, dtype=bf)
+    slots = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="heads must be contiguous"):
+        N.apply_rope(q.transpose(0, 1).contiguous().transpose(0, 1), k, positions, cache)
+    with pytest.raises(ValueError, match="int64"):
+        N.apply_rope(q, k, positions.int(), cache)
+    with pytest.raises(ValueError, match="float32"):
+        N.apply_rope(q, k, positions, cache.to(bf))
+    with pytest.raises(ValueError, match=r"k_cache must be \[num_slots, 2, 32\]"):
+        N.apply_rope_and_store(q, k, v, positions, cache, torch.zeros(10, 64, dtype=bf), v_cache, slots)
+    before = qkv.clone()
+    with pytest.raises(IndexError, match="position 64 out of range"):
+        N.apply_rope(q, k, torch.tensor([0, 64, 1]), cache)
+    with pytest.raises(IndexError, match="slot 10 out of range"):
+        N.apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, torch.tensor([1, 10, 2]))
+    assert torch.equal(qkv, before) and not k_cache.any(), "a rejected call wrote something"
+
+
+# ----------------------------------------------------------------------------------------------
+# The model and the engine
+# ----------------------------------------------------------------------------------------------
+
+def test_bf16_forward_equals_reference_forward():
+    """A random bfloat16 Qwen2-shaped model (qkv bias): prefill of two sequences, then a decode
+    step, with the native kernels and with the reference; hidden states and KV caches equal."""
+    from test_fused_kernels import _cfg, _decode_meta, _prefill_meta, _random_model
+
+    from constrained_spec.attention import KVCache
+    from constrained_spec.attention.torch_backend import TorchAttention
+    cfg = _cfg("qwen2")
+    model = _random_model(cfg, torch.bfloat16)
+    seq_lens = [5, 3]
+    ids = torch.randint(0, cfg.vocab_size, (sum(seq_lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in seq_lens])
+    runs = []
+    for enabled in (True, False):
+        K.set_fused_kernels(enabled)
+        try:
+            kv = KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+            with torch.inference_mode():
+                prefill = model(ids, pos, kv, _prefill_meta(seq_lens), TorchAttention())
+                decode = model(ids[:2], torch.tensor([5, 3]), kv, _decode_meta(2, 6, 16, "cpu"), TorchAttention())
+            runs.append((prefill, decode, kv.k.clone(), kv.v.clone()))
+        finally:
+            K.set_fused_kernels(True)
+    for native, reference in zip(*runs):
+        assert_bits_equal(native, reference)
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_native_vs_reference(smollm2_dir):
+    """SmolLM2-135M in bfloat16 on the CPU engine (prepacked projections): 40 greedy tokens of 4
+    requests, batched, are the same with the native kernels as with the torch reference."""
+    from constrained_spec import SamplingParams
+    from constrained_spec.engine import Engine
+    eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=1024)
+    try:
+        prompts = [eng.chat_prompt([{"role": "user", "content": f"Write a short story about {t}."}])
+                   for t in ("the sea", "a red fox", "bread", "prime numbers")]
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        native = [o.token_ids for o in eng.generate(prompts, params)]
+        K.set_fused_kernels(False)
+        try:
+            reference = [o.token_ids for o in eng.generate(prompts, params)]
+        finally:
+            K.set_fused_kernels(True)
+    finally:
+        eng.shutdown()
+    assert all(len(t) == 40 for t in native)
+    assert native == reference
