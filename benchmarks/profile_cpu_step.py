@@ -43,7 +43,7 @@ def main():
     from constrained_spec.models import load_model
     from constrained_spec.models.cpu_linear import prepack_bf16_linears
     if args.reference:
-        kernels.set_native_cpu_kernels(False)
+        kernels.set_fused_kernels(False)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device="cpu")
     model, cfg = loaded.model, loaded.config
     prepack_bf16_linears(model)
