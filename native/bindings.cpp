@@ -32,18 +32,41 @@ static py::dict config_dict(const NgramConfig& c) {
   return d;
 }
 
-// The job of a plain fill (`fill_start`): checks the lengths and the rows.
-static cspec::FillJob fill_job(uintptr_t method, int32_t type_index, const int64_t* matchers, int64_t num_matchers,
-                               const int64_t* rows, int64_t n, uintptr_t bitmask, int64_t num_rows, int64_t width) {
-  if (num_matchers != n) throw py::value_error("matchers and rows differ in length");
-  for (int64_t i = 0; i < n; ++i)
-    if (rows[i] < 0 || rows[i] >= num_rows) throw py::index_error("bitmask row out of range");
+// The job of `fill_start`: matchers[i] fills bitmask row rows[i]; with `accept_method`, it first accepts
+// tokens[i] (none where -1) and may then have no row (-1). No conversion of the arrays: they are read
+// after fill_start returns, so they must be the caller's own (which it keeps until fill_finish).
+static cspec::FillJob fill_job(uintptr_t method, int32_t type_index, const py::array& matchers, const py::array& rows,
+                               uintptr_t bitmask, int64_t num_rows, int64_t width, uintptr_t accept_method,
+                               const std::optional<py::array>& tokens, const std::optional<py::array>& accepted) {
+  auto exact = [](const py::array& a, const py::dtype& dtype, const char* what) {
+    if (!a.dtype().is(dtype) || !(a.flags() & py::array::c_style) || a.ndim() != 1)
+      throw py::value_error(std::string(what));
+  };
+  exact(matchers, py::dtype::of<int64_t>(), "matchers must be a contiguous 1-d int64 array");
+  exact(rows, py::dtype::of<int64_t>(), "rows must be a contiguous 1-d int64 array");
+  const int64_t n = matchers.size();
+  if (rows.size() != n) throw py::value_error("matchers and rows differ in length");
+  if (!bitmask) throw py::value_error("bitmask is a null pointer");
   cspec::FillJob job;
+  if (accept_method) {
+    if (!tokens || !accepted) throw py::value_error("an accepting fill needs tokens and accepted");
+    exact(*tokens, py::dtype::of<int32_t>(), "tokens must be a contiguous 1-d int32 array");
+    exact(*accepted, py::dtype::of<int8_t>(), "accepted must be a contiguous 1-d int8 array");
+    if (tokens->size() != n || accepted->size() != n) throw py::value_error("tokens and accepted differ in length from matchers");
+    if (!accepted->writeable()) throw py::value_error("accepted must be writeable");
+    job.accept_method = reinterpret_cast<void*>(accept_method);
+    job.tokens = static_cast<const int32_t*>(tokens->data());
+    job.accepted = static_cast<int8_t*>(const_cast<void*>(accepted->data()));
+  }
+  const auto* r = static_cast<const int64_t*>(rows.data());
+  const int64_t lowest = accept_method ? -1 : 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (r[i] < lowest || r[i] >= num_rows) throw py::index_error("bitmask row out of range");
   job.fill_method = reinterpret_cast<void*>(method);
   job.matcher_type_index = type_index;
-  job.matchers = reinterpret_cast<const uintptr_t*>(matchers);
+  job.matchers = static_cast<const uintptr_t*>(matchers.data());
   job.n = n;
-  job.rows = rows;
+  job.rows = r;
   job.bitmask = reinterpret_cast<int32_t*>(bitmask);
   job.num_rows = num_rows;
   job.width = width;
@@ -126,6 +149,35 @@ static void bind_cpu_kernels(py::module_& parent) {
       "RoPE on q in place; with k_cache, rotated k and v stored at rows `slots` of the caches, else k "
       "rotated in place. Raises IndexError for a position or slot out of range, before writing.");
   m.def(
+      "decode_attention_bf16",
+      [](int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uintptr_t q, int64_t q_row_stride,
+         uintptr_t k_cache, uintptr_t v_cache, int64_t num_slots, uintptr_t slot_table, int64_t table_width,
+         int64_t table_row_stride, uintptr_t kv_lens, double scale, uintptr_t out) {
+        cspec::DecodeAttentionArgs a;
+        a.batch = batch;
+        a.num_heads = num_heads;
+        a.num_kv_heads = num_kv_heads;
+        a.head_dim = head_dim;
+        a.q = pointer<const uint16_t>(q, "q");
+        a.q_row_stride = q_row_stride;
+        a.k_cache = pointer<const uint16_t>(k_cache, "k_cache");
+        a.v_cache = pointer<const uint16_t>(v_cache, "v_cache");
+        a.num_slots = num_slots;
+        a.slot_table = pointer<const int64_t>(slot_table, "slot_table");
+        a.table_width = table_width;
+        a.table_row_stride = table_row_stride;
+        a.kv_lens = pointer<const int32_t>(kv_lens, "kv_lens");
+        a.scale = static_cast<float>(scale);
+        a.out = pointer<uint16_t>(out, "out");
+        py::gil_scoped_release nogil;
+        cspec::decode_attention_bf16(a);
+      },
+      py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q"),
+      py::arg("q_row_stride"), py::arg("k_cache"), py::arg("v_cache"), py::arg("num_slots"), py::arg("slot_table"),
+      py::arg("table_width"), py::arg("table_row_stride"), py::arg("kv_lens"), py::arg("scale"), py::arg("out"),
+      "Attention of one query token per sequence over its slots in the KV cache (native/cpu_kernels.h). "
+      "Raises IndexError for a length or slot out of range, before writing.");
+  m.def(
       "silu_and_mul_bf16",
       [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t inter) {
         auto* gp = pointer<const uint16_t>(gate_up, "gate_up");
@@ -164,25 +216,20 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
       .def(
           "fill_start",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, py::array matchers, py::array rows,
-             uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers) {
-            // No conversion here: the arrays are read after this returns, so they must be the
-            // caller's own (which it keeps until fill_finish).
-            auto exact = [](const py::array& a, const char* name) {
-              if (!a.dtype().is(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style) || a.ndim() != 1)
-                throw py::value_error(std::string(name) + " must be a contiguous 1-d int64 array");
-            };
+             uintptr_t bitmask, int64_t num_rows, int64_t width, int helpers, uintptr_t accept_method,
+             std::optional<py::array> tokens, std::optional<py::array> accepted) {
             if (pool.pending()) throw std::runtime_error("fill_start before the last fill_finish");
-            exact(matchers, "matchers");
-            exact(rows, "rows");
-            cspec::FillJob job = fill_job(method, type_index, static_cast<const int64_t*>(matchers.data()),
-                                          matchers.size(), static_cast<const int64_t*>(rows.data()), rows.size(),
-                                          bitmask, num_rows, width);
-            pool.Start(job, helpers);
+            pool.Start(fill_job(method, type_index, matchers, rows, bitmask, num_rows, width, accept_method, tokens,
+                                accepted),
+                       helpers);
           },
           py::arg("method"), py::arg("type_index"), py::arg("matchers"), py::arg("rows"), py::arg("bitmask"),
-          py::arg("num_rows"), py::arg("width"), py::arg("helpers"),
+          py::arg("num_rows"), py::arg("width"), py::arg("helpers"), py::arg("accept_method") = 0,
+          py::arg("tokens") = py::none(), py::arg("accepted") = py::none(),
           "Starts filling bitmask[rows[i]] from matchers[i] (FFI object handles): wakes up to `helpers` pool "
-          "threads on the rows and returns at once; the arrays must stay alive until fill_finish.")
+          "threads on the rows and returns at once; the arrays must stay alive until fill_finish. With "
+          "accept_method (the overlapped decode step), matchers[i] first accepts tokens[i] (int32; none where -1; "
+          "accepted[i], int8: 1, or 0 where refused), and rows[i] may be -1 (no row).")
       .def("fill_finish", &MaskFillPool::Finish, py::call_guard<py::gil_scoped_release>(),
            "Fills the rows no pool thread has taken and waits for the threads; returns -1, or the position of a "
            "row whose fill failed.")

@@ -223,7 +223,109 @@ void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decode attention
+// ---------------------------------------------------------------------------------------------
+
+// A dot product of float rows: 16 lanes of products summed, folded in halves (GCC vector types,
+// so that the fold stays in registers). Its additions are not torch's: there is no reference to
+// match bit for bit here.
+typedef float Floats16 __attribute__((vector_size(64)));
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef float Floats4 __attribute__((vector_size(16)));
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Floats16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    Floats16 x, y;
+    std::memcpy(&x, a + i, sizeof x);
+    std::memcpy(&y, b + i, sizeof y);
+    acc += x * y;
+  }
+  const Floats8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Floats4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void to_float(const uint16_t* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(x[i]);
+}
+
+// In place: p = exp(p - max(p)) over n scores, rounded to bfloat16 (the probabilities torch's
+// flash attention multiplies v by); returns 1 / their float sum.
+inline float softmax_bf16_weights(float* p, int64_t n) {
+  float max = p[0];
+#pragma omp simd reduction(max : max)
+  for (int64_t j = 1; j < n; ++j) max = p[j] > max ? p[j] : max;
+  for (int64_t j = 0; j < n; ++j) p[j] = sleef_expf_u10(p[j] - max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) sum += p[j];
+  for (int64_t j = 0; j < n; ++j) p[j] = round_bf16(p[j]);
+  return 1.0f / sum;
+}
+
+// Scratch of one sequence: its query heads, their scores over the context, one cache row (all kv
+// heads) in float, the weighted sums of v.
+struct SequenceScratch {
+  std::vector<float> q, scores, row, acc;
+  std::vector<int64_t> kv_offset;  // of head h's kv head in a cache row: (h / group) * head_dim
+  SequenceScratch(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len)
+      : q(heads * head_dim), scores(heads * max_len), row(kv_heads * head_dim), acc(heads * head_dim),
+        kv_offset(heads) {
+    for (int64_t h = 0; h < heads; ++h) kv_offset[h] = h / (heads / kv_heads) * head_dim;
+  }
+};
+
+// All query heads of sequence b over its slots: each cache row is read once, for every head.
+CSPEC_VECTOR_CLONES
+void attend_sequence(const DecodeAttentionArgs& a, int64_t b, SequenceScratch& s) {
+  const int64_t d = a.head_dim, len = a.kv_lens[b], heads = a.num_heads, kv_row = a.num_kv_heads * d;
+  const int64_t* slots = a.slot_table + b * a.table_row_stride;
+  to_float(a.q + b * a.q_row_stride, s.q.data(), heads * d);
+  for (int64_t j = 0; j < len; ++j) {
+    to_float(a.k_cache + slots[j] * kv_row, s.row.data(), kv_row);
+    for (int64_t h = 0; h < heads; ++h)
+      s.scores[h * len + j] = dot(s.q.data() + h * d, s.row.data() + s.kv_offset[h], d) * a.scale;
+  }
+  float inv_sum[1024];  // heads <= 1024 (checked)
+  for (int64_t h = 0; h < heads; ++h) inv_sum[h] = softmax_bf16_weights(s.scores.data() + h * len, len);
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  for (int64_t j = 0; j < len; ++j) {
+    to_float(a.v_cache + slots[j] * kv_row, s.row.data(), kv_row);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float p = s.scores[h * len + j];
+      const float* v = s.row.data() + s.kv_offset[h];
+      float* acc = s.acc.data() + h * d;
+      for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p, v[i], acc[i]);
+    }
+  }
+  uint16_t* out = a.out + b * heads * d;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = float_to_bf16(s.acc[h * d + i] * inv_sum[h]);
+}
+
 }  // namespace
+
+void decode_attention_bf16(const DecodeAttentionArgs& a) {
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.num_heads > 1024)
+    throw std::invalid_argument("num_heads must be a multiple of num_kv_heads, and at most 1024");
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t len = a.kv_lens[b];
+    if (len < 1 || len > a.table_width)
+      throw std::out_of_range("kv_len " + std::to_string(len) + " out of range [1, " + std::to_string(a.table_width) +
+                              "]");
+    check_indices(a.slot_table + b * a.table_row_stride, len, a.num_slots, "slot");
+    max_len = std::max(max_len, len);
+  }
+  SequenceScratch scratch(a.num_heads, a.num_kv_heads, a.head_dim, max_len);
+  for (int64_t b = 0; b < a.batch; ++b) attend_sequence(a, b, scratch);
+}
 
 void rms_norm_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int64_t width,
                    float eps, int sum_lanes) {

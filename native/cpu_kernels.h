@@ -53,6 +53,28 @@ struct RopeArgs {
 };
 void rope_bf16(const RopeArgs& args);
 
+// Decode attention: one query token per sequence against its context in the KV cache, read where
+// it lies (no gather into a padded batch). Sequence b's context is the kv_lens[b] slots
+// slot_table[b, :kv_lens[b]] of the caches [num_slots, num_kv_heads, head_dim]; query head h reads
+// kv head h / (num_heads / num_kv_heads). softmax(scale * q.k) . v in float32 with the
+// probabilities rounded to bfloat16 before they weigh v, as torch's CPU flash attention does:
+// close to torch's SDPA, not bit for bit (its dot products run in oneDNN's order). Out: [batch,
+// num_heads, head_dim] contiguous. Lengths and slots are checked before anything is written.
+struct DecodeAttentionArgs {
+  int64_t batch = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  const uint16_t* q = nullptr;  // [batch, num_heads, head_dim], heads contiguous within a row
+  int64_t q_row_stride = 0;
+  const uint16_t* k_cache = nullptr;
+  const uint16_t* v_cache = nullptr;
+  int64_t num_slots = 0;
+  const int64_t* slot_table = nullptr;  // [batch, table_width], rows table_row_stride apart
+  int64_t table_width = 0, table_row_stride = 0;
+  const int32_t* kv_lens = nullptr;  // [batch]
+  float scale = 1.0f;
+  uint16_t* out = nullptr;
+};
+void decode_attention_bf16(const DecodeAttentionArgs& args);
+
 // out[r, i] = bf16(bf16(silu(gate[r, i])) * up[r, i]), gate and up the two halves of each
 // contiguous row of gate_up [rows, 2 * inter]; out: [rows, inter] contiguous.
 void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter);

@@ -1,20 +1,25 @@
 """The native bfloat16 CPU kernels (`constrained_spec.kernels.cpu_native`, native/cpu_kernels.h) vs
-their torch references (`kernels/reference.py`).
+their torch references (`kernels/reference.py`, and SDPA for attention).
 
-All of them are bitwise equal to the reference: RoPE and SiLU-and-mul do the reference's float ops
-one for one; the norms' mean is a float sum whose result depends on the order of its additions,
-and the kernel adds in the order torch's sum kernel does (a different order, e.g. a float64 mean,
-moves some outputs by one bfloat16 ulp: checked below, so that equality is not luck). SiLU is
-checked on every bfloat16 value, in torch's vectorized loop and in its scalar row tail (torch calls
-a different exp in each).
+The elementwise kernels are bitwise equal to the reference: RoPE and SiLU-and-mul do the
+reference's float ops one for one; the norms' mean is a float sum whose result depends on the
+order of its additions, and the kernel adds in the order torch's sum kernel does (a different
+order, e.g. a float64 mean, moves some outputs by one bfloat16 ulp: checked below, so that equality
+is not luck). SiLU is checked on every bfloat16 value, in torch's vectorized loop and in its scalar
+row tail (torch calls a different exp in each).
 
-Then the model and the engine: a bfloat16 forward and the greedy tokens of the real SmolLM2 are the
-same with the native kernels as with the reference.
+Decode attention is not bitwise SDPA (whose dot products run in oneDNN's order): it is checked to
+be as close to the exact (float64) attention as SDPA is, and to differ from SDPA in few elements.
+
+Then the model and the engine: a bfloat16 prefill (SDPA attention either way) is bitwise the
+reference's, and the greedy tokens of the real SmolLM2 are the same with the native kernels as
+with the reference.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from constrained_spec import kernels as K
 from constrained_spec.kernels import cpu_native as N
@@ -160,6 +165,63 @@ def test_rope_and_store_writes_only_the_slots(t, h, kvh, d):
 
 
 # ----------------------------------------------------------------------------------------------
+# Decode attention
+# ----------------------------------------------------------------------------------------------
+
+def decode_case(batch, width, heads, kv_heads, head_dim, seed):
+    """q as a strided view of fused qkv rows; each sequence's context on scattered slots of a
+    bigger cache, lengths from 1 to `width`."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 3 * batch * width + 7
+    k_cache, v_cache = bf16(num_slots, kv_heads, head_dim, gen=gen, scale=2.0), bf16(num_slots, kv_heads, head_dim, gen=gen)
+    qkv = bf16(batch, (heads + 2 * kv_heads) * head_dim, gen=gen, scale=2.0)
+    q = split_qkv(qkv, heads, kv_heads, head_dim)[0]
+    slot_table = torch.randperm(num_slots, generator=gen)[:batch * width].view(batch, width)
+    kv_lens = torch.randint(1, width + 1, (batch,), generator=gen, dtype=torch.int32)
+    kv_lens[0] = width
+    return q, k_cache, v_cache, slot_table, kv_lens
+
+
+def sdpa_decode(q, k_cache, v_cache, slot_table, kv_lens, scale, dtype):
+    """The torch backend's decode attention: gather, mask the padding, SDPA, in `dtype`."""
+    batch, width = slot_table.shape
+    kv_heads, head_dim = k_cache.shape[1:]
+    gather = lambda c: c.index_select(0, slot_table.reshape(-1)).view(batch, width, kv_heads, head_dim).to(dtype)  # noqa: E731
+    mask = (torch.arange(width).view(1, width) < kv_lens.view(batch, 1)).view(batch, 1, 1, width)
+    out = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1).transpose(1, 2), gather(k_cache).transpose(1, 2),
+                                         gather(v_cache).transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
+@pytest.mark.parametrize("batch,width,heads,kv_heads,head_dim", [
+    (8, 64, 9, 3, 64), (1, 1, 9, 3, 64), (4, 300, 8, 8, 32), (3, 1000, 14, 2, 128), (5, 17, 4, 1, 48)])
+def test_decode_attention_as_close_to_exact_as_sdpa(batch, width, heads, kv_heads, head_dim):
+    q, k_cache, v_cache, slot_table, kv_lens = decode_case(batch, width, heads, kv_heads, head_dim, seed=width)
+    scale = head_dim ** -0.5
+    out = N.decode_attention(q, k_cache, v_cache, slot_table, kv_lens, scale)
+    sdpa = sdpa_decode(q, k_cache, v_cache, slot_table, kv_lens, scale, torch.bfloat16)
+    exact = sdpa_decode(q, k_cache, v_cache, slot_table, kv_lens, scale, torch.float64)
+    err, sdpa_err = (out.double() - exact).abs(), (sdpa.double() - exact).abs()
+    assert err.max() <= 1.25 * sdpa_err.max() + 1e-6
+    assert err.mean() <= 1.05 * sdpa_err.mean() + 1e-6
+    assert (out != sdpa).float().mean() < 0.15  # last-bit differences: ~1% at 64 slots, ~8% at 1000
+
+
+def test_decode_attention_reads_only_the_context():
+    """Slots past a sequence's length, and the rest of the cache, do not change its output."""
+    q, k_cache, v_cache, slot_table, kv_lens = decode_case(4, 32, 9, 3, 64, seed=3)
+    kv_lens[1:] = torch.tensor([1, 5, 20], dtype=torch.int32)
+    out = N.decode_attention(q, k_cache, v_cache, slot_table, kv_lens, 0.125)
+    used = torch.zeros(k_cache.shape[0], dtype=torch.bool)
+    for b, n in enumerate(kv_lens.tolist()):
+        used[slot_table[b, :n]] = True
+    k_cache[~used], v_cache[~used] = float("nan"), float("nan")
+    assert torch.equal(N.decode_attention(q, k_cache, v_cache, slot_table, kv_lens, 0.125), out)
+    one = N.decode_attention(q[1:2], k_cache, v_cache, slot_table[1:2], kv_lens[1:2], 0.125)
+    assert torch.equal(one, out[1:2]), "a sequence's output depends on the others"
+
+
+# ----------------------------------------------------------------------------------------------
 # Dispatch and bad inputs
 # ----------------------------------------------------------------------------------------------
 
@@ -210,6 +272,22 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="even"):
         N.silu_and_mul(torch.zeros(2, 7, dtype=bf))
 
+    q, k_cache, v_cache, slot_table, kv_lens = decode_case(2, 8, 4, 2, 32, seed=0)
+    with pytest.raises(ValueError, match="do not share"):
+        N.decode_attention(q[:, :3], k_cache, v_cache, slot_table, kv_lens, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        N.decode_attention(q, k_cache, v_cache, slot_table, kv_lens.long(), 1.0)
+    with pytest.raises(ValueError, match="slot_table"):
+        N.decode_attention(q, k_cache, v_cache, slot_table.t(), kv_lens, 1.0)
+    with pytest.raises(IndexError, match="kv_len 9 out of range"):
+        N.decode_attention(q, k_cache, v_cache, slot_table, torch.tensor([9, 1], dtype=torch.int32), 1.0)
+    with pytest.raises(IndexError, match="kv_len 0 out of range"):
+        N.decode_attention(q, k_cache, v_cache, slot_table, torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    bad_table = slot_table.clone()
+    bad_table[1, 0] = k_cache.shape[0]
+    with pytest.raises(IndexError, match="slot .* out of range"):
+        N.decode_attention(q, k_cache, v_cache, bad_table, kv_lens, 1.0)
+
     qkv, positions, cache, _, _ = rope_case(3, 4, 2, 32, seed=1, max_position=64)
     q, k, v = split_qkv(qkv, 4, 2, 32)
     k_cache, v_cache = torch.zeros(10, 2, 32, dtype=bf), torch.zeros(10, 2, 32, dtype=bf)
@@ -234,9 +312,10 @@ def test_bad_inputs_are_rejected():
 # The model and the engine
 # ----------------------------------------------------------------------------------------------
 
-def test_bf16_forward_equals_reference_forward():
-    """A random bfloat16 Qwen2-shaped model (qkv bias): prefill of two sequences, then a decode
-    step, with the native kernels and with the reference; hidden states and KV caches equal."""
+def test_bf16_forward_native_vs_reference():
+    """A random bfloat16 Qwen2-shaped model (qkv bias): the prefill of two sequences (SDPA either
+    way) is bitwise the reference's, hidden states and KV caches; the decode step after it (native
+    attention) stays within bfloat16 rounding of it."""
     from test_fused_kernels import _cfg, _decode_meta, _prefill_meta, _random_model
 
     from constrained_spec.attention import KVCache
@@ -253,18 +332,23 @@ def test_bf16_forward_equals_reference_forward():
             kv = KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
             with torch.inference_mode():
                 prefill = model(ids, pos, kv, _prefill_meta(seq_lens), TorchAttention())
+                caches = kv.k.clone(), kv.v.clone()
                 decode = model(ids[:2], torch.tensor([5, 3]), kv, _decode_meta(2, 6, 16, "cpu"), TorchAttention())
-            runs.append((prefill, decode, kv.k.clone(), kv.v.clone()))
+            runs.append((prefill, *caches, decode))
         finally:
             K.set_fused_kernels(True)
-    for native, reference in zip(*runs):
+    (prefill, k, v, decode), (ref_prefill, ref_k, ref_v, ref_decode) = runs
+    for native, reference in ((prefill, ref_prefill), (k, ref_k), (v, ref_v)):
         assert_bits_equal(native, reference)
+    torch.testing.assert_close(decode.float(), ref_decode.float(), rtol=0.05, atol=0.05 * ref_decode.abs().max().item())
 
 
 @pytest.mark.slow
 def test_engine_greedy_tokens_native_vs_reference(smollm2_dir):
     """SmolLM2-135M in bfloat16 on the CPU engine (prepacked projections): 40 greedy tokens of 4
-    requests, batched, are the same with the native kernels as with the torch reference."""
+    requests, batched, are the same with the native kernels as with the torch reference. (Only the
+    decode attention is not bitwise SDPA: these requests never meet a near-tie its last-bit
+    differences would flip; a new case that does would show up here.)"""
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine
     eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=1024)

@@ -1,11 +1,16 @@
 """Reference attention in plain torch: pads the batch, gathers each context from the slot pool,
-and calls SDPA with an explicit mask. Runs on CPU and GPU; the other backends are tested against it."""
+and calls SDPA with an explicit mask. Runs on CPU and GPU; the other backends are tested against it.
+
+bfloat16 on the CPU takes native kernels where they exist (`kernels.cpu_native`): RoPE + KV store
+always, and a decode step's attention (one call reading the cache where it lies instead of two
+gathers, SDPA and its reshapes: ~15 small ops per layer). `kernels.set_fused_kernels(False)` makes
+this plain torch again."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import uses_native_cpu_kernels
+from ..kernels import cpu_native, uses_native_cpu_kernels
 from ..kernels.reference import rope_cos_sin_ref, rotate_ref
 from .base import AttentionBackend, AttentionMetadata, ForwardMode, KVCache
 
@@ -20,11 +25,13 @@ class TorchAttention(AttentionBackend):
             q = self.store_kv(q, k, v, layer, kv, meta, rope)
         T, H, D = q.shape
         B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
+        one_per_seq = Q == 1 and T == B  # decode: the flat tokens are the batch, no padding to undo
+        if one_per_seq and uses_native_cpu_kernels(q):
+            return cpu_native.decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
         if "torch" not in meta.scratch:  # the same for every layer of this forward
             meta.scratch["torch"] = (*_token_coords(meta, T), _attention_mask(meta, Q, K, q.device).unsqueeze(1))
         token_batch, token_pos, mask = meta.scratch["torch"]
 
-        one_per_seq = Q == 1 and T == B  # decode: the flat tokens are the batch, no padding to undo
         if one_per_seq:
             qp = q.view(B, 1, H, D)
         else:

@@ -150,6 +150,39 @@ def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     return q
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
+                     kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence, q [B, H, D], against its context: the first kv_lens[b] slots
+    of slot_table[b] in k_cache / v_cache [num_slots, KVH, D] (H a multiple of KVH). Returns
+    [B, H, D]. Close to SDPA's output, not bit for bit (native/cpu_kernels.h says why)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got {tuple(q.shape)}")
+    batch, heads, head_dim = q.shape
+    _check_heads(q, "q", batch, head_dim)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_contiguous_bf16(cache, name)
+        if cache.dim() != 3 or cache.shape[2] != head_dim or cache.shape != k_cache.shape:
+            raise ValueError(f"{name} must be [num_slots, kv_heads, {head_dim}] like k_cache, got {tuple(cache.shape)}")
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads evenly")
+    if (slot_table.dtype is not torch.int64 or not slot_table.is_cpu or slot_table.dim() != 2
+            or slot_table.shape[0] != batch or slot_table.stride(1) != 1):
+        raise ValueError(f"slot_table must be an int64 CPU tensor [{batch}, width] with contiguous rows, got "
+                         f"{slot_table.dtype} {tuple(slot_table.shape)} strides {slot_table.stride()}")
+    if kv_lens.dtype is not torch.int32 or not kv_lens.is_cpu or kv_lens.shape != (batch,):
+        raise ValueError(f"kv_lens must be an int32 CPU tensor of shape ({batch},), got {kv_lens.dtype} "
+                         f"{tuple(kv_lens.shape)}")
+    kv_lens = kv_lens.contiguous()
+    out = q.new_empty(batch, heads, head_dim)
+    if batch == 0:
+        return out
+    _K.decode_attention_bf16(batch, heads, kv_heads, head_dim, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), k_cache.shape[0], slot_table.data_ptr(), slot_table.shape[1],
+                             slot_table.stride(0), kv_lens.data_ptr(), scale, out.data_ptr())
+    return out
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`reference.silu_and_mul_ref`: [..., 2I] -> silu(gate) * up, [..., I]."""
     _check_contiguous_bf16(gate_up, "gate_up")
