@@ -112,8 +112,10 @@ void MaskFillPool::Work() {
       ok = WalkChain(i);
       job_.accepted[i] = static_cast<int8_t>(ok);
     } else {
-      if (job_.accept_method != nullptr) job_.accepted[i] = static_cast<int8_t>(AcceptToken(i, job_.tokens[i]));
-      if (job_.fill_method != nullptr) ok = FillRow(i, job_.rows[i]);
+      // accept-and-fill jobs mark "no token" and "no row" with -1
+      if (job_.accept_method != nullptr)
+        job_.accepted[i] = static_cast<int8_t>(job_.tokens[i] < 0 || AcceptToken(i, job_.tokens[i]));
+      if (job_.fill_method != nullptr && job_.rows[i] >= 0) ok = FillRow(i, job_.rows[i]);
     }
     if (!ok) {
       int64_t expected = -1;

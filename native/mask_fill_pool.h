@@ -39,10 +39,13 @@ struct FfiApi {
   int (*object_dec_ref)(void* obj);
 };
 
-// One job over n matchers, one of three kinds:
+// One job over n matchers, one of four kinds:
 // * accept: matchers[i] accepts tokens[i]; accepted[i] says whether it did (1, or 0 and the matcher
 //   is as it was);
 // * fill: matchers[i] fills row rows[i] of an int32 bitmask [num_rows, width];
+// * accept and fill (the overlapped decode step: the last step's tokens, then the next step's rows):
+//   matchers[i] accepts tokens[i] unless it is -1, then fills row rows[i] unless it is -1 (a matcher
+//   that refused its token fills from where it was);
 // * chains (a speculative step's draft chains): matchers[i] has taken the chain's root,
 //   chain_tokens[chain_offsets[i]]; for each depth d of the chain it accepts the chain's token d
 //   (d >= 1) and fills row rows[i] + d, except the row after a last token that ends the grammar

@@ -19,6 +19,7 @@ import torch
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.engine import _Collector
+from constrained_spec.engine import mask_filler
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
 from constrained_spec.grammar import GrammarSpec
 from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
@@ -46,8 +47,8 @@ def overlapped(engine: Engine, native: bool = True) -> list[int]:
     started = [0]
     start = engine.masks.start
 
-    def counted(reqs):
-        call = start(reqs)
+    def counted(reqs, accepts=()):
+        call = start(reqs, accepts)
         started[0] += call is not None
         return call
     engine.masks.start = counted
@@ -538,5 +539,38 @@ def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
                            frozenset(backend.grammar.tokenizer_info.stop_token_ids))
         assert torch.equal(buf, expected)
         assert torch.equal(rows_of(ms), before) and not choice.is_terminated()
+    finally:
+        filler.close()
+
+
+@pytest.mark.parametrize("native, in_fill", [(True, True), (True, False), (False, True)],
+                         ids=["native-pool", "native-pool-accepts-before", "xgrammar-calls"])
+def test_started_fill_accepts_the_last_tokens_first(backend, native, in_fill, monkeypatch):
+    """`start(reqs, accepts)`: each request of `accepts` takes its token before its row is filled (a
+    request not among `reqs` only takes it); a refused token is reported once finished and leaves
+    its matcher where it was."""
+    text = json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7})
+    n = 12
+    ms, ids = matchers_along(backend, PERSON, text, n)  # ms[k] has taken ids[:k]
+    reqs = fake_reqs(ms)
+    sampling, outside = reqs[:n - 1], reqs[n - 1]  # the last request does not sample this step
+    zebra = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]
+    accepts = [(r, ids[k]) for k, r in enumerate(reqs) if k != 3]  # reqs[3] has no token this step
+    accepts[1] = (reqs[1], zebra)  # refused after '{'
+    buf = torch.full((len(sampling), 1536), 0x5A5A5A5A, dtype=torch.int32)
+    filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
+    if not native:
+        filler._native = None
+    monkeypatch.setattr(mask_filler, "ACCEPTS_IN_FILL", in_fill)
+    try:
+        started = filler.start(sampling, accepts)
+        started.finish()
+        assert started.refused == [(reqs[1], zebra)]
+        after, _ = matchers_along(backend, PERSON, text, n + 1)
+        expected = rows_of([after[k] if k in (1, 3) else after[k + 1] for k in range(len(sampling))])
+        expected[1] = rows_of([ms[1]])[0]  # refused: filled from where it was
+        expected[3] = rows_of([after[3]])[0]  # no token: filled from where it was
+        assert torch.equal(filler.fill(sampling).bitmask, expected)
+        assert torch.equal(rows_of([outside.matcher]), rows_of([after[n]]))  # took its token, no row
     finally:
         filler.close()

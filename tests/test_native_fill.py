@@ -152,3 +152,37 @@ def test_started_fill_runs_on_the_pool(states, native, helpers):
     started.finish()  # once is enough; again is a no-op
     assert torch.equal(out, ref)
     native.prepare(ms, out, list(range(len(ms)))).run(1)  # the pool serves again
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_accepts_ride_along_with_the_fill(backend, native, helpers):
+    """The overlapped step's job: each matcher accepts its token (none where -1), then fills its row
+    (none where -1): the rows are those of the states after the accepts; a refused token is
+    reported, its matcher stays where it was and fills from there."""
+    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
+    ms, ids = matchers_along(backend, SCHEMA, TEXT, n)  # ms[k] has accepted ids[:k]
+    after, _ = matchers_along(backend, SCHEMA, TEXT, n + 1)
+    ref = torch.empty((n + 1, WIDTH), dtype=torch.int32)
+    for i, m in enumerate(after):
+        m.fill_bitmask(ref, i)
+    tokens = list(ids[:n])
+    tokens[1] = -1  # fill only: no token this step
+    tokens[2] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # refused after '{'
+    rows = list(range(n))
+    rows[4] = -1  # accept only: no row this step
+    out = torch.full((n, WIDTH), 0x5A5A5A5A, dtype=torch.int32)
+    fill = native.prepare(ms, out, rows, tokens)
+    fill.run(helpers)
+    assert fill.refused() == [2]
+    for k in range(n):
+        if k == 4:
+            assert (out[k] == 0x5A5A5A5A).all()  # no row: untouched
+        else:
+            assert torch.equal(out[k], ref[k] if k in (1, 2) else ref[k + 1]), k
+    check = torch.empty((1, WIDTH), dtype=torch.int32)
+    ms[4].fill_bitmask(check, 0)
+    assert torch.equal(check[0], ref[5])  # the accept-only matcher moved on
+    with pytest.raises(IndexError):
+        native.prepare(ms[:1], out, [-2], [0]).run(0)
+    with pytest.raises(IndexError):  # -1 means "no row" only beside tokens
+        native.prepare(ms[:1], out, [-1]).run(0)

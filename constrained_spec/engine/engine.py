@@ -355,8 +355,9 @@ class Engine:
 
     def _process(self, result: StepResult, launched=None) -> None:
         """The step's tokens into its requests. `launched`: the batch on the device now (overlap
-        mode); its mask fill runs beside this step's Python work once the matchers have this
-        step's tokens (ownership: module docstring)."""
+        mode); its mask fill runs beside this step's Python work, in one job with the accepts of
+        this step's tokens (ownership: module docstring). A token the grammar refuses (a bug: the
+        sample was masked) then fails its request after it was streamed."""
         tokens, logprobs = result.wait()  # from here the device is done with the bitmask buffer
         reqs = result.batch.sampling_requests()
         live: list[int] = []
@@ -373,26 +374,44 @@ class Engine:
                 self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i])
             return
         grammar = [i for i in live if reqs[i].matcher is not None]
-        if grammar:
-            t0 = time.perf_counter()
-            refused = self.masks.accept([reqs[i].matcher for i in grammar], [tokens[i] for i in grammar])
-            self.stats.grammar_accept_seconds += time.perf_counter() - t0
-            for j in refused:
-                i = grammar[j]
-                self._finish(reqs[i], FinishReason.ERROR,
-                             error=f"internal error: token {tokens[i]} violates the grammar")
-            stop_ids = self._grammar_stop_ids
-            first = [i for i in grammar if tokens[i] in stop_ids and not reqs[i].finished]
-            for i in first:  # accepted a stop token: its matcher may have terminated
+        stop_ids = self._grammar_stop_ids
+        ending = [i for i in grammar if tokens[i] in stop_ids]  # their matchers may terminate: accepted here
+        rest = [i for i in grammar if tokens[i] not in stop_ids] if launched is not None else []
+        live = self._accept_now(reqs, live, ending if launched is not None else grammar, tokens)
+        for i in ending:
+            if not reqs[i].finished:
                 self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i], accepted=True)
-            if refused or first:
-                done = set(first)
-                live = [i for i in live if i not in done and not reqs[i].finished]
-        fill = self.masks.start(launched.sampling_requests()) if launched is not None else None
+        if ending:
+            done = set(ending)
+            live = [i for i in live if i not in done and not reqs[i].finished]
+        # the other tokens ride along with the next step's fill, if one starts: its job accepts each
+        # request's token before filling its row
+        fill = None
+        if launched is not None:
+            fill = self.masks.start(launched.sampling_requests(), [(reqs[i], tokens[i]) for i in rest])
         if fill is None:
+            live = self._accept_now(reqs, live, rest, tokens)
             self._append_accepted(reqs, live, tokens, logprobs)
-        else:
-            self._fill_beside(fill, reqs, live, tokens, logprobs)
+            return
+        self._fill_beside(fill, reqs, live, tokens, logprobs)
+        for req, token in fill.refused:  # appended already: the request ends with the error
+            if not req.finished:
+                self._finish(req, FinishReason.ERROR, error=_violation(token))
+
+    def _accept_now(self, reqs, live: list[int], positions: list[int], tokens) -> list[int]:
+        """reqs[i] accepts tokens[i] for i in `positions`; a refused token fails its request.
+        Returns `live` without the failed positions."""
+        if not positions:
+            return live
+        t0 = time.perf_counter()
+        refused = self.masks.accept([reqs[i].matcher for i in positions], [tokens[i] for i in positions])
+        self.stats.grammar_accept_seconds += time.perf_counter() - t0
+        if not refused:
+            return live
+        for j in refused:
+            i = positions[j]
+            self._finish(reqs[i], FinishReason.ERROR, error=_violation(tokens[i]))
+        return [i for i in live if not reqs[i].finished]
 
     def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
         """Appends the step's tokens while the mask fill runs. A fill on the native pool's threads
@@ -459,7 +478,7 @@ class Engine:
         params = req.params
         matcher = req.matcher
         if matcher is not None and not accepted and not matcher.accept_token(token):
-            self._finish(req, FinishReason.ERROR, error=f"internal error: token {token} violates the grammar")
+            self._finish(req, FinishReason.ERROR, error=_violation(token))
             return
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             req.output_ids.append(token)
@@ -560,6 +579,10 @@ class Engine:
     def _fail_running(self, message: str) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, FinishReason.ERROR, error=message)
+
+
+def _violation(token: int) -> str:
+    return f"internal error: token {token} violates the grammar"
 
 
 class _Collector:

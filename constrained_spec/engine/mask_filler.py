@@ -92,6 +92,10 @@ MAX_EXTRA_WORKERS = 32
 # (False: the engine thread makes the fill as one call while its step thread appends; an A/B lever,
 # `bench_gpu.py --fill-beside-step-thread`).
 START_ON_POOL = True
+# The overlapped step's token accepts run in the started fill's job on the pool, each request's
+# before its row (False: in a pool call of their own before the fill starts; an A/B lever,
+# `bench_gpu.py --accepts-before-fill`).
+ACCEPTS_IN_FILL = True
 # A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
 # Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
 BACKGROUND_MIN_ROWS = 4
@@ -182,21 +186,24 @@ class StartedFill:
     """A fill prepared by `MaskFiller.start`. `finish()` makes it or waits for it (it never raises:
     `MaskFiller.fill` raises what it raised). `on_threads`: it runs on the native pool's threads
     from `start` on, so the caller's thread is free meanwhile; otherwise `finish` is the whole
-    call, which drops the GIL at once (a thread of the caller's may run Python beside it)."""
-    __slots__ = ("reqs", "done", "error", "on_threads", "_finish")
+    call, which drops the GIL at once (a thread of the caller's may run Python beside it).
+    `refused`: once finished, the (request, token) pairs of `start`'s `accepts` whose token the
+    grammar refused (their matchers are as they were)."""
+    __slots__ = ("reqs", "done", "error", "on_threads", "refused", "_finish")
 
-    def __init__(self, reqs: list, finish: Callable[[], None], on_threads: bool):
+    def __init__(self, reqs: list, finish: Callable[[], list], on_threads: bool):
         self.reqs = reqs
         self.done = False
         self.error: Exception | None = None
         self.on_threads = on_threads
+        self.refused: list = []
         self._finish = finish
 
     def finish(self) -> None:
         if self.done:
             return
         try:
-            self._finish()
+            self.refused = self._finish()
         except Exception as e:  # noqa: BLE001 - raised by `MaskFiller.fill`, on the engine thread
             self.error = e
         self.done = True
@@ -227,15 +234,18 @@ class MaskFiller:
         self._started: StartedFill | None = None
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence) -> StartedFill | None:
+    def start(self, reqs: Sequence, accepts: Sequence[tuple] = ()) -> StartedFill | None:
         """Prepares the fill of a step whose sampling requests are `reqs` (in this order) and returns
         it; None when there are fewer than BACKGROUND_MIN_ROWS rows to fill, or with a budget (its
-        per-row jobs run on workers anyway). On the native pool the fill starts at once on its
-        threads; else it is one call into xgrammar that `finish` makes. The caller finishes it
-        before the step samples; `fill(reqs)` then returns the rows or raises what the fill raised.
-        Call `start` only once the device has read the previous step's bitmask (the engine waits
-        for its tokens first) and every matcher is up to date. From here until `finish` returns,
-        the rows' matchers are the fill's (module docstring)."""
+        per-row jobs run on workers anyway). `accepts`: (request, token) pairs of the step before,
+        whose tokens their matchers take first (a request's before its row is filled); None means
+        the caller accepts them. On the native pool the accepts and the fill start at once on its
+        threads; else the accepts are made here and the fill is one call into xgrammar that
+        `finish` makes. The caller finishes it before the step samples; `fill(reqs)` then returns
+        the rows or raises what the fill raised. Call `start` only once the device has read the
+        previous step's bitmask (the engine waits for its tokens first) and every matcher has the
+        tokens not in `accepts`. From here until `finish` returns, the rows' matchers are the
+        fill's (module docstring)."""
         if self.budget_s is not None or self._started is not None:
             return None
         live = [i for i, r in enumerate(reqs)  # _needs_row, inlined (every step, every request)
@@ -246,15 +256,50 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        matchers = [reqs[i].matcher for i in live]
-        if self._native is not None and START_ON_POOL:
-            running = self._native.prepare(matchers, bitmask, live)
-            running.start(max(1, self._native.helpers_for(len(live), NATIVE_ROWS_PER_THREAD)))
-            started = StartedFill(list(reqs), running.finish, on_threads=True)
+        on_pool = self._native is not None and START_ON_POOL
+        if on_pool and ACCEPTS_IN_FILL:
+            started = self._start_on_pool(reqs, live, accepts, bitmask)
+        elif on_pool:
+            started = self._start_on_pool(reqs, live, (), bitmask, refused=self._accept_now(accepts))
         else:
-            started = StartedFill(list(reqs), self._fill_call(matchers, bitmask, live), on_threads=False)
+            refused = self._accept_now(accepts)
+            fill = self._fill_call([reqs[i].matcher for i in live], bitmask, live)
+
+            def finish() -> list:
+                fill()
+                return refused
+            started = StartedFill(list(reqs), finish, on_threads=False)
         self._started = started
         return started
+
+    def _start_on_pool(self, reqs: Sequence, live: list[int], accepts: Sequence[tuple], bitmask,
+                       refused: list = ()) -> StartedFill:
+        """One job on the pool: each live row's request accepts its token (if it has one in
+        `accepts`), then fills its row; the requests of `accepts` without a row only accept.
+        `refused`: what accepts made before refused."""
+        entries = [reqs[i] for i in live]
+        rows, tokens = live, None
+        if accepts:
+            token_of = {id(r): t for r, t in accepts}
+            tokens = [token_of.pop(id(r), -1) for r in entries]
+            if token_of:  # requests not sampling this step (finished meanwhile, or held back)
+                rest = [(r, t) for r, t in accepts if id(r) in token_of]
+                entries += [r for r, _ in rest]
+                tokens += [t for _, t in rest]
+                rows = live + [-1] * len(rest)
+        running = self._native.prepare([r.matcher for r in entries], bitmask, rows, tokens)
+        running.start(max(1, self._native.helpers_for(len(entries), NATIVE_ROWS_PER_THREAD)))
+
+        def finish() -> list:
+            running.finish()
+            return list(refused) + [(entries[j], tokens[j]) for j in running.refused()]
+        return StartedFill(list(reqs), finish, on_threads=True)
+
+    def _accept_now(self, accepts: Sequence[tuple]) -> list:
+        if not accepts:
+            return []
+        refused = self.accept([r.matcher for r, _ in accepts], [t for _, t in accepts])
+        return [accepts[j] for j in refused]
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed), once it

@@ -86,12 +86,16 @@ class NativeFill:
         """Pool threads beside the caller for `rows` rows: one thread per `rows_per_thread`."""
         return max(0, min(self.workers, math.ceil(rows / rows_per_thread) - 1))
 
-    def prepare(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int]) -> "PoolFill":
+    def prepare(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int],
+                tokens: Sequence[int] | None = None) -> "PoolFill":
         """The fill of bitmask[rows[i]] from matchers[i] (RequestMatchers), its arguments converted
         for the pool: `PoolFill.run` makes it (dropping the GIL at once), or `start` and `finish`
-        with other work between."""
+        with other work between. With `tokens`, matchers[i] first accepts tokens[i] (none where -1),
+        and rows[i] may be -1 (no row): the overlapped decode step's accepts of the step before ride
+        along with its fill (`PoolFill.refused` lists the refused ones once finished)."""
         _check_bitmask(bitmask)
-        return PoolFill(self._pool, self._fill_handle, self._type_index, matchers, bitmask, rows)
+        accept = None if tokens is None else (self._accept_handle, np.asarray(tokens, dtype=np.int32))
+        return PoolFill(self._pool, self._fill_handle, self._type_index, matchers, bitmask, rows, accept)
 
     def accept(self, matchers: Sequence, tokens: Sequence[int], helpers: int) -> list[int]:
         """matchers[i] accepts tokens[i], on up to `helpers` pool threads beside this one (the GIL
@@ -135,14 +139,18 @@ class NativeFill:
 
 
 class PoolFill:
-    """A fill of bitmask rows on the pool (`NativeFill.prepare`). It holds what the pool's threads
-    read (the matchers, whose FFI handles they use, and the arrays) for as long as it lives."""
+    """A fill of bitmask rows on the pool (`NativeFill.prepare`), with the accepts before it where it
+    has tokens. It holds what the pool's threads read (the matchers, whose FFI handles they use, and
+    the arrays) for as long as it lives."""
 
     def __init__(self, pool, method: int, type_index: int, matchers: Sequence, bitmask: torch.Tensor,
-                 rows: Sequence[int]):
+                 rows: Sequence[int], accept: tuple[int, np.ndarray] | None = None):
         self._pool = pool
-        self._args = (method, type_index, _handles(matchers), np.asarray(rows, dtype=np.int64),
-                      bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1])
+        self._rows = np.asarray(rows, dtype=np.int64)
+        self._args = (method, type_index, _handles(matchers), self._rows, bitmask.data_ptr(), bitmask.shape[0],
+                      bitmask.shape[1])
+        self._accepted = None if accept is None else np.ones(len(matchers), dtype=np.int8)
+        self._accept_args = () if accept is None else (accept[0], accept[1], self._accepted)
         self._matchers = matchers
         self._bitmask = bitmask
         self._running = False
@@ -150,7 +158,7 @@ class PoolFill:
     def start(self, helpers: int) -> None:
         """Wakes up to `helpers` pool threads on the rows and returns at once. Until `finish` the
         pool takes no other job, and the rows' matchers belong to the fill."""
-        self._pool.fill_start(*self._args, helpers)
+        self._pool.fill_start(*self._args, helpers, *self._accept_args)
         self._running = True
 
     def finish(self) -> None:
@@ -162,9 +170,16 @@ class PoolFill:
         self._running = False
         failed = self._pool.fill_finish()
         if failed >= 0:
-            self._matchers[failed].fill_bitmask(self._bitmask, int(self._args[3][failed]))
+            self._matchers[failed].fill_bitmask(self._bitmask, int(self._rows[failed]))
 
     def run(self, helpers: int) -> None:
         """The whole fill, this thread filling beside up to `helpers` pool threads."""
         self.start(helpers)
         self.finish()
+
+    def refused(self) -> list[int]:
+        """After `finish`: the positions whose token the grammar refused (those matchers are as they
+        were, and filled their row from there)."""
+        if self._accepted is None or self._accepted.all():
+            return []
+        return np.flatnonzero(self._accepted == 0).tolist()
