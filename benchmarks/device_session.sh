@@ -77,6 +77,16 @@ stage_host() {  # random weights: host phases of a decode step, batch 1-128, pla
   tail -n 8 "$OUT/host.log"
 }
 
+stage_host_real() {  # real weights: host phases of a decode step, JSON at its own lengths vs plain at the same lengths
+  (cd benchmarks && timeout 300 python3 profile_decode_host.py --real-weights --detail --batches 32,64,128 \
+    --tokens 128 --name ${HOST_NAME:-host_real}) > "$OUT/host_real.log" 2>&1
+  python3 - <<'PY'
+import json, os
+for r in json.load(open(f"benchmarks/results/{os.environ.get('HOST_NAME', 'host_real')}.json")):
+    print(r["batch"], r["workload"], r["steps"], r["step_ms"], {k[:34]: v for k, v in r["phase_ms"].items() if v >= 0.02})
+PY
+}
+
 stage_engine_tests() {  # the engine's GPU tests (real weights): backends, graphs, prefill graphs, speculation
   timeout 240 python3 -m pytest -q -m gpu tests/test_engine_gpu.py > "$OUT/pytest_engine_gpu.log" 2>&1
   tail -n 4 "$OUT/pytest_engine_gpu.log"

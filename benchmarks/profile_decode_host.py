@@ -3,8 +3,9 @@
 Times each phase of the engine thread's loop (schedule, forward launch and the KV plan in it,
 processing the previous step's tokens, the wait for the device, the grammar-mask fill, sample
 launch) by wrapping those methods, and with --cprofile lists the engine thread's top functions.
-In the overlapped loop the fill is made inside the processing, beside the step thread's Python
-work ("mask fill beside step python"); "mask fill" is then what is left to do after it. On CUDA
+In the overlapped loop the fill starts inside the processing and runs on the grammar pool's threads
+while the engine thread appends the step's tokens ("appends beside the mask fill"); "mask fill wait
+after the appends" is what it still holds the engine thread up. On CUDA
 with overlap, a step is host-bound when `wait` is near zero: the device finished before the host
 asked. `--overlap` runs the overlapped loop on the CPU too.
 
@@ -68,6 +69,10 @@ def main():
     ap.add_argument("--batch-matcher-threads", type=int, default=None,
                     help="threads of xgrammar's BatchGrammarMatcher in the unbudgeted fill, whatever the rows (A/B; "
                          "the engine uses one per 8 rows up to grammar_mask_threads)")
+    ap.add_argument("--real-weights", action="store_true",
+                    help="the real model (resolve_model_path) instead of random weights: JSON answers end where the "
+                         "model ends them, and plain runs each request for as many tokens as its JSON answer took "
+                         "(the batch drains as in the JSON run: bench_gpu.py's 'plain, json lengths')")
     ap.add_argument("--name", default=None, help="results file name (default decode_host_<device>)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up (A/B)")
     ap.add_argument("--detail", action="store_true",
@@ -97,8 +102,9 @@ def main():
     timer = PhaseTimer()
     timer.wrap(StepResult, "wait", "wait")
     opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
-    eng = Engine(loaded=random_model(args.model_dir or resolve_model_path(None), args.device), device=args.device,
-                 max_running_requests=max(int(b) for b in args.batches.split(",")), **opts)
+    source = (dict(model=resolve_model_path(None)) if args.real_weights
+              else dict(loaded=random_model(args.model_dir or resolve_model_path(None), args.device)))
+    eng = Engine(**source, device=args.device, max_running_requests=max(int(b) for b in args.batches.split(",")), **opts)
     if args.batch_matcher_threads is not None:  # every batch fill on this many threads
         import xgrammar as xgr
         fixed = xgr.BatchGrammarMatcher(max_threads=args.batch_matcher_threads)
@@ -111,28 +117,13 @@ def main():
     timer.wrap(eng, "_process", "process (incl. wait)")
     timer.wrap(eng, "_fill_bitmask", "mask fill")
     if hasattr(eng, "_fill_beside"):  # (older engines fill after the processing)
-        timer.wrap(eng.masks, "start", "mask fill prepare (in process)")
-        timer.wrap(eng, "_fill_beside", "mask fill beside step python (in process)")
-    if hasattr(engine_mod, "batch_accept"):
-        timer.wrap(engine_mod, "batch_accept", "grammar accept (in process)")
-    if hasattr(eng, "_append_accepted"):  # the step's per-request Python (on the step thread beside a fill)
+        timer.wrap(eng.masks, "start", "mask fill prepare + start (in process)")
+        timer.wrap(eng, "_fill_beside", "appends beside the mask fill, incl. its wait (in process)")
+    if hasattr(eng, "_finish_fill"):  # what the fill still holds the engine thread after the appends
+        timer.wrap(eng, "_finish_fill", "mask fill wait after the appends (in process)")
+    timer.wrap(eng.masks, "accept", "grammar accept (in process)")
+    if hasattr(eng, "_append_accepted"):  # the step's per-request Python (beside a fill)
         timer.wrap(eng, "_append_accepted", "append tokens, per-request python (in process)")
-    if hasattr(eng.masks, "start"):  # the GIL-free fill call itself, beside the appends
-        start, fill_acc = eng.masks.start, timer.seconds
-
-        def timed_start(*a, **k):
-            call = start(*a, **k)
-            if call is None:
-                return None
-
-            def timed_call():
-                t0 = time.perf_counter()
-                try:
-                    return call()
-                finally:
-                    fill_acc["mask fill call, GIL-free (beside the appends)"] += time.perf_counter() - t0
-            return timed_call
-        eng.masks.start = timed_start
     if args.detail:  # a graphed decode launch, piece by piece (the same calls as ModelRunner.forward)
         runner, plain_forward = eng.runner, eng.runner.forward
         acc = timer.seconds
@@ -179,17 +170,25 @@ def main():
     records = []
     for bs in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(eng.tokenizer, bs, json_task=True)
-        for kind, grammar in (("plain", None), ("json", GrammarSpec.json_schema(PERSON_SCHEMA))):
-            sp = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+        lengths = None  # the JSON answers' lengths (real weights: plain runs them)
+        for kind, grammar in (("json", GrammarSpec.json_schema(PERSON_SCHEMA)), ("plain", None)):
+            if args.real_weights and kind == "json":
+                sp = SamplingParams(max_tokens=args.tokens, temperature=0)
+            elif args.real_weights:
+                sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+            else:
+                sp = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             eng.generate(prompts, sp, grammar)  # warm-up
             timer.seconds.clear()
             steps0 = eng.stats.decode_steps
             t0 = time.perf_counter()
-            eng.generate(prompts, sp, grammar)
+            outs = eng.generate(prompts, sp, grammar)
             wall = time.perf_counter() - t0
+            lengths = lengths or [o.completion_tokens for o in outs]
             steps = eng.stats.decode_steps - steps0
             ms = {k: round(1000 * v / steps, 3) for k, v in sorted(timer.seconds.items())}
-            rec = dict(opts=opts, batch=bs, workload=kind, steps=steps, step_ms=round(1000 * wall / steps, 3), phase_ms=ms)
+            rec = dict(opts=opts, batch=bs, workload=kind, steps=steps, step_ms=round(1000 * wall / steps, 3),
+                       tokens=sum(o.completion_tokens for o in outs), phase_ms=ms)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     eng.shutdown()
