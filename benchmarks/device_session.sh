@@ -77,6 +77,15 @@ stage_host() {  # random weights: host phases of a decode step, batch 1-128, pla
   tail -n 8 "$OUT/host.log"
 }
 
+stage_accept_ab() {  # the overlapped step's accepts in the fill's job (default) vs a pool call of their own before it
+  for how in in_fill before; do
+    opt=$([ "$how" = before ] && echo "--accepts-before-fill")
+    (cd benchmarks && timeout 200 python3 bench_gpu.py --skip-hf --skip-8b $opt --name gpu_accepts_$how) \
+      > "$OUT/bench_gpu_accepts_$how.log" 2>&1
+    echo "-- $how"; grep "^| [0-9b]" "$OUT/bench_gpu_accepts_$how.log" | cut -d'|' -f2-7
+  done
+}
+
 stage_host_real() {  # real weights: host phases of a decode step, JSON at its own lengths vs plain at the same lengths
   (cd benchmarks && timeout 300 python3 profile_decode_host.py --real-weights --detail --batches 32,64,128 \
     --tokens 128 --name ${HOST_NAME:-host_real}) > "$OUT/host_real.log" 2>&1
