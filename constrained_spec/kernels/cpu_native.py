@@ -4,15 +4,17 @@ side leaves to its caller.
 Why: with its projections on oneDNN's prepacked weights (models/cpu_linear.py), a bfloat16 decode
 step of SmolLM2-135M at batch 8 on the 2-core dev VM still spent ~12 of its ~25 ms outside the
 GEMMs, in ~1,300 small torch ops (~400 us per layer): RMSNorm's eight ops, RoPE's dozen, the KV
-store, SiLU-and-mul's three, each a dispatch and an allocation for a few thousand elements. Each
-function here is one call over the raw buffers instead.
+store, SiLU-and-mul's three, the decode attention's gathers, mask and reshapes around SDPA, each a
+dispatch and an allocation for a few thousand elements. Each function here is one call over the
+raw buffers instead.
 
-The results are the torch references' (kernels/reference.py) bit for bit: the same float32 math,
-rounded to bfloat16 where the reference stores bfloat16, and the norm's mean summed in the order
-torch's sum kernel adds (tests/test_cpu_kernels.py checks all of it, and SiLU on every bfloat16
-value). That order depends on the width of the vectors torch sums with (`_SUM_LANES`); where it
-is not the one assumed here, a mean may differ in its last float bit, and rarely a normed element
-by one bfloat16 ulp.
+The elementwise ones give the torch references' (kernels/reference.py) results bit for bit: the
+same float32 math, rounded to bfloat16 where the reference stores bfloat16, and the norm's mean
+summed in the order torch's sum kernel adds (tests/test_cpu_kernels.py checks all of it, and SiLU
+on every bfloat16 value). That order depends on the width of the vectors torch sums with
+(`_SUM_LANES`); where it is not the one assumed here, a mean may differ in its last float bit, and
+rarely a normed element by one bfloat16 ulp (enough to change a greedy token after a few dozen).
+Decode attention is as close to exact attention as SDPA is, but not SDPA's bits.
 
 Inputs are checked here (device, dtype, shape, layout) because the C++ side only gets pointers.
 """

@@ -4,7 +4,9 @@ q/k/v and gate/up projections are fused into one matmul each, and the elementwis
 kernel per op on CUDA (`constrained_spec.kernels`: residual-add + RMSNorm, RoPE on q and k,
 SiLU-and-mul): fewer kernels per layer, which is what bounds a small model's decode step on a GPU.
 The residual stream is carried beside the hidden states (vLLM/SGLang style), so each residual add
-is fused into the next norm. On CPU the kernels are the exact pre-fusion torch math.
+is fused into the next norm. On CPU, float32 runs the exact pre-fusion torch math and bfloat16 runs
+native C++ kernels that give the same bits with one call per op instead of a chain of small ones
+(`kernels/cpu_native.py`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: the normed x. With it: (norm(x + residual), x + residual); on CUDA
-        both are written in place into x and residual."""
+        and for bfloat16 on the CPU both are written in place into x and residual."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
