@@ -1,6 +1,6 @@
-"""One CPU decode step of SmolLM2-135M, the model forward alone: its time, and (--profile) the torch
-ops it spends it on. For before/after figures of CPU work on the forward (fused kernels, packed
-projections) without the engine loop around it.
+"""One CPU decode step of SmolLM2-135M without the engine loop around it: the model forward's time
+and the logits head's, and (--profile) the torch ops the forward spends it on. For before/after
+figures of CPU work on the forward (fused kernels, packed projections).
 
 Builds the real model (bfloat16 by default, projections prepacked as the engine does), a KV cache
 holding `--context` tokens per sequence, and the decode metadata of `--batch` sequences; times the
@@ -60,14 +60,18 @@ def main():
 
     with torch.inference_mode():
         for _ in range(5):
-            step()
-        times = []
+            model.compute_logits(step())
+        forward, head = [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            step()
-            times.append(1000 * (time.perf_counter() - t0))
+            hidden = step()
+            t1 = time.perf_counter()
+            model.compute_logits(hidden)
+            forward.append(1000 * (t1 - t0))
+            head.append(1000 * (time.perf_counter() - t1))
         print(f"{args.dtype} batch {B} context {ctx} ({'reference' if args.reference else 'native'} kernels): "
-              f"forward {statistics.median(times):.2f} ms median, {min(times):.2f} min over {args.repeats}")
+              f"forward {statistics.median(forward):.2f} ms median, {min(forward):.2f} min over {args.repeats}; "
+              f"logits head {statistics.median(head):.2f} ms median")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:
