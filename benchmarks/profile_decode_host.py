@@ -122,6 +122,13 @@ def main():
     if hasattr(eng, "_finish_fill"):  # what the fill still holds the engine thread after the appends
         timer.wrap(eng, "_finish_fill", "mask fill wait after the appends (in process)")
     timer.wrap(eng.masks, "accept", "grammar accept (in process)")
+    if args.detail and getattr(eng.masks, "_native", None) is not None:  # the pieces of a started fill's start
+        from constrained_spec.engine import mask_filler
+        from constrained_spec.grammar.native_fill import PoolFill
+        timer.wrap(mask_filler, "_allow_all", "start: rows allowed all (in mask fill start)")
+        timer.wrap(eng.masks._native, "prepare", "start: prepare (in mask fill start)")
+        timer.wrap(PoolFill, "start", "start: pool wake-up call (in mask fill start)")
+        timer.wrap(eng.masks, "settle", "start: settle (in mask fill start)")
     if hasattr(eng, "_append_accepted"):  # the step's per-request Python (beside a fill)
         timer.wrap(eng, "_append_accepted", "append tokens, per-request python (in process)")
     if args.detail:  # a graphed decode launch, piece by piece (the same calls as ModelRunner.forward)
