@@ -19,6 +19,7 @@ import torch
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.engine import _Collector
+from constrained_spec.engine.request import Status
 from constrained_spec.engine import mask_filler
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
 from constrained_spec.grammar import GrammarSpec
@@ -47,8 +48,8 @@ def overlapped(engine: Engine, native: bool = True) -> list[int]:
     started = [0]
     start = engine.masks.start
 
-    def counted(reqs, accepts=()):
-        call = start(reqs, accepts)
+    def counted(reqs, *accepts):
+        call = start(reqs, *accepts)
         started[0] += call is not None
         return call
     engine.masks.start = counted
@@ -357,7 +358,9 @@ def test_matchers_terminate_only_on_stop_tokens(backend):
 
 
 class _Req(SimpleNamespace):
-    pass
+    @property
+    def status(self):  # what `MaskFiller.start` reads (a Request's `finished` is its status)
+        return Status.FINISHED if self.finished else Status.RUNNING
 
 
 def fake_reqs(matchers):
@@ -546,7 +549,7 @@ def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
 @pytest.mark.parametrize("native, in_fill", [(True, True), (True, False), (False, True)],
                          ids=["native-pool", "native-pool-accepts-before", "xgrammar-calls"])
 def test_started_fill_accepts_the_last_tokens_first(backend, native, in_fill, monkeypatch):
-    """`start(reqs, accepts)`: each request of `accepts` takes its token before its row is filled (a
+    """`start(reqs, accept_reqs, accept_tokens)`: each accepting request takes its token before its row is filled (a
     request not among `reqs` only takes it); a refused token is reported once finished and leaves
     its matcher where it was."""
     text = json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7})
@@ -563,7 +566,7 @@ def test_started_fill_accepts_the_last_tokens_first(backend, native, in_fill, mo
         filler._native = None
     monkeypatch.setattr(mask_filler, "ACCEPTS_IN_FILL", in_fill)
     try:
-        started = filler.start(sampling, accepts)
+        started = filler.start(sampling, [r for r, _ in accepts], [t for _, t in accepts])
         started.finish()
         assert started.refused == [(reqs[1], zebra)]
         after, _ = matchers_along(backend, PERSON, text, n + 1)

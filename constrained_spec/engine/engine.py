@@ -388,7 +388,10 @@ class Engine:
         # request's token before filling its row
         fill = None
         if launched is not None:
-            fill = self.masks.start(launched.sampling_requests(), [(reqs[i], tokens[i]) for i in rest])
+            if len(rest) == len(reqs):  # every request of the step: the lists as they are
+                fill = self.masks.start(launched.sampling_requests(), reqs, tokens)
+            else:
+                fill = self.masks.start(launched.sampling_requests(), [reqs[i] for i in rest], [tokens[i] for i in rest])
         if fill is None:
             live = self._accept_now(reqs, live, rest, tokens)
             self._append_accepted(reqs, live, tokens, logprobs)

@@ -59,6 +59,7 @@ finished rows over in one gather.
 """
 from __future__ import annotations
 
+import operator
 import queue
 import threading
 import time
@@ -71,6 +72,9 @@ import xgrammar as xgr
 
 from ..grammar.backend import batch_accept, batch_fill_call, chain_fill_call
 from ..grammar.native_fill import NativeFill
+from .request import Status
+
+_FINISHED = Status.FINISHED
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
@@ -187,7 +191,7 @@ class StartedFill:
     `MaskFiller.fill` raises what it raised). `on_threads`: it runs on the native pool's threads
     from `start` on, so the caller's thread is free meanwhile; otherwise `finish` is the whole
     call, which drops the GIL at once (a thread of the caller's may run Python beside it).
-    `refused`: once finished, the (request, token) pairs of `start`'s `accepts` whose token the
+    `refused`: once finished, the (request, token) pairs among `start`'s accepts whose token the
     grammar refused (their matchers are as they were)."""
     __slots__ = ("reqs", "done", "error", "on_threads", "refused", "_finish")
 
@@ -234,22 +238,23 @@ class MaskFiller:
         self._started: StartedFill | None = None
 
     # -- the step --------------------------------------------------------------------------------
-    def start(self, reqs: Sequence, accepts: Sequence[tuple] = ()) -> StartedFill | None:
+    def start(self, reqs: Sequence, accept_reqs: Sequence = (), accept_tokens: Sequence[int] = ()
+              ) -> StartedFill | None:
         """Prepares the fill of a step whose sampling requests are `reqs` (in this order) and returns
         it; None when there are fewer than BACKGROUND_MIN_ROWS rows to fill, or with a budget (its
-        per-row jobs run on workers anyway). `accepts`: (request, token) pairs of the step before,
-        whose tokens their matchers take first (a request's before its row is filled); None means
-        the caller accepts them. On the native pool the accepts and the fill start at once on its
-        threads; else the accepts are made here and the fill is one call into xgrammar that
-        `finish` makes. The caller finishes it before the step samples; `fill(reqs)` then returns
-        the rows or raises what the fill raised. Call `start` only once the device has read the
-        previous step's bitmask (the engine waits for its tokens first) and every matcher has the
-        tokens not in `accepts`. From here until `finish` returns, the rows' matchers are the
-        fill's (module docstring)."""
+        per-row jobs run on workers anyway). accept_reqs[i] takes accept_tokens[i] first (the step
+        before's tokens; a request's before its row is filled); with None returned, the caller
+        accepts them. On the native pool the accepts and the fill start at once on its threads;
+        else the accepts are made here and the fill is one call into xgrammar that `finish` makes.
+        The caller finishes it before the step samples; `fill(reqs)` then returns the rows or
+        raises what the fill raised. Call `start` only once the device has read the previous step's
+        bitmask (the engine waits for its tokens first) and every matcher has the tokens not among
+        the accepts. From here until `finish` returns, the rows' matchers are the fill's (module
+        docstring)."""
         if self.budget_s is not None or self._started is not None:
             return None
         live = [i for i, r in enumerate(reqs)  # _needs_row, inlined (every step, every request)
-                if r.matcher is not None and not r.discard_inflight and not r.finished]
+                if r.matcher is not None and not r.discard_inflight and r.status is not _FINISHED]
         if len(live) < BACKGROUND_MIN_ROWS:
             return None
         self.settle(reqs)  # fills left from a budgeted step (the budget was switched off since)
@@ -258,32 +263,35 @@ class MaskFiller:
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
         on_pool = self._native is not None and START_ON_POOL
         if on_pool and ACCEPTS_IN_FILL:
-            started = self._start_on_pool(reqs, live, accepts, bitmask)
+            started = self._start_on_pool(reqs, live, accept_reqs, accept_tokens, bitmask)
         elif on_pool:
-            started = self._start_on_pool(reqs, live, (), bitmask, refused=self._accept_now(accepts))
+            refused = self._accept_now(accept_reqs, accept_tokens)
+            started = self._start_on_pool(reqs, live, (), (), bitmask, refused)
         else:
-            refused = self._accept_now(accepts)
+            refused = self._accept_now(accept_reqs, accept_tokens)
             fill = self._fill_call([reqs[i].matcher for i in live], bitmask, live)
 
             def finish() -> list:
                 fill()
                 return refused
-            started = StartedFill(list(reqs), finish, on_threads=False)
+            started = StartedFill(reqs, finish, on_threads=False)
         self._started = started
         return started
 
-    def _start_on_pool(self, reqs: Sequence, live: list[int], accepts: Sequence[tuple], bitmask,
-                       refused: list = ()) -> StartedFill:
-        """One job on the pool: each live row's request accepts its token (if it has one in
-        `accepts`), then fills its row; the requests of `accepts` without a row only accept.
+    def _start_on_pool(self, reqs: Sequence, live: list[int], accept_reqs: Sequence, accept_tokens: Sequence[int],
+                       bitmask, refused: list = ()) -> StartedFill:
+        """One job on the pool: each live row's request accepts its token (if it has one among the
+        accepts), then fills its row; the accepting requests without a row only accept.
         `refused`: what accepts made before refused."""
-        entries = [reqs[i] for i in live]
+        entries = list(reqs) if len(live) == len(reqs) else [reqs[i] for i in live]
         rows, tokens = live, None
-        if accepts:
-            token_of = {id(r): t for r, t in accepts}
+        if len(accept_reqs) == len(entries) and all(map(operator.is_, accept_reqs, entries)):
+            tokens = accept_tokens  # the usual step: the same requests as the step before, in order
+        elif accept_reqs:
+            token_of = {id(r): t for r, t in zip(accept_reqs, accept_tokens)}
             tokens = [token_of.pop(id(r), -1) for r in entries]
             if token_of:  # requests not sampling this step (finished meanwhile, or held back)
-                rest = [(r, t) for r, t in accepts if id(r) in token_of]
+                rest = [(r, t) for r, t in zip(accept_reqs, accept_tokens) if id(r) in token_of]
                 entries += [r for r, _ in rest]
                 tokens += [t for _, t in rest]
                 rows = live + [-1] * len(rest)
@@ -293,13 +301,13 @@ class MaskFiller:
         def finish() -> list:
             running.finish()
             return list(refused) + [(entries[j], tokens[j]) for j in running.refused()]
-        return StartedFill(list(reqs), finish, on_threads=True)
+        return StartedFill(reqs, finish, on_threads=True)
 
-    def _accept_now(self, accepts: Sequence[tuple]) -> list:
-        if not accepts:
+    def _accept_now(self, accept_reqs: Sequence, accept_tokens: Sequence[int]) -> list:
+        if not accept_reqs:
             return []
-        refused = self.accept([r.matcher for r, _ in accepts], [t for _, t in accepts])
-        return [accepts[j] for j in refused]
+        refused = self.accept([r.matcher for r in accept_reqs], accept_tokens)
+        return [(accept_reqs[j], accept_tokens[j]) for j in refused]
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed), once it
@@ -318,7 +326,8 @@ class MaskFiller:
             if started.done:
                 if started.error is not None:
                     raise started.error
-                if len(started.reqs) == len(reqs) and all(a is b for a, b in zip(started.reqs, reqs)):
+                if started.reqs is reqs or (len(started.reqs) == len(reqs)
+                                            and all(map(operator.is_, started.reqs, reqs))):
                     return MaskFill(self._bitmask[:len(reqs)])
             # not made, or for other requests (neither is expected): fill anew
         if not any(r.matcher is not None for r in reqs):

@@ -45,7 +45,7 @@ def _check_bitmask(bitmask: torch.Tensor) -> None:
 def _handles(matchers: Sequence) -> np.ndarray:
     """The matchers' FFI object addresses (RequestMatcher.ffi_handle), checked: the pool would
     dereference a null one."""
-    handles = np.fromiter((m.ffi_handle for m in matchers), dtype=np.int64, count=len(matchers))
+    handles = np.array([m.ffi_handle for m in matchers], dtype=np.int64)
     if len(handles) and not handles.all():
         raise ValueError("a matcher without an FFI handle (another xgrammar layout)")
     return handles
