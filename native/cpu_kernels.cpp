@@ -183,8 +183,9 @@ void check_indices(const int64_t* index, int64_t n, int64_t bound, const char* w
 // ---------------------------------------------------------------------------------------------
 
 // SLEEF's expf_u10 (sleefsimdsp.c, xexpf, FMA builds), lane for lane: torch's Vectorized<float>::exp
-// on AVX2 and AVX512; unlike std::exp it vectorizes here. Arguments are clamped first (NaN too) so that the float -> int conversion
-// stays defined; the clamped ones get SLEEF's 0 / inf / NaN at the end.
+// on AVX2 and AVX512; unlike std::exp it vectorizes here. Arguments are clamped first (NaN too) so
+// that the float -> int conversion stays defined; the clamped ones get SLEEF's 0 / inf / NaN at the
+// end.
 inline float sleef_expf_u10(float d) {
   const float r_ln2 = 1.442695040888963407359924681001892137426645954152985934135449406931f;
   const float l2u = 0.693145751953125f, l2l = 1.428606765330187045e-06f;

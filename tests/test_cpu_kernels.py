@@ -173,7 +173,8 @@ def decode_case(batch, width, heads, kv_heads, head_dim, seed):
     bigger cache, lengths from 1 to `width`."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = 3 * batch * width + 7
-    k_cache, v_cache = bf16(num_slots, kv_heads, head_dim, gen=gen, scale=2.0), bf16(num_slots, kv_heads, head_dim, gen=gen)
+    k_cache = bf16(num_slots, kv_heads, head_dim, gen=gen, scale=2.0)
+    v_cache = bf16(num_slots, kv_heads, head_dim, gen=gen)
     qkv = bf16(batch, (heads + 2 * kv_heads) * head_dim, gen=gen, scale=2.0)
     q = split_qkv(qkv, heads, kv_heads, head_dim)[0]
     slot_table = torch.randperm(num_slots, generator=gen)[:batch * width].view(batch, width)
@@ -186,7 +187,9 @@ def sdpa_decode(q, k_cache, v_cache, slot_table, kv_lens, scale, dtype):
     """The torch backend's decode attention: gather, mask the padding, SDPA, in `dtype`."""
     batch, width = slot_table.shape
     kv_heads, head_dim = k_cache.shape[1:]
-    gather = lambda c: c.index_select(0, slot_table.reshape(-1)).view(batch, width, kv_heads, head_dim).to(dtype)  # noqa: E731
+
+    def gather(cache):
+        return cache.index_select(0, slot_table.reshape(-1)).view(batch, width, kv_heads, head_dim).to(dtype)
     mask = (torch.arange(width).view(1, width) < kv_lens.view(batch, 1)).view(batch, 1, 1, width)
     out = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1).transpose(1, 2), gather(k_cache).transpose(1, 2),
                                          gather(v_cache).transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)

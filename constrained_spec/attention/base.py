@@ -52,18 +52,14 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
-        # (k, v) of each layer, [num_slots, num_kv_heads, head_dim] views made once: indexing
-        # self.k[layer] is a torch op, four of them per layer and step on the CPU
-        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        k_cache, v_cache = self.layers[layer]
-        k_cache.index_copy_(0, slots, k)
-        v_cache.index_copy_(0, slots, v)
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
 
 
 class AttentionBackend:
@@ -86,4 +82,4 @@ class AttentionBackend:
         if rope is None:
             kv.store(layer, meta.out_slots, k, v)
             return q
-        return apply_rope_and_store(q, k, v, rope[0], rope[1], *kv.layers[layer], meta.out_slots)
+        return apply_rope_and_store(q, k, v, rope[0], rope[1], kv.k[layer], kv.v[layer], meta.out_slots)

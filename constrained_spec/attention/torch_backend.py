@@ -27,7 +27,7 @@ class TorchAttention(AttentionBackend):
         B, Q, K = meta.batch_size, meta.max_q_len, meta.max_kv_len
         one_per_seq = Q == 1 and T == B  # decode: the flat tokens are the batch, no padding to undo
         if one_per_seq and uses_native_cpu_kernels(q):
-            return cpu_native.decode_attention(q, *kv.layers[layer], meta.slot_table, meta.kv_lens, scale)
+            return cpu_native.decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
         if "torch" not in meta.scratch:  # the same for every layer of this forward
             meta.scratch["torch"] = (*_token_coords(meta, T), _attention_mask(meta, Q, K, q.device).unsqueeze(1))
         token_batch, token_pos, mask = meta.scratch["torch"]
@@ -39,7 +39,7 @@ class TorchAttention(AttentionBackend):
             qp[token_batch, token_pos] = q
         # index_select on whole slot rows: several times faster on CPU than advanced indexing
         slots = meta.slot_table[:, :K].reshape(-1)
-        k_cache, v_cache = kv.layers[layer]
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
         KVH = k_cache.shape[1]
         kp = k_cache.index_select(0, slots).view(B, K, KVH, D)
         vp = v_cache.index_select(0, slots).view(B, K, KVH, D)
