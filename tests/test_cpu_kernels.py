@@ -190,6 +190,7 @@ def sdpa_decode(q, k_cache, v_cache, slot_table, kv_lens, scale, dtype):
 
     def gather(cache):
         return cache.index_select(0, slot_table.reshape(-1)).view(batch, width, kv_heads, head_dim).to(dtype)
+
     mask = (torch.arange(width).view(1, width) < kv_lens.view(batch, 1)).view(batch, 1, 1, width)
     out = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1).transpose(1, 2), gather(k_cache).transpose(1, 2),
                                          gather(v_cache).transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
