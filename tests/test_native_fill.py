@@ -92,16 +92,23 @@ def test_bad_arguments_are_refused(states, native):
         native.prepare([SimpleNamespace(ffi_handle=0)], torch.zeros((1, WIDTH), dtype=torch.int32), [0])
 
 
-def test_accept(backend, native):
-    """Each matcher accepts its token (in parallel): the rows then are those of the next state; a
-    refused token (illegal there, or outside the vocabulary) leaves its matcher as it was and is
-    reported."""
+def states_and_next_rows(backend):
+    """(n, n matchers along TEXT with ms[k] having taken ids[:k], ids, the rows of the n + 1 states
+    along it: ref[k] is ms[k]'s row, ref[k + 1] its row after taking ids[k])."""
     n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
-    ms, ids = matchers_along(backend, SCHEMA, TEXT, n)  # ms[k] has accepted ids[:k]
+    ms, ids = matchers_along(backend, SCHEMA, TEXT, n)
     after, _ = matchers_along(backend, SCHEMA, TEXT, n + 1)
     ref = torch.empty((n + 1, WIDTH), dtype=torch.int32)
     for i, m in enumerate(after):
         m.fill_bitmask(ref, i)
+    return n, ms, ids, ref
+
+
+def test_accept(backend, native):
+    """Each matcher accepts its token (in parallel): the rows then are those of the next state; a
+    refused token (illegal there, or outside the vocabulary) leaves its matcher as it was and is
+    reported."""
+    n, ms, ids, ref = states_and_next_rows(backend)
     tokens = list(ids[:n])
     tokens[0] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # an object must open first
     tokens[3] = 60000  # outside the vocabulary
@@ -159,12 +166,7 @@ def test_accepts_ride_along_with_the_fill(backend, native, helpers):
     """The overlapped step's job: each matcher accepts its token (none where -1), then fills its row
     (none where -1): the rows are those of the states after the accepts; a refused token is
     reported, its matcher stays where it was and fills from there."""
-    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
-    ms, ids = matchers_along(backend, SCHEMA, TEXT, n)  # ms[k] has accepted ids[:k]
-    after, _ = matchers_along(backend, SCHEMA, TEXT, n + 1)
-    ref = torch.empty((n + 1, WIDTH), dtype=torch.int32)
-    for i, m in enumerate(after):
-        m.fill_bitmask(ref, i)
+    n, ms, ids, ref = states_and_next_rows(backend)
     tokens = list(ids[:n])
     tokens[1] = -1  # fill only: no token this step
     tokens[2] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # refused after '{'
