@@ -79,9 +79,10 @@ def _attention_mask(meta: AttentionMetadata, Q: int, K: int, device) -> torch.Te
 
 
 def _rope_and_store_cpu(q, k, v, layer: int, kv: KVCache, meta: AttentionMetadata, rope) -> torch.Tensor:
-    """`store_kv` on CPU in torch ops (float32, or the reference kernels forced), with the rotation's cos/sin gathered, widened and cast once per forward
-    instead of in every layer (6 of its ~16 small ops; a decode step on CPU is mostly small ops
-    besides the GEMMs). The arithmetic is `kernels.reference.apply_rope_ref`'s, bit for bit."""
+    """`store_kv` on CPU in torch ops (float32, or the reference kernels forced), with the rotation's
+    cos/sin gathered, widened and cast once per forward instead of in every layer (6 of its ~16
+    small ops; a decode step on CPU is mostly small ops besides the GEMMs). The arithmetic is
+    `kernels.reference.apply_rope_ref`'s, bit for bit."""
     key = ("torch_rope", q.dtype)
     if key not in meta.scratch:  # positions are the same in every layer of this forward
         meta.scratch[key] = rope_cos_sin_ref(*rope, q.dtype)

@@ -389,9 +389,10 @@ class Engine:
         fill = None
         if launched is not None:
             if len(rest) == len(reqs):  # every request of the step: the lists as they are
-                fill = self.masks.start(launched.sampling_requests(), reqs, tokens)
+                accept_reqs, accept_tokens = reqs, tokens
             else:
-                fill = self.masks.start(launched.sampling_requests(), [reqs[i] for i in rest], [tokens[i] for i in rest])
+                accept_reqs, accept_tokens = [reqs[i] for i in rest], [tokens[i] for i in rest]
+            fill = self.masks.start(launched.sampling_requests(), accept_reqs, accept_tokens)
         if fill is None:
             live = self._accept_now(reqs, live, rest, tokens)
             self._append_accepted(reqs, live, tokens, logprobs)

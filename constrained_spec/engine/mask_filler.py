@@ -283,7 +283,7 @@ class MaskFiller:
         """One job on the pool: each live row's request accepts its token (if it has one among the
         accepts), then fills its row; the accepting requests without a row only accept.
         `refused`: what accepts made before refused."""
-        entries = list(reqs) if len(live) == len(reqs) else [reqs[i] for i in live]
+        entries = reqs if len(live) == len(reqs) else [reqs[i] for i in live]
         rows, tokens = live, None
         if len(accept_reqs) == len(entries) and all(map(operator.is_, accept_reqs, entries)):
             tokens = accept_tokens  # the usual step: the same requests as the step before, in order
@@ -292,7 +292,7 @@ class MaskFiller:
             tokens = [token_of.pop(id(r), -1) for r in entries]
             if token_of:  # requests not sampling this step (finished meanwhile, or held back)
                 rest = [(r, t) for r, t in zip(accept_reqs, accept_tokens) if id(r) in token_of]
-                entries += [r for r, _ in rest]
+                entries = [*entries, *(r for r, _ in rest)]  # (never `reqs` itself, which is the caller's)
                 tokens += [t for _, t in rest]
                 rows = live + [-1] * len(rest)
         running = self._native.prepare([r.matcher for r in entries], bitmask, rows, tokens)
