@@ -6,13 +6,17 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "constrained_spec._native",
-        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/bindings.cpp"],
+        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/amx_linear.cpp",
+         "native/bindings.cpp"],
         include_dirs=["native"],
         cxx_std=17,
         # no FMA contraction: the CPU kernels must round where torch's ops do (native/cpu_kernels.h);
         # no errno / trap semantics for float math (as torch is built), which lets their loops vectorize;
-        # `omp simd` marks the one reduction they may reorder (no OpenMP runtime)
-        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"],
+        # `omp simd` marks the one reduction they may reorder; OpenMP's runtime splits the small-row
+        # projections (native/amx_linear.h) between the threads torch's own OpenMP ops run on (the
+        # module is imported after torch, so both use the libgomp torch loaded: one thread pool)
+        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
     )
 ]
 

@@ -5,7 +5,7 @@ logits head by as many rows as the batch has requests (plus draft tokens when sp
 times exactly those matmuls (`F.linear`, as both our forward and `transformers` call them; random
 weights of the real shapes, 30 layers streamed from memory as in a real step, not one layer cached)
 at 1, 8 and 16 rows, in float32 and bfloat16, MKL's packed float32 GEMM for comparison, and the
-engine's bfloat16 path (oneDNN's prepacked weights, `models/cpu_linear.py`). The
+engine's bfloat16 paths (`models/cpu_linear.py`: our AMX kernel, or oneDNN's prepacked weights). The
 ceiling on tokens/s at batch B is B / (GEMM time of a B-row step); results/cpu_vs_hf.json gives
 what both engines reach.
 
@@ -29,18 +29,26 @@ def shapes() -> list[tuple[int, int]]:
     return per_layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
-def step_ms(dtype: torch.dtype, rows: int, packed: bool, repeats: int) -> float:
+def step_ms(dtype: torch.dtype, rows: int, packed: str | None, repeats: int) -> float:
     torch.manual_seed(0)
     weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes()]
     inputs = {i: torch.randn(rows, i, dtype=dtype) for i in (HIDDEN, INTER)}
-    if packed and dtype == torch.bfloat16:  # what the engine runs (models/cpu_linear.py)
+    if packed in ("amx", "onednn"):  # what the engine runs (models/cpu_linear.py)
+        from constrained_spec.kernels import cpu_native
         from constrained_spec.models.cpu_linear import PackedLinear
-        layers = [PackedLinear(w, None) for w in weights]
+        if packed == "amx" and not cpu_native.amx_linear_available():
+            raise RuntimeError("no AMX-BF16 here")
+        available = cpu_native.amx_linear_available
+        cpu_native.amx_linear_available = (lambda: False) if packed == "onednn" else available
+        try:
+            layers = [PackedLinear(w, None) for w in weights]
+        finally:
+            cpu_native.amx_linear_available = available
 
         def step():
             for w, layer in zip(weights, layers):
                 layer(inputs[w.shape[1]])
-    elif packed:
+    elif packed == "mkl":
         packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
 
         def step():
@@ -71,9 +79,10 @@ def main() -> None:
         pass
     hf_fp32_plain = hf.get(("float32", 8, "plain"))
     records, rows_md = [], []
-    for dtype_name, dtype, packed in (("float32", torch.float32, False), ("float32, MKL packed", torch.float32, True),
-                                      ("bfloat16", torch.bfloat16, False),
-                                      ("bfloat16, oneDNN prepacked (the engine's)", torch.bfloat16, True)):
+    for dtype_name, dtype, packed in (("float32", torch.float32, None), ("float32, MKL packed", torch.float32, "mkl"),
+                                      ("bfloat16", torch.bfloat16, None),
+                                      ("bfloat16, oneDNN prepacked", torch.bfloat16, "onednn"),
+                                      ("bfloat16, AMX kernel (the engine's where AMX is)", torch.bfloat16, "amx")):
         for rows in [int(r) for r in args.rows.split(",")]:
             try:
                 ms = step_ms(dtype, rows, packed, args.repeats)

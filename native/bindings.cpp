@@ -9,6 +9,7 @@
 
 #include <optional>
 
+#include "amx_linear.h"
 #include "cpu_kernels.h"
 #include "mask_fill_pool.h"
 #include "ngram_trie.h"
@@ -186,6 +187,32 @@ static void bind_cpu_kernels(py::module_& parent) {
         cspec::silu_and_mul_bf16(gp, op, rows, inter);
       },
       py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("inter"), "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:].");
+  m.def("amx_linear_supported", &cspec::amx_linear_supported,
+        "True where the CPU and OS run AMX-BF16, the instructions of amx_linear_bf16 (native/amx_linear.h).");
+  m.def("amx_packed_size", &cspec::amx_packed_size, py::arg("n"), py::arg("k"),
+        "uint16 elements of amx_pack_weight_bf16's output for an [n, k] weight.");
+  m.def(
+      "amx_pack_weight_bf16",
+      [](uintptr_t weight, int64_t n, int64_t k, uintptr_t packed) {
+        auto* wp = pointer<const uint16_t>(weight, "weight");
+        auto* pp = pointer<uint16_t>(packed, "packed");
+        py::gil_scoped_release nogil;
+        cspec::amx_pack_weight_bf16(wp, n, k, pp);
+      },
+      py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("packed"),
+      "Packs a row-major [n, k] bfloat16 weight for amx_linear_bf16 (amx_packed_size elements).");
+  m.def(
+      "amx_linear_bf16",
+      [](uintptr_t x, int64_t rows, int64_t k, int64_t x_stride, uintptr_t packed, int64_t n, uintptr_t bias,
+         uintptr_t out, int64_t out_stride) {
+        auto* xp = pointer<const uint16_t>(x, "x");
+        auto* pp = pointer<const uint16_t>(packed, "packed");
+        auto* op = pointer<uint16_t>(out, "out");
+        const auto* bp = reinterpret_cast<const uint16_t*>(bias);  // 0: no bias
+        py::gil_scoped_release nogil;
+        cspec::amx_linear_bf16(xp, rows, k, x_stride, pp, n, bp, op, out_stride);
+      },
+      "out[m, :n] = x[m, :k] @ weight.T + bias for m < rows (native/amx_linear.h); bias 0 for none.");
 }
 
 PYBIND11_MODULE(_native, m) {

@@ -196,3 +196,46 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     _K.silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), out.numel() // inter, inter)
     return out
+
+
+# -- AMX projections (native/amx_linear.h) ------------------------------------------------------
+
+_AMX_TILE_K = 32  # the kernel reads x 32 columns at a time
+
+
+def amx_linear_available() -> bool:
+    """The native module is built with the AMX kernel, and this CPU and OS run it."""
+    return _K is not None and hasattr(_K, "amx_linear_supported") and _K.amx_linear_supported()
+
+
+def amx_linear_fits(weight: torch.Tensor) -> bool:
+    """`weight` can go through `amx_linear`: AMX here, a bfloat16 CPU matrix, in_features a multiple of 32."""
+    return (amx_linear_available() and weight.dtype is torch.bfloat16 and weight.is_cpu and weight.dim() == 2
+            and weight.shape[1] % _AMX_TILE_K == 0)
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] -> its packed form for `amx_linear` (a flat bfloat16 tensor)."""
+    if not amx_linear_fits(weight):
+        raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} on {weight.device} does not fit the AMX kernel")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    packed = torch.empty(_K.amx_packed_size(n, k), dtype=torch.bfloat16)
+    _K.amx_pack_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [rows, k] @ weight.T + bias -> [rows, out_features] bfloat16, `packed` from `amx_pack`.
+    The hot path of every CPU bfloat16 projection: checks only what a wrong call would corrupt
+    memory with."""
+    k = x.shape[1]
+    if x.dtype is not torch.bfloat16 or x.stride(1) != 1 or packed.numel() != _K.amx_packed_size(out_features, k):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} strides {x.stride()} does not match a packed "
+                         f"[{out_features}, {k}] bfloat16 weight")
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    if x.shape[0]:
+        _K.amx_linear_bf16(x.data_ptr(), x.shape[0], k, x.stride(0), packed.data_ptr(), out_features,
+                           0 if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+    return out

@@ -1,12 +1,17 @@
-"""bfloat16 projections on the CPU with oneDNN's prepacked weights.
+"""bfloat16 projections on the CPU with prepacked weights: our AMX kernel where the CPU has AMX,
+oneDNN's blocked layout elsewhere.
 
-A CPU decode step is its projection GEMMs (benchmarks/bench_cpu_gemm.py). For bfloat16 weights,
-`F.linear` re-lays the weight out for oneDNN on every call; prepacking it once into oneDNN's
-blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU freezing
-uses) and calling `torch.ops.mkldnn._linear_pointwise` took SmolLM2-135M's 121 matmuls per step
-from 20.5 / 22.0 / 23.5 ms to 15.1 / 14.7 / 17.3 ms at 1 / 8 / 24 rows on the 2-core AMX dev VM,
-with the same outputs bit for bit. float32 stays on `F.linear`: prepacked it is slower at one row
-and not bit-exact with `transformers`.
+A CPU decode step is its projection GEMMs (benchmarks/bench_cpu_gemm.py): each weight streams
+from memory once per step. `F.linear` re-lays a bfloat16 weight out for oneDNN on every call;
+prepacking it once (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU freezing
+uses) took SmolLM2-135M's 121 matmuls per step from 20.5 / 22.0 / 23.5 ms to 15.1 / 14.7 / 17.3 ms
+at 1 / 8 / 24 rows on the 2-core AMX dev VM, the same outputs bit for bit. Our AMX kernel
+(native/amx_linear.h) streams the same weights at ~32 GB/s to oneDNN's ~20: 6.6 against 10.4 ms
+for the 120 layer projections at 8 rows. Both round a float32 sum once; oneDNN's bits are the same
+for some shapes and not others (its kernels change with the row count), while the AMX kernel's row
+does not depend on the batch around it.
+float32 stays on `F.linear`: prepacked it is slower at one row and not bit-exact with
+`transformers`.
 """
 from __future__ import annotations
 
@@ -15,37 +20,46 @@ import logging
 import torch
 from torch import nn
 
+from ..kernels import cpu_native
+
 log = logging.getLogger(__name__)
 
 
 def prepack_available() -> bool:
+    """oneDNN's prepacking ops are in this torch build."""
     ops = getattr(torch.ops, "mkldnn", None)
     return (torch.backends.mkldnn.is_available() and ops is not None
             and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight prepacked for oneDNN (CPU, inference only)."""
+    """`nn.Linear` with its weight prepacked (CPU, bfloat16, inference only): for the AMX kernel
+    where `cpu_native.amx_linear_fits` it, for oneDNN otherwise."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach()
+        self.amx = cpu_native.amx_linear_fits(weight)
+        if self.amx:
+            self.packed = cpu_native.amx_pack(weight.detach())
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # the model's [tokens, features]: no reshapes (two small ops of each of its ~120 calls a step)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
-        return out.reshape(*shape[:-1], self.out_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.amx:
+            out = cpu_native.amx_linear(flat, self.packed, self.out_features, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 def prepack_bf16_linears(model: nn.Module) -> int:
     """Replaces every bfloat16 `nn.Linear` of a CPU model by a `PackedLinear`, and gives the model
     a packed logits head (`model.packed_head`, for `compute_logits`; a tied head keeps its
-    embedding). Returns how many were packed (0 where oneDNN's ops are missing)."""
-    if not prepack_available():
+    embedding). Returns how many were packed (0 where neither AMX nor oneDNN's ops are there)."""
+    if not (prepack_available() or cpu_native.amx_linear_available()):
         return 0
     packed = 0
     for parent in list(model.modules()):
@@ -58,5 +72,7 @@ def prepack_bf16_linears(model: nn.Module) -> int:
     head = getattr(model, "head_weight", None)
     if packed and head is not None and head.dtype == torch.bfloat16 and getattr(model, "packed_head", None) is None:
         model.packed_head = PackedLinear(head, None)
-    log.info("prepacked %d bfloat16 projections for oneDNN", packed)
+    kinds = {m.amx for m in model.modules() if isinstance(m, PackedLinear)}
+    log.info("prepacked %d bfloat16 projections for %s", packed,
+             " and ".join(k for k, used in (("AMX", True in kinds), ("oneDNN", False in kinds)) if used))
     return packed

@@ -34,6 +34,7 @@ class NgramDrafter(Drafter):
     has_next_tokens = True
 
     def __init__(self, config: NgramConfig | None = None, **overrides):
+        import torch  # noqa: F401  first: the native module then shares torch's OpenMP runtime (setup.py)
         from constrained_spec._native import NgramTrie  # built by `pip install -e .`
 
         cfg = config or NgramConfig()
