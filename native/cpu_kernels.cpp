@@ -3,7 +3,8 @@
 // Plain loops over lanes and rows that the compiler vectorizes; the entry points are compiled for
 // AVX512 and AVX2 (+FMA) besides the baseline and pick one at load time (GCC target_clones). No
 // float op is reassociated or contracted (-ffp-contract=off): vectorizing lanes that are already
-// independent keeps every rounding where the scalar code has it.
+// independent keeps every rounding where the scalar code has it. The decode attention's AVX-512
+// path is written in intrinsics: it matches no torch kernel bit for bit anyway (cpu_kernels.h).
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -12,6 +13,10 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define CSPEC_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -310,6 +315,122 @@ void attend_sequence(const DecodeAttentionArgs& a, int64_t b, SequenceScratch& s
     for (int64_t i = 0; i < d; ++i) out[h * d + i] = float_to_bf16(s.acc[h * d + i] * inv_sum[h]);
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CSPEC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool avx512_bf16_here() {
+  __builtin_cpu_init();
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+CSPEC_AVX512_BF16 inline __m512 load_bf16_as_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// exp on 16 floats (Cephes' expf: 2^n * e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp).
+CSPEC_AVX512_BF16 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The same as softmax_bf16_weights on 16 lanes at a time (n padded to 16 in p's buffer).
+CSPEC_AVX512_BF16 float softmax_bf16_weights16(float* p, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(p + j));
+  }
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max));
+    vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+    const __m512 rounded = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e)), 16));
+    _mm512_mask_storeu_ps(p + j, m, rounded);
+  }
+  return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+// Query heads [h0, h0 + group) of sequence b, all reading kv head g, over the sequence's slots.
+// head_dim a multiple of 32 (<= 256); `scores` holds group rows of the length rounded up to 16.
+CSPEC_AVX512_BF16 void attend_kv_head(const DecodeAttentionArgs& a, int64_t b, int64_t g, float* scores,
+                                      float* acc) {
+  const int64_t d = a.head_dim, len = a.kv_lens[b], group = a.num_heads / a.num_kv_heads, h0 = g * group;
+  const int64_t kv_row = a.num_kv_heads * d, stride = (len + 15) / 16 * 16, chunks = d / 32;
+  const int64_t* slots = a.slot_table + b * a.table_row_stride;
+  const uint16_t* q = a.q + b * a.q_row_stride + h0 * d;
+  __m512bh qv[8][8];  // [head in group][32-wide chunk]; group <= 8 and d <= 256 (checked)
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t c = 0; c < chunks; ++c) qv[h][c] = (__m512bh)_mm512_loadu_si512(q + h * d + c * 32);
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* k = a.k_cache + slots[j] * kv_row + g * d;
+    __m512bh kv[8];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) s = _mm512_dpbf16_ps(s, qv[h][c], kv[c]);
+      scores[h * stride + j] = _mm512_reduce_add_ps(s) * a.scale;
+    }
+  }
+  float inv_sum[8];
+  for (int64_t h = 0; h < group; ++h) inv_sum[h] = softmax_bf16_weights16(scores + h * stride, len);
+  for (int64_t i = 0; i < group * d; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* v = a.v_cache + slots[j] * kv_row + g * d;
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 vc = load_bf16_as_float(v + c);
+      for (int64_t h = 0; h < group; ++h) {
+        float* out = acc + h * d + c;
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), vc, _mm512_loadu_ps(out)));
+      }
+    }
+  }
+  uint16_t* out = a.out + (b * a.num_heads + h0) * d;
+  for (int64_t h = 0; h < group; ++h) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    for (int64_t c = 0; c < d; c += 16)
+      _mm256_storeu_si256((__m256i*)(out + h * d + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + h * d + c), inv)));
+  }
+}
+
+// Every (sequence, kv head) pair is a task for the OpenMP threads.
+void decode_attention_avx512(const DecodeAttentionArgs& a, int64_t max_len) {
+  const int64_t tasks = a.batch * a.num_kv_heads, group = a.num_heads / a.num_kv_heads;
+  const int64_t stride = (max_len + 15) / 16 * 16;
+#pragma omp parallel
+  {
+    std::vector<float> scores(group * stride), acc(group * a.head_dim);
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; ++t)
+      attend_kv_head(a, t / a.num_kv_heads, t % a.num_kv_heads, scores.data(), acc.data());
+  }
+}
+
+bool avx512_attention_fits(const DecodeAttentionArgs& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  return avx512_bf16_here() && a.head_dim % 32 == 0 && a.head_dim <= 256 && group <= 8;
+}
+#else
+bool avx512_attention_fits(const DecodeAttentionArgs&) { return false; }
+void decode_attention_avx512(const DecodeAttentionArgs&, int64_t) {}
+#endif
+
 }  // namespace
 
 void decode_attention_bf16(const DecodeAttentionArgs& a) {
@@ -324,6 +445,7 @@ void decode_attention_bf16(const DecodeAttentionArgs& a) {
     check_indices(a.slot_table + b * a.table_row_stride, len, a.num_slots, "slot");
     max_len = std::max(max_len, len);
   }
+  if (avx512_attention_fits(a)) return decode_attention_avx512(a, max_len);
   SequenceScratch scratch(a.num_heads, a.num_kv_heads, a.head_dim, max_len);
   for (int64_t b = 0; b < a.batch; ++b) attend_sequence(a, b, scratch);
 }
