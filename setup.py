@@ -7,6 +7,7 @@ ext_modules = [
     Pybind11Extension(
         "constrained_spec._native",
         ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/amx_linear.cpp",
+         "native/decode_step.cpp",
          "native/bindings.cpp"],
         include_dirs=["native"],
         cxx_std=17,

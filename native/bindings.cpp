@@ -11,6 +11,7 @@
 
 #include "amx_linear.h"
 #include "cpu_kernels.h"
+#include "decode_step.h"
 #include "mask_fill_pool.h"
 #include "ngram_trie.h"
 
@@ -187,6 +188,43 @@ static void bind_cpu_kernels(py::module_& parent) {
         cspec::silu_and_mul_bf16(gp, op, rows, inter);
       },
       py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("inter"), "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:].");
+  m.def(
+      "decode_step_bf16",
+      [](py::dict model, py::dict batch, py::dict buffers) {
+        auto addr = [](py::dict d, const char* key) { return d[key].cast<uintptr_t>(); };
+        auto i64 = [](py::dict d, const char* key) { return d[key].cast<int64_t>(); };
+        cspec::DecodeModel m;
+        m.layers = i64(model, "layers"), m.hidden = i64(model, "hidden"), m.heads = i64(model, "heads");
+        m.kv_heads = i64(model, "kv_heads"), m.head_dim = i64(model, "head_dim");
+        m.intermediate = i64(model, "intermediate");
+        m.eps = model["eps"].cast<float>(), m.sum_lanes = sum_lanes(model["sum_lanes"].cast<int>());
+        m.layer_table = pointer<const int64_t>(addr(model, "layer_table"), "layer_table");
+        m.final_norm = pointer<const uint16_t>(addr(model, "final_norm"), "final_norm");
+        m.cos_sin_cache = pointer<const float>(addr(model, "cos_sin_cache"), "cos_sin_cache");
+        m.max_position = i64(model, "max_position");
+        cspec::DecodeBatch b;
+        b.batch = i64(batch, "batch");
+        b.positions = pointer<const int64_t>(addr(batch, "positions"), "positions");
+        b.out_slots = pointer<const int64_t>(addr(batch, "out_slots"), "out_slots");
+        b.slot_table = pointer<const int64_t>(addr(batch, "slot_table"), "slot_table");
+        b.table_width = i64(batch, "table_width"), b.table_row_stride = i64(batch, "table_row_stride");
+        b.kv_lens = pointer<const int32_t>(addr(batch, "kv_lens"), "kv_lens");
+        b.k_cache = pointer<uint16_t>(addr(batch, "k_cache"), "k_cache");
+        b.v_cache = pointer<uint16_t>(addr(batch, "v_cache"), "v_cache");
+        b.num_slots = i64(batch, "num_slots"), b.scale = batch["scale"].cast<float>();
+        cspec::DecodeBuffers buf;
+        buf.x = pointer<uint16_t>(addr(buffers, "x"), "x");
+        buf.residual = pointer<uint16_t>(addr(buffers, "residual"), "residual");
+        buf.qkv = pointer<uint16_t>(addr(buffers, "qkv"), "qkv");
+        buf.attn = pointer<uint16_t>(addr(buffers, "attn"), "attn");
+        buf.gate_up = pointer<uint16_t>(addr(buffers, "gate_up"), "gate_up");
+        buf.act = pointer<uint16_t>(addr(buffers, "act"), "act");
+        py::gil_scoped_release nogil;
+        cspec::decode_step_bf16(m, b, buf);
+      },
+      py::arg("model"), py::arg("batch"), py::arg("buffers"),
+      "All layers of a bfloat16 decode step (native/decode_step.h); dicts of sizes and data_ptr() addresses. "
+      "Raises IndexError for a slot or position out of range.");
   m.def("amx_linear_supported", &cspec::amx_linear_supported,
         "True where the CPU and OS run AMX-BF16, the instructions of amx_linear_bf16 (native/amx_linear.h).");
   m.def("amx_packed_size", &cspec::amx_packed_size, py::arg("n"), py::arg("k"),

@@ -16,6 +16,7 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
 from ..models.cpu_linear import prepack_bf16_linears
+from ..models.native_decode import NativeDecodeStep
 from .batch import ScheduledBatch
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, GraphStep
@@ -61,6 +62,8 @@ class ModelRunner:
         self.model = loaded.model
         if device.type == "cpu" and dtype == torch.bfloat16:
             prepack_bf16_linears(self.model)  # AMX / oneDNN layouts: the step's GEMMs 1.3-2x faster
+        # bf16 CPU decode: all layers in one native call where every projection is AMX-packed
+        self.native_decode = NativeDecodeStep.build(self.model) if device.type == "cpu" else None
         self.mcfg = loaded.config
         self.device, self.dtype = device, dtype
         self.vocab_size = self.mcfg.vocab_size
@@ -182,7 +185,10 @@ class ModelRunner:
             mode=batch.mode, out_slots=slots_d, q_starts=q_starts_d.to(torch.int32), q_lens=q_lens_d.to(torch.int32),
             kv_lens=kv_lens_d.to(torch.int32), slot_table=self.table.device_table[rows_d, :max_kv],
             max_q_len=int(p.q_lens.max()), max_kv_len=max_kv)
-        hidden = self.model(input_ids, pos_d, self.kv, meta, self.backend)
+        if self.native_decode is not None and self.native_decode.applies(meta):
+            hidden = self.native_decode(input_ids, pos_d, self.kv, meta)
+        else:
+            hidden = self.model(input_ids, pos_d, self.kv, meta, self.backend)
         q_ends = q_starts_d[1:] - 1
         if len(batch.sample_index) != B:
             hidden = hidden[q_ends[self._index(batch.sample_index)]]

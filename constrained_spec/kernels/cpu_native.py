@@ -12,7 +12,7 @@ The elementwise ones give the torch references' (kernels/reference.py) results b
 same float32 math, rounded to bfloat16 where the reference stores bfloat16, and the norm's mean
 summed in the order torch's sum kernel adds (tests/test_cpu_kernels.py checks all of it, and SiLU
 on every bfloat16 value). That order depends on the width of the vectors torch sums with
-(`_SUM_LANES`); where it is not the one assumed here, a mean may differ in its last float bit, and
+(`SUM_LANES`); where it is not the one assumed here, a mean may differ in its last float bit, and
 rarely a normed element by one bfloat16 ulp (enough to change a greedy token after a few dozen).
 Decode attention is as close to exact attention as SDPA is, but not SDPA's bits.
 
@@ -34,7 +34,7 @@ def available() -> bool:
 
 # The float lanes of torch's sum kernel on x86: 8 whatever the capability, since its AVX512 build is
 # not registered (torch dispatches sum to its AVX2 kernel; the generic one is 32 bytes wide too).
-_SUM_LANES = 8
+SUM_LANES = 8
 
 
 def _check_bf16(t: torch.Tensor, name: str) -> None:
@@ -63,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     width = x.shape[-1]
     _K.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // width, width, eps,
-                     _SUM_LANES)
+                     SUM_LANES)
     return out
 
 
@@ -79,7 +79,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return x, residual
     width = x.shape[-1]
     _K.add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // width, width,
-                         eps, _SUM_LANES)
+                         eps, SUM_LANES)
     return x, residual
 
 

@@ -1,0 +1,114 @@
+"""A bfloat16 CPU decode step in one native call (native/decode_step.h): the CPU counterpart of
+replaying the decode step's CUDA graph.
+
+`CausalLM.forward` stays the definition. On the CPU in bfloat16 each of its ops is already one
+native kernel, but the ~10 calls a layer through module dispatch and argument checks cost ~68 us
+of Python a layer: 2 ms of a ~17 ms SmolLM2 step at batch 8 on the 2-core dev VM. This runs the
+same kernels in the same order from C++, so the hidden states are the forward's bit for bit
+(tests/test_native_decode.py); the checks run once per step here instead of once per layer.
+It applies where every projection is AMX-packed (models/cpu_linear.py) and the model is the
+Llama-family decoder of models/llama.py.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import kernels
+from ..attention.base import AttentionMetadata, ForwardMode, KVCache
+from ..kernels import cpu_native
+from .cpu_linear import PackedLinear
+from .llama import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+class NativeDecodeStep:
+    """Built once per model by `build`; called with a decode step's inputs, returns the final
+    norm's output [batch, hidden] like `CausalLM.forward`."""
+
+    def __init__(self, model: CausalLM):
+        cfg = model.config
+        self.model = model
+        rows = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.packed.data_ptr(),
+                         0 if bias is None else bias.data_ptr(), attn.o_proj.packed.data_ptr(),
+                         layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.packed.data_ptr(),
+                         mlp.down_proj.packed.data_ptr()])
+        self.layer_table = torch.tensor(rows, dtype=torch.int64)  # kept alive with the weights it points at
+        self.cos_sin_cache = model.rope.cos_sin_cache.contiguous()
+        self.hidden, self.q_size = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        self.qkv_width = self.q_size + 2 * cfg.num_kv_heads * cfg.head_dim
+        self.intermediate = cfg.intermediate_size
+        self.scale = cfg.head_dim ** -0.5
+        self.spec = dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+                         kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+                         eps=float(cfg.rms_norm_eps), sum_lanes=cpu_native.SUM_LANES,
+                         layer_table=self.layer_table.data_ptr(), final_norm=model.norm.weight.data_ptr(),
+                         cos_sin_cache=self.cos_sin_cache.data_ptr(), max_position=self.cos_sin_cache.shape[0])
+
+    @classmethod
+    def build(cls, model) -> "NativeDecodeStep | None":
+        """The native step for `model`, or None where it does not apply (the reason is logged)."""
+        reason = cls._unsupported(model)
+        if reason:
+            log.info("CPU decode step stays in Python: %s", reason)
+            return None
+        return cls(model)
+
+    @staticmethod
+    def _unsupported(model) -> str | None:
+        if not isinstance(model, CausalLM):
+            return f"{type(model).__name__} is not the Llama-family decoder"
+        if not hasattr(cpu_native._K, "decode_step_bf16"):
+            return "the native module was built without decode_step_bf16"
+        if model.embed_tokens.weight.dtype is not torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+            return "not a bfloat16 CPU model"
+        for layer in model.layers:
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+            if not all(isinstance(p, PackedLinear) and p.amx for p in projections):
+                return "not every projection is packed for AMX"
+        if model.rope.cos_sin_cache.dtype is not torch.float32:
+            return "the RoPE cache is not float32"
+        return None
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """A decode step with the native kernels switched on (`kernels.set_fused_kernels`)."""
+        return meta.mode is ForwardMode.DECODE and kernels.uses_native_cpu_kernels(self.model.embed_tokens.weight)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        B = input_ids.shape[0]
+        table = meta.slot_table
+        _check_step(B, positions, meta, kv)
+        x = self.model.embed_tokens(input_ids)
+        empty = lambda width: torch.empty(B, width, dtype=torch.bfloat16)  # noqa: E731
+        buffers = dict(x=x, residual=empty(self.hidden), qkv=empty(self.qkv_width), attn=empty(self.q_size),
+                       gate_up=empty(2 * self.intermediate), act=empty(self.intermediate))
+        batch = dict(batch=B, positions=positions.data_ptr(), out_slots=meta.out_slots.data_ptr(),
+                     slot_table=table.data_ptr(), table_width=table.shape[1], table_row_stride=table.stride(0),
+                     kv_lens=meta.kv_lens.data_ptr(), k_cache=kv.k.data_ptr(), v_cache=kv.v.data_ptr(),
+                     num_slots=kv.num_slots, scale=self.scale)
+        cpu_native._K.decode_step_bf16(self.spec, batch, {k: t.data_ptr() for k, t in buffers.items()})
+        return x
+
+
+def _check_step(B: int, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> None:
+    """What the C++ side takes on trust: dtypes, shapes and layouts (it checks slot and position values)."""
+    def need(ok: bool, what: str):
+        if not ok:
+            raise ValueError(f"native decode step: {what}")
+    for name, t in (("positions", positions), ("out_slots", meta.out_slots)):
+        need(t.dtype is torch.int64 and t.shape == (B,) and t.is_contiguous(), f"{name} must be int64 [{B}] contiguous")
+    need(meta.kv_lens.dtype is torch.int32 and meta.kv_lens.shape == (B,) and meta.kv_lens.is_contiguous(),
+         f"kv_lens must be int32 [{B}] contiguous")
+    table = meta.slot_table
+    need(table.dtype is torch.int64 and table.dim() == 2 and table.shape[0] == B and table.stride(1) == 1,
+         f"slot_table must be int64 [{B}, width] with contiguous rows")
+    need(kv.k.dtype is torch.bfloat16 and kv.k.is_contiguous() and kv.v.is_contiguous() and kv.k.shape == kv.v.shape,
+         "the KV cache must be contiguous bfloat16")

@@ -1,0 +1,62 @@
+#include "decode_step.h"
+
+#include <cstring>
+
+#include "amx_linear.h"
+#include "cpu_kernels.h"
+
+namespace cspec {
+
+namespace {
+
+template <typename T>
+const T* weight(const int64_t* row, LayerWeight w) {
+  return reinterpret_cast<const T*>(row[w]);
+}
+
+}  // namespace
+
+void decode_step_bf16(const DecodeModel& m, const DecodeBatch& b, const DecodeBuffers& buf) {
+  const int64_t B = b.batch, H = m.hidden, D = m.head_dim, q_size = m.heads * D, kv_size = m.kv_heads * D;
+  const int64_t qkv_width = q_size + 2 * kv_size, layer_slots = b.num_slots * kv_size;
+  // The Python forward's first layer norms the embeddings out of place and keeps them as the
+  // residual; every later norm adds the layer's output into the residual first, in place.
+  std::memcpy(buf.residual, buf.x, sizeof(uint16_t) * B * H);
+  for (int64_t l = 0; l < m.layers; ++l) {
+    const int64_t* w = m.layer_table + l * kLayerWeights;
+    if (l == 0)
+      rms_norm_bf16(buf.residual, weight<uint16_t>(w, kInputNorm), buf.x, B, H, m.eps, m.sum_lanes);
+    else
+      add_rms_norm_bf16(buf.x, buf.residual, weight<uint16_t>(w, kInputNorm), B, H, m.eps, m.sum_lanes);
+    amx_linear_bf16(buf.x, B, H, H, weight<uint16_t>(w, kQkv), qkv_width, weight<uint16_t>(w, kQkvBias), buf.qkv,
+                    qkv_width);
+
+    RopeArgs rope;
+    rope.tokens = B, rope.num_heads = m.heads, rope.num_kv_heads = m.kv_heads, rope.head_dim = D;
+    rope.q = buf.qkv, rope.q_row_stride = qkv_width;
+    rope.k = buf.qkv + q_size, rope.k_row_stride = qkv_width;
+    rope.v = buf.qkv + q_size + kv_size, rope.v_row_stride = qkv_width;
+    rope.positions = b.positions, rope.cos_sin_cache = m.cos_sin_cache, rope.max_position = m.max_position;
+    rope.k_cache = b.k_cache + l * layer_slots, rope.v_cache = b.v_cache + l * layer_slots;
+    rope.slots = b.out_slots, rope.num_slots = b.num_slots;
+    rope_bf16(rope);
+
+    DecodeAttentionArgs attn;
+    attn.batch = B, attn.num_heads = m.heads, attn.num_kv_heads = m.kv_heads, attn.head_dim = D;
+    attn.q = buf.qkv, attn.q_row_stride = qkv_width;
+    attn.k_cache = rope.k_cache, attn.v_cache = rope.v_cache, attn.num_slots = b.num_slots;
+    attn.slot_table = b.slot_table, attn.table_width = b.table_width, attn.table_row_stride = b.table_row_stride;
+    attn.kv_lens = b.kv_lens, attn.scale = b.scale, attn.out = buf.attn;
+    decode_attention_bf16(attn);
+
+    amx_linear_bf16(buf.attn, B, q_size, q_size, weight<uint16_t>(w, kOut), H, nullptr, buf.x, H);
+    add_rms_norm_bf16(buf.x, buf.residual, weight<uint16_t>(w, kPostNorm), B, H, m.eps, m.sum_lanes);
+    amx_linear_bf16(buf.x, B, H, H, weight<uint16_t>(w, kGateUp), 2 * m.intermediate, nullptr, buf.gate_up,
+                    2 * m.intermediate);
+    silu_and_mul_bf16(buf.gate_up, buf.act, B, m.intermediate);
+    amx_linear_bf16(buf.act, B, m.intermediate, m.intermediate, weight<uint16_t>(w, kDown), H, nullptr, buf.x, H);
+  }
+  add_rms_norm_bf16(buf.x, buf.residual, m.final_norm, B, H, m.eps, m.sum_lanes);
+}
+
+}  // namespace cspec

@@ -1,0 +1,112 @@
+"""The bfloat16 CPU decode step in one native call (`models/native_decode.py`): hidden states and
+KV cache bit for bit those of `CausalLM.forward` (the same kernels in the same order), on the real
+SmolLM2 and on tiny Llama (untied head, llama3 RoPE) and Qwen2 (qkv bias) models; the engine uses
+it for decode steps and its greedy tokens are the Python forward's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from constrained_spec import SamplingParams
+from constrained_spec import kernels as K
+from constrained_spec.attention import AttentionMetadata, ForwardMode, KVCache
+from constrained_spec.attention.torch_backend import TorchAttention
+from constrained_spec.engine import Engine
+from constrained_spec.kernels import cpu_native
+from constrained_spec.models import load_model
+from constrained_spec.models.cpu_linear import prepack_bf16_linears
+from constrained_spec.models.native_decode import NativeDecodeStep
+
+pytestmark = pytest.mark.skipif(not cpu_native.amx_linear_available(),
+                                reason="the native decode step needs AMX-BF16 (this CPU/OS lacks it)")
+
+
+def _meta(mode, slots, q_lens, kv_lens, table):
+    q_lens, kv_lens = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(kv_lens, dtype=torch.int32)
+    starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(q_lens, 0)
+    return AttentionMetadata(mode, slots, starts, q_lens, kv_lens, table, int(q_lens.max()), int(kv_lens.max()))
+
+
+def _prefilled(model, cfg, prompt_lens, gen):
+    """A KV cache holding prompts of these lengths (sequence b in slots b * 64 + 1 ...), and the
+    decode step's metadata for one new token each."""
+    B = len(prompt_lens)
+    kv = KVCache(cfg.num_layers, B * 64 + 1, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    table = torch.arange(B * 64).view(B, 64) + 1
+    ids = torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in prompt_lens])
+    slots = torch.cat([table[b, :n] for b, n in enumerate(prompt_lens)])
+    with torch.inference_mode():
+        model(ids, pos, kv, _meta(ForwardMode.EXTEND, slots, prompt_lens, prompt_lens, table), TorchAttention())
+    new_pos = torch.tensor(prompt_lens)
+    decode = _meta(ForwardMode.DECODE, table[torch.arange(B), new_pos].contiguous(), [1] * B,
+                   [n + 1 for n in prompt_lens], table)
+    return kv, torch.randint(0, cfg.vocab_size, (B,), generator=gen), new_pos, decode
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "tiny_qwen2"])
+def test_native_step_is_the_forward_bit_for_bit(which, request):
+    path = request.getfixturevalue(f"{which}_dir")
+    loaded = load_model(path, dtype=torch.bfloat16, device="cpu")
+    model, cfg = loaded.model, loaded.config
+    prepack_bf16_linears(model)
+    step = NativeDecodeStep.build(model)
+    assert step is not None
+    kv, ids, pos, meta = _prefilled(model, cfg, [5, 17, 1, 40], torch.Generator().manual_seed(0))
+    kv_native = KVCache(cfg.num_layers, kv.num_slots, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    kv_native.k.copy_(kv.k)
+    kv_native.v.copy_(kv.v)
+    with torch.inference_mode():
+        ref = model(ids, pos, kv, meta, TorchAttention())
+        out = step(ids, pos, kv_native, meta)
+    assert torch.equal(out, ref)
+    assert torch.equal(kv_native.k, kv.k) and torch.equal(kv_native.v, kv.v)
+
+
+def test_native_step_checks_its_inputs(tiny_qwen2_dir):
+    loaded = load_model(tiny_qwen2_dir, dtype=torch.bfloat16, device="cpu")
+    prepack_bf16_linears(loaded.model)
+    step = NativeDecodeStep.build(loaded.model)
+    kv, ids, pos, meta = _prefilled(loaded.model, loaded.config, [3, 4], torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="positions"):
+        step(ids, pos.int(), kv, meta)
+    meta.out_slots = torch.tensor([1, kv.num_slots + 5])
+    with pytest.raises(IndexError):
+        step(ids, pos, kv, meta)
+
+
+def test_not_built_where_it_does_not_apply(smollm2_dir, monkeypatch):
+    fp32 = load_model(smollm2_dir, dtype=torch.float32, device="cpu").model
+    assert NativeDecodeStep.build(fp32) is None
+    bf16 = load_model(smollm2_dir, dtype=torch.bfloat16, device="cpu").model
+    assert NativeDecodeStep.build(bf16) is None  # projections not packed
+    monkeypatch.setattr(cpu_native, "amx_linear_available", lambda: False)
+    prepack_bf16_linears(bf16)  # oneDNN's layout
+    assert NativeDecodeStep.build(bf16) is None
+
+
+def test_engine_decodes_natively_with_the_forwards_tokens(smollm2_dir, monkeypatch):
+    calls = []
+    real = NativeDecodeStep.__call__
+    monkeypatch.setattr(NativeDecodeStep, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=1024)
+    try:
+        prompts = [eng.chat_prompt([{"role": "user", "content": f"Write a short story about {t}."}])
+                   for t in ("the sea", "bread", "prime numbers")]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        native = [o.token_ids for o in eng.generate(prompts, params)]
+        assert len(calls) == 23  # every decode step (the first token comes from the prefill)
+        eng.runner.native_decode = None
+        python = [o.token_ids for o in eng.generate(prompts, params)]
+        K.set_fused_kernels(False)  # the reference kernels: the native step must step aside
+        try:
+            eng.runner.native_decode = NativeDecodeStep.build(eng.runner.model)
+            calls.clear()
+            eng.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0))
+            assert not calls
+        finally:
+            K.set_fused_kernels(True)
+    finally:
+        eng.shutdown()
+    assert native == python
