@@ -6,7 +6,8 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "constrained_spec._native",
-        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/amx_linear.cpp",
+        ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/cpu_attention.cpp",
+         "native/amx_linear.cpp",
          "native/decode_step.cpp",
          "native/bindings.cpp"],
         include_dirs=["native"],

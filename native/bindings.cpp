@@ -180,6 +180,29 @@ static void bind_cpu_kernels(py::module_& parent) {
       "Attention of one query token per sequence over its slots in the KV cache (native/cpu_kernels.h). "
       "Raises IndexError for a length or slot out of range, before writing.");
   m.def(
+      "tree_attention_bf16",
+      [](int64_t batch, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uintptr_t q,
+         int64_t q_row_stride, uintptr_t k_cache, uintptr_t v_cache, int64_t num_slots, uintptr_t slot_table,
+         int64_t table_width, int64_t table_row_stride, uintptr_t q_starts, uintptr_t q_lens, uintptr_t kv_lens,
+         uintptr_t tree_mask, int64_t mask_width, double scale, uintptr_t out) {
+        cspec::TreeAttentionArgs a;
+        a.batch = batch, a.tokens = tokens, a.num_heads = num_heads, a.num_kv_heads = num_kv_heads;
+        a.head_dim = head_dim, a.q = pointer<const uint16_t>(q, "q"), a.q_row_stride = q_row_stride;
+        a.k_cache = pointer<const uint16_t>(k_cache, "k_cache");
+        a.v_cache = pointer<const uint16_t>(v_cache, "v_cache");
+        a.num_slots = num_slots, a.slot_table = pointer<const int64_t>(slot_table, "slot_table");
+        a.table_width = table_width, a.table_row_stride = table_row_stride;
+        a.q_starts = pointer<const int32_t>(q_starts, "q_starts");
+        a.q_lens = pointer<const int32_t>(q_lens, "q_lens");
+        a.kv_lens = pointer<const int32_t>(kv_lens, "kv_lens");
+        a.tree_mask = reinterpret_cast<const uint8_t*>(tree_mask);  // 0: causal
+        a.mask_width = mask_width, a.scale = static_cast<float>(scale), a.out = pointer<uint16_t>(out, "out");
+        py::gil_scoped_release nogil;
+        cspec::tree_attention_bf16(a);
+      },
+      "Attention of several new tokens per sequence (a draft tree, or causal) over the KV cache "
+      "(native/cpu_kernels.h). Raises IndexError for a length or slot out of range, before writing.");
+  m.def(
       "silu_and_mul_bf16",
       [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t inter) {
         auto* gp = pointer<const uint16_t>(gate_up, "gate_up");
@@ -203,7 +226,7 @@ static void bind_cpu_kernels(py::module_& parent) {
         m.cos_sin_cache = pointer<const float>(addr(model, "cos_sin_cache"), "cos_sin_cache");
         m.max_position = i64(model, "max_position");
         cspec::DecodeBatch b;
-        b.batch = i64(batch, "batch");
+        b.batch = i64(batch, "batch"), b.tokens = i64(batch, "tokens");
         b.positions = pointer<const int64_t>(addr(batch, "positions"), "positions");
         b.out_slots = pointer<const int64_t>(addr(batch, "out_slots"), "out_slots");
         b.slot_table = pointer<const int64_t>(addr(batch, "slot_table"), "slot_table");
@@ -212,6 +235,12 @@ static void bind_cpu_kernels(py::module_& parent) {
         b.k_cache = pointer<uint16_t>(addr(batch, "k_cache"), "k_cache");
         b.v_cache = pointer<uint16_t>(addr(batch, "v_cache"), "v_cache");
         b.num_slots = i64(batch, "num_slots"), b.scale = batch["scale"].cast<float>();
+        if (batch.contains("q_lens")) {  // a verify step
+          b.q_starts = pointer<const int32_t>(addr(batch, "q_starts"), "q_starts");
+          b.q_lens = pointer<const int32_t>(addr(batch, "q_lens"), "q_lens");
+          b.tree_mask = reinterpret_cast<const uint8_t*>(addr(batch, "tree_mask"));  // 0: causal
+          b.mask_width = i64(batch, "mask_width");
+        }
         cspec::DecodeBuffers buf;
         buf.x = pointer<uint16_t>(addr(buffers, "x"), "x");
         buf.residual = pointer<uint16_t>(addr(buffers, "residual"), "residual");

@@ -79,6 +79,31 @@ struct DecodeAttentionArgs {
 };
 void decode_attention_bf16(const DecodeAttentionArgs& args);
 
+// The same attention for sequences of several new tokens (a verify step's draft trees, or causal
+// new tokens): sequence b's new tokens are rows q_starts[b] .. q_starts[b + 1] - 1 of q and out
+// and the last q_lens[b] of its kv_lens[b] table columns. Token i sees the columns before them
+// and, of the new ones, j where tree_mask[b, i, j] (bool [batch, mask_width, mask_width]), or
+// j <= i without a mask; in column order, so a token's output is bit for bit what decode
+// attention gives it over the same slots. (native/cpu_attention.cpp)
+struct TreeAttentionArgs {
+  int64_t batch = 0, tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  const uint16_t* q = nullptr;  // [tokens, num_heads, head_dim], heads contiguous within a row
+  int64_t q_row_stride = 0;
+  const uint16_t* k_cache = nullptr;
+  const uint16_t* v_cache = nullptr;
+  int64_t num_slots = 0;
+  const int64_t* slot_table = nullptr;  // [batch, table_width], rows table_row_stride apart
+  int64_t table_width = 0, table_row_stride = 0;
+  const int32_t* q_starts = nullptr;  // [batch + 1]
+  const int32_t* q_lens = nullptr;    // [batch]
+  const int32_t* kv_lens = nullptr;   // [batch], the new tokens included
+  const uint8_t* tree_mask = nullptr;  // null: causal
+  int64_t mask_width = 0;
+  float scale = 1.0f;
+  uint16_t* out = nullptr;  // [tokens, num_heads, head_dim] contiguous
+};
+void tree_attention_bf16(const TreeAttentionArgs& args);
+
 // out[r, i] = bf16(bf16(silu(gate[r, i])) * up[r, i]), gate and up the two halves of each
 // contiguous row of gate_up [rows, 2 * inter]; out: [rows, inter] contiguous.
 void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter);

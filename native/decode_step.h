@@ -1,4 +1,4 @@
-// A bfloat16 decode step of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2's qkv bias) on the
+// A bfloat16 decode (or speculative verify) step of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2's qkv bias) on the
 // CPU, all layers in one call: the CPU counterpart of replaying the decode step's CUDA graph.
 //
 // The Python forward (constrained_spec/models/llama.py) calls the same native kernels, one call
@@ -26,20 +26,26 @@ struct DecodeModel {
   int64_t max_position = 0;
 };
 
+// A decode step has one new token per sequence (tokens == batch, q_lens null); a verify step
+// several, its draft tree's nodes (tree attention, cpu_kernels.h).
 struct DecodeBatch {
-  int64_t batch = 0;
-  const int64_t* positions = nullptr;  // [batch]
-  const int64_t* out_slots = nullptr;  // [batch]: where each new token's k and v go
+  int64_t batch = 0, tokens = 0;
+  const int64_t* positions = nullptr;  // [tokens]
+  const int64_t* out_slots = nullptr;  // [tokens]: where each new token's k and v go
   const int64_t* slot_table = nullptr;  // [batch, table_width], rows table_row_stride apart
   int64_t table_width = 0, table_row_stride = 0;
-  const int32_t* kv_lens = nullptr;  // [batch], the new token included
+  const int32_t* kv_lens = nullptr;  // [batch], the new tokens included
+  const int32_t* q_starts = nullptr;  // [batch + 1], verify only
+  const int32_t* q_lens = nullptr;    // [batch], verify only
+  const uint8_t* tree_mask = nullptr;  // [batch, mask_width, mask_width], verify only
+  int64_t mask_width = 0;
   uint16_t* k_cache = nullptr;       // [layers, num_slots, kv_heads, head_dim]
   uint16_t* v_cache = nullptr;
   int64_t num_slots = 0;
   float scale = 1.0f;
 };
 
-// Buffers of `batch` rows: x (in: the embeddings; out: the final norm's output), residual
+// Buffers of `tokens` rows: x (in: the embeddings; out: the final norm's output), residual
 // [hidden], qkv [(heads + 2 kv_heads) head_dim], attn [heads head_dim], gate_up [2 intermediate],
 // act [intermediate].
 struct DecodeBuffers {

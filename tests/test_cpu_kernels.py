@@ -225,6 +225,42 @@ def test_decode_attention_reads_only_the_context():
     assert torch.equal(one, out[1:2]), "a sequence's output depends on the others"
 
 
+@pytest.mark.parametrize("head_dim", [64, 16])  # 64: the AVX512-BF16 path where the CPU has it; 16: portable
+@pytest.mark.parametrize("tree", [True, False])
+def test_tree_attention_is_decode_attention_per_token(head_dim, tree):
+    """Each new token of a verify step (a draft tree, or causal new tokens) gets bit for bit what
+    decode attention gives it over the slots it sees: the context, then its ancestors in order."""
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, n = 6, 2, 5
+    prefix = [7, 30, 1]
+    B, width = len(prefix), max(prefix) + n
+    num_slots = 3 * B * width
+    k_cache = bf16(num_slots, kv_heads, head_dim, gen=gen, scale=2.0)
+    v_cache = bf16(num_slots, kv_heads, head_dim, gen=gen)
+    q = split_qkv(bf16(B * n, (heads + 2 * kv_heads) * head_dim, gen=gen, scale=2.0), heads, kv_heads, head_dim)[0]
+    table = torch.randperm(num_slots, generator=gen)[:B * width].view(B, width)
+    parents = [-1, 0, 0, 1, 2]  # node 0 the root; 1 and 2 its children; 3 under 1, 4 under 2
+    mask = torch.zeros(B, n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[:, i, j] = tree or j <= i
+            j = parents[j] if tree else j - 1
+    kv_lens = torch.tensor([p + n for p in prefix], dtype=torch.int32)
+    q_starts = torch.arange(0, (B + 1) * n, n, dtype=torch.int32)
+    out = N.tree_attention(q, k_cache, v_cache, table, q_starts, torch.full((B,), n, dtype=torch.int32), kv_lens,
+                           mask if tree else None, 0.125)
+    for b, p in enumerate(prefix):
+        for i in range(n):
+            seen = torch.cat([table[b, :p], table[b, p:p + n][mask[b, i]]])
+            one = N.decode_attention(q[b * n + i:b * n + i + 1], k_cache, v_cache, seen.view(1, -1),
+                                     torch.tensor([len(seen)], dtype=torch.int32), 0.125)
+            assert torch.equal(out[b * n + i], one[0]), (b, i)
+    with pytest.raises(IndexError):  # a q_len longer than the sequence's context
+        N.tree_attention(q, k_cache, v_cache, table, q_starts, torch.full((B,), n, dtype=torch.int32),
+                         torch.tensor([n - 1, n, n], dtype=torch.int32), None, 0.125)
+
+
 # ----------------------------------------------------------------------------------------------
 # Dispatch and bad inputs
 # ----------------------------------------------------------------------------------------------

@@ -185,10 +185,7 @@ class ModelRunner:
             mode=batch.mode, out_slots=slots_d, q_starts=q_starts_d.to(torch.int32), q_lens=q_lens_d.to(torch.int32),
             kv_lens=kv_lens_d.to(torch.int32), slot_table=self.table.device_table[rows_d, :max_kv],
             max_q_len=int(p.q_lens.max()), max_kv_len=max_kv)
-        if self.native_decode is not None and self.native_decode.applies(meta):
-            hidden = self.native_decode(input_ids, pos_d, self.kv, meta)
-        else:
-            hidden = self.model(input_ids, pos_d, self.kv, meta, self.backend)
+        hidden = self.run_model(input_ids, pos_d, meta)
         q_ends = q_starts_d[1:] - 1
         if len(batch.sample_index) != B:
             hidden = hidden[q_ends[self._index(batch.sample_index)]]
@@ -197,6 +194,12 @@ class ModelRunner:
             hidden = hidden[q_ends]
         self._rows_d = rows_d
         return self.model.compute_logits(hidden).float()
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of one eager forward: the native CPU step where it applies."""
+        if self.native_decode is not None and self.native_decode.applies(meta):
+            return self.native_decode(input_ids, positions, self.kv, meta)
+        return self.model(input_ids, positions, self.kv, meta, self.backend)
 
     def _reset_row_state(self, req) -> None:
         if self.token_counts is not None:

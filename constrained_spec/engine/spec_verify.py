@@ -137,7 +137,7 @@ class VerifyIO:
             mode=ForwardMode.VERIFY, out_slots=slots, q_starts=self._q_starts[:bs + 1], q_lens=self._q_lens[:bs],
             kv_lens=(base + N).to(torch.int32), slot_table=table, max_q_len=N,
             max_kv_len=table.shape[1], tree_mask=self._tree_mask[:bs])
-        hidden = r.model(self._tokens[:n], positions, r.kv, meta, r.backend)
+        hidden = r.run_model(self._tokens[:n], positions, meta)
         return r.model.compute_logits(hidden).float()
 
     def tail(self, logits: torch.Tensor, bs: int, masked: bool) -> torch.Tensor:

@@ -152,6 +152,22 @@ def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     return q
 
 
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, head_dim: int) -> None:
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_contiguous_bf16(cache, name)
+        if cache.dim() != 3 or cache.shape[2] != head_dim or cache.shape != k_cache.shape:
+            raise ValueError(f"{name} must be [num_slots, kv_heads, {head_dim}] like k_cache, got {tuple(cache.shape)}")
+    if heads % k_cache.shape[1]:
+        raise ValueError(f"{heads} query heads do not share {k_cache.shape[1]} kv heads evenly")
+
+
+def _check_table(slot_table: torch.Tensor, batch: int) -> None:
+    if (slot_table.dtype is not torch.int64 or not slot_table.is_cpu or slot_table.dim() != 2
+            or slot_table.shape[0] != batch or slot_table.stride(1) != 1):
+        raise ValueError(f"slot_table must be an int64 CPU tensor [{batch}, width] with contiguous rows, got "
+                         f"{slot_table.dtype} {tuple(slot_table.shape)} strides {slot_table.stride()}")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence, q [B, H, D], against its context: the first kv_lens[b] slots
@@ -161,17 +177,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q must be [batch, heads, head_dim], got {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
     _check_heads(q, "q", batch, head_dim)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_contiguous_bf16(cache, name)
-        if cache.dim() != 3 or cache.shape[2] != head_dim or cache.shape != k_cache.shape:
-            raise ValueError(f"{name} must be [num_slots, kv_heads, {head_dim}] like k_cache, got {tuple(cache.shape)}")
-    kv_heads = k_cache.shape[1]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads evenly")
-    if (slot_table.dtype is not torch.int64 or not slot_table.is_cpu or slot_table.dim() != 2
-            or slot_table.shape[0] != batch or slot_table.stride(1) != 1):
-        raise ValueError(f"slot_table must be an int64 CPU tensor [{batch}, width] with contiguous rows, got "
-                         f"{slot_table.dtype} {tuple(slot_table.shape)} strides {slot_table.stride()}")
+    _check_caches(k_cache, v_cache, heads, head_dim)
+    _check_table(slot_table, batch)
     if kv_lens.dtype is not torch.int32 or not kv_lens.is_cpu or kv_lens.shape != (batch,):
         raise ValueError(f"kv_lens must be an int32 CPU tensor of shape ({batch},), got {kv_lens.dtype} "
                          f"{tuple(kv_lens.shape)}")
@@ -179,7 +186,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = q.new_empty(batch, heads, head_dim)
     if batch == 0:
         return out
-    _K.decode_attention_bf16(batch, heads, kv_heads, head_dim, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+    _K.decode_attention_bf16(batch, heads, k_cache.shape[1], head_dim, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                              v_cache.data_ptr(), k_cache.shape[0], slot_table.data_ptr(), slot_table.shape[1],
                              slot_table.stride(0), kv_lens.data_ptr(), scale, out.data_ptr())
     return out
@@ -238,4 +245,39 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     if x.shape[0]:
         _K.amx_linear_bf16(x.data_ptr(), x.shape[0], k, x.stride(0), packed.data_ptr(), out_features,
                            0 if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+    return out
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
+                   q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                   tree_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Several new tokens per sequence, q [T, H, D] (sequence b's at rows q_starts[b] ..), each
+    against its context and, of the new tokens, those tree_mask[b, i] marks (None: causal).
+    Returns [T, H, D]; a token's output is bit for bit `decode_attention`'s over the same slots."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
+    tokens, heads, head_dim = q.shape
+    batch = q_lens.shape[0]
+    _check_heads(q, "q", tokens, head_dim)
+    _check_caches(k_cache, v_cache, heads, head_dim)
+    _check_table(slot_table, batch)
+    for name, t, n in (("q_starts", q_starts, batch + 1), ("q_lens", q_lens, batch), ("kv_lens", kv_lens, batch)):
+        if t.dtype is not torch.int32 or not t.is_cpu or t.shape != (n,) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 CPU tensor of shape ({n},), got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    width = 0
+    if tree_mask is not None:
+        if (tree_mask.dtype is not torch.bool or tree_mask.dim() != 3 or tree_mask.shape[0] != batch
+                or tree_mask.shape[1] != tree_mask.shape[2] or not tree_mask.is_contiguous()):
+            raise ValueError(f"tree_mask must be a contiguous bool [{batch}, n, n] tensor, got {tree_mask.dtype} "
+                             f"{tuple(tree_mask.shape)}")
+        width = tree_mask.shape[1]
+    out = q.new_empty(tokens, heads, head_dim)
+    if tokens == 0:
+        return out
+    _K.tree_attention_bf16(batch, tokens, heads, k_cache.shape[1], head_dim, q.data_ptr(), q.stride(0),
+                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], slot_table.data_ptr(),
+                           slot_table.shape[1], slot_table.stride(0), q_starts.data_ptr(), q_lens.data_ptr(),
+                           kv_lens.data_ptr(), 0 if tree_mask is None else tree_mask.data_ptr(), width, scale,
+                           out.data_ptr())
     return out

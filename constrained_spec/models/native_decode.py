@@ -1,4 +1,4 @@
-"""A bfloat16 CPU decode step in one native call (native/decode_step.h): the CPU counterpart of
+"""A bfloat16 CPU decode (or speculative verify) step in one native call (native/decode_step.h): the CPU counterpart of
 replaying the decode step's CUDA graph.
 
 `CausalLM.forward` stays the definition. On the CPU in bfloat16 each of its ops is already one
@@ -78,35 +78,51 @@ class NativeDecodeStep:
         return None
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A decode step with the native kernels switched on (`kernels.set_fused_kernels`)."""
-        return meta.mode is ForwardMode.DECODE and kernels.uses_native_cpu_kernels(self.model.embed_tokens.weight)
+        """A decode or verify step with the native kernels switched on (`kernels.set_fused_kernels`)."""
+        return (meta.mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
+                and kernels.uses_native_cpu_kernels(self.model.embed_tokens.weight))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
-        B = input_ids.shape[0]
+        T = input_ids.shape[0]
         table = meta.slot_table
-        _check_step(B, positions, meta, kv)
+        _check_step(T, positions, meta, kv)
         x = self.model.embed_tokens(input_ids)
-        empty = lambda width: torch.empty(B, width, dtype=torch.bfloat16)  # noqa: E731
+        empty = lambda width: torch.empty(T, width, dtype=torch.bfloat16)  # noqa: E731
         buffers = dict(x=x, residual=empty(self.hidden), qkv=empty(self.qkv_width), attn=empty(self.q_size),
                        gate_up=empty(2 * self.intermediate), act=empty(self.intermediate))
-        batch = dict(batch=B, positions=positions.data_ptr(), out_slots=meta.out_slots.data_ptr(),
+        batch = dict(batch=meta.batch_size, tokens=T, positions=positions.data_ptr(), out_slots=meta.out_slots.data_ptr(),
                      slot_table=table.data_ptr(), table_width=table.shape[1], table_row_stride=table.stride(0),
                      kv_lens=meta.kv_lens.data_ptr(), k_cache=kv.k.data_ptr(), v_cache=kv.v.data_ptr(),
                      num_slots=kv.num_slots, scale=self.scale)
+        if meta.mode is ForwardMode.VERIFY:
+            mask = meta.tree_mask
+            batch.update(q_starts=meta.q_starts.data_ptr(), q_lens=meta.q_lens.data_ptr(),
+                         tree_mask=0 if mask is None else mask.data_ptr(), mask_width=0 if mask is None else mask.shape[1])
         cpu_native._K.decode_step_bf16(self.spec, batch, {k: t.data_ptr() for k, t in buffers.items()})
         return x
 
 
-def _check_step(B: int, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> None:
-    """What the C++ side takes on trust: dtypes, shapes and layouts (it checks slot and position values)."""
+def _check_step(T: int, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> None:
+    """What the C++ side takes on trust: dtypes, shapes and layouts (it checks slot, position and
+    length values)."""
     def need(ok: bool, what: str):
         if not ok:
             raise ValueError(f"native decode step: {what}")
+    B = meta.batch_size
     for name, t in (("positions", positions), ("out_slots", meta.out_slots)):
-        need(t.dtype is torch.int64 and t.shape == (B,) and t.is_contiguous(), f"{name} must be int64 [{B}] contiguous")
-    need(meta.kv_lens.dtype is torch.int32 and meta.kv_lens.shape == (B,) and meta.kv_lens.is_contiguous(),
-         f"kv_lens must be int32 [{B}] contiguous")
+        need(t.dtype is torch.int64 and t.shape == (T,) and t.is_contiguous(), f"{name} must be int64 [{T}] contiguous")
+    int32 = [("kv_lens", meta.kv_lens, B)]
+    if meta.mode is ForwardMode.VERIFY:
+        int32 += [("q_lens", meta.q_lens, B), ("q_starts", meta.q_starts, B + 1)]
+        mask = meta.tree_mask
+        need(mask is None or (mask.dtype is torch.bool and mask.dim() == 3 and mask.shape[0] == B
+                              and mask.shape[1] == mask.shape[2] and mask.is_contiguous()),
+             f"tree_mask must be a contiguous bool [{B}, n, n] tensor")
+    else:
+        need(B == T, f"a decode step has one token per sequence ({T} tokens, {B} sequences)")
+    for name, t, n in int32:
+        need(t.dtype is torch.int32 and t.shape == (n,) and t.is_contiguous(), f"{name} must be int32 [{n}] contiguous")
     table = meta.slot_table
     need(table.dtype is torch.int64 and table.dim() == 2 and table.shape[0] == B and table.stride(1) == 1,
          f"slot_table must be int64 [{B}, width] with contiguous rows")
