@@ -171,21 +171,33 @@ void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64
 
 }  // namespace
 
+// Rows are independent: a prefill's many split between the OpenMP threads (the same bits), a
+// decode step's few stay on the calling thread.
+constexpr int64_t kParallelRows = 32;
+
 void rms_norm_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int64_t width,
                    float eps, int sum_lanes) {
-  std::vector<float> squares(width);
-  for (int64_t r = 0; r < rows; ++r)
-    norm_row(x + r * width, weight, out + r * width, width, eps, sum_lanes, squares.data());
+#pragma omp parallel if (rows >= kParallelRows)
+  {
+    std::vector<float> squares(width);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+      norm_row(x + r * width, weight, out + r * width, width, eps, sum_lanes, squares.data());
+  }
 }
 
 void add_rms_norm_bf16(uint16_t* x, uint16_t* residual, const uint16_t* weight, int64_t rows, int64_t width,
                        float eps, int sum_lanes) {
-  std::vector<float> squares(width);
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* res = residual + r * width;
-    uint16_t* xr = x + r * width;
-    add_row(res, xr, width);
-    norm_row(res, weight, xr, width, eps, sum_lanes, squares.data());
+#pragma omp parallel if (rows >= kParallelRows)
+  {
+    std::vector<float> squares(width);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* res = residual + r * width;
+      uint16_t* xr = x + r * width;
+      add_row(res, xr, width);
+      norm_row(res, weight, xr, width, eps, sum_lanes, squares.data());
+    }
   }
 }
 
@@ -218,6 +230,7 @@ void rope_bf16(const RopeArgs& a) {
 }
 
 void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows >= kParallelRows)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* gate = gate_up + r * 2 * inter;
     silu_mul_row(gate, gate + inter, out + r * inter, inter);
