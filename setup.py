@@ -8,7 +8,7 @@ ext_modules = [
         "constrained_spec._native",
         ["native/ngram_trie.cpp", "native/mask_fill_pool.cpp", "native/cpu_kernels.cpp", "native/cpu_attention.cpp",
          "native/amx_linear.cpp",
-         "native/decode_step.cpp",
+         "native/forward_step.cpp",
          "native/bindings.cpp"],
         include_dirs=["native"],
         cxx_std=17,

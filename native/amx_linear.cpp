@@ -68,17 +68,31 @@ __attribute__((target("amx-tile"))) void configure_tiles(int rows) {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
+// Where a call's rows go: bfloat16 (rounded once) or float32 (the sum as it is), rows `stride` apart.
+struct Output {
+  void* data;
+  int64_t stride;
+  bool float32;
+  Output rows_from(int64_t m) const {
+    return {static_cast<char*>(data) + m * stride * (float32 ? 4 : 2), stride, float32};
+  }
+};
+
 // C tile j (of NB) -> out's rows with bias, rounded to bfloat16; `acc` is 16 x 16 floats of scratch.
 CSPEC_BF16_TARGET void store_block(const float* acc, int rows, int64_t c0, int64_t n, const uint16_t* bias,
-                                   uint16_t* out, int64_t out_stride) {
+                                   const Output& out) {
   const int64_t valid = std::min<int64_t>(kPackBlock, n - c0);
   const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
   __m512 b = _mm512_setzero_ps();
   if (bias)  // bfloat16 -> float32 is a 16-bit shift
     b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
   for (int m = 0; m < rows; ++m) {
-    const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + m * 16), b));
-    _mm256_mask_storeu_epi16(out + m * out_stride + c0, mask, (__m256i)r);
+    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(acc + m * 16), b);
+    if (out.float32)
+      _mm512_mask_storeu_ps(static_cast<float*>(out.data) + m * out.stride + c0, mask, sum);
+    else
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.data) + m * out.stride + c0, mask,
+                               (__m256i)_mm512_cvtneps_pbh(sum));
   }
 }
 
@@ -86,7 +100,7 @@ CSPEC_BF16_TARGET void store_block(const float* acc, int rows, int64_t c0, int64
 template <int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void group_kernel(
     const uint16_t* x, int rows, int64_t x_stride, int64_t k, const uint16_t* blocks, int64_t block_elems,
-    int64_t col, int64_t n, const uint16_t* bias, uint16_t* out, int64_t out_stride) {
+    int64_t col, int64_t n, const uint16_t* bias, const Output& out) {
   _tile_zero(0);
   if (NB > 1) _tile_zero(1);
   if (NB > 2) _tile_zero(2);
@@ -111,21 +125,21 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
   alignas(64) float acc[16 * 16];
   _tile_stored(0, acc, 64);
   memory_used(acc);
-  store_block(acc, rows, col, n, bias, out, out_stride);
+  store_block(acc, rows, col, n, bias, out);
   if (NB > 1) {
     _tile_stored(1, acc, 64);
   memory_used(acc);
-    store_block(acc, rows, col + kPackBlock, n, bias, out, out_stride);
+    store_block(acc, rows, col + kPackBlock, n, bias, out);
   }
   if (NB > 2) {
     _tile_stored(2, acc, 64);
   memory_used(acc);
-    store_block(acc, rows, col + 2 * kPackBlock, n, bias, out, out_stride);
+    store_block(acc, rows, col + 2 * kPackBlock, n, bias, out);
   }
   if (NB > 3) {
     _tile_stored(3, acc, 64);
   memory_used(acc);
-    store_block(acc, rows, col + 3 * kPackBlock, n, bias, out, out_stride);
+    store_block(acc, rows, col + 3 * kPackBlock, n, bias, out);
   }
 }
 
@@ -151,7 +165,7 @@ bool amx_linear_supported() {
 }
 
 void amx_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, int64_t x_stride, const uint16_t* packed,
-                     int64_t n, const uint16_t* bias, uint16_t* out, int64_t out_stride) {
+                     int64_t n, const uint16_t* bias, void* out, int64_t out_stride, bool out_float32) {
   if (!amx_linear_supported()) throw std::runtime_error("amx_linear_bf16 needs AMX-BF16 (amx_linear_supported)");
   if (k % kTileK != 0) throw std::invalid_argument("amx_linear_bf16: k must be a multiple of 32");
   const int64_t blocks = (n + kPackBlock - 1) / kPackBlock;
@@ -171,14 +185,14 @@ void amx_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, int64_t x_strid
         const int mr = int(std::min<int64_t>(kMaxRows, rows - m0));
         if (mr != configured) configure_tiles(configured = mr);
         const uint16_t* xm = x + m0 * x_stride;
-        uint16_t* om = out + m0 * out_stride;
+        const Output om = Output{out, out_stride, out_float32}.rows_from(m0);
         const uint16_t* w = packed + b * block_elems;
         const int64_t col = b * kPackBlock;
         switch (nb) {
-          case 4: group_kernel<4>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om, out_stride); break;
-          case 3: group_kernel<3>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om, out_stride); break;
-          case 2: group_kernel<2>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om, out_stride); break;
-          default: group_kernel<1>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om, out_stride);
+          case 4: group_kernel<4>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om); break;
+          case 3: group_kernel<3>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om); break;
+          case 2: group_kernel<2>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om); break;
+          default: group_kernel<1>(xm, mr, x_stride, k, w, block_elems, col, n, bias, om);
         }
       }
     }
@@ -189,8 +203,9 @@ void amx_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, int64_t x_strid
 bool amx_linear_supported() { return false; }
 
 void amx_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, int64_t x_stride, const uint16_t* packed,
-                     int64_t n, const uint16_t* bias, uint16_t* out, int64_t out_stride) {
-  (void)x, (void)rows, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)out, (void)out_stride;
+                     int64_t n, const uint16_t* bias, void* out, int64_t out_stride, bool out_float32) {
+  (void)x, (void)rows, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)out, (void)out_stride,
+      (void)out_float32;
   throw std::runtime_error("amx_linear_bf16 needs an x86-64 CPU with AMX-BF16");
 }
 #endif

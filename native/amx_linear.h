@@ -34,9 +34,11 @@ int64_t amx_packed_size(int64_t n, int64_t k);
 void amx_pack_weight_bf16(const uint16_t* weight, int64_t n, int64_t k, uint16_t* packed);
 
 // out[m, :n] = bf16(x[m, :k] . weight[:n, :k]^T + bias) for m < rows; x rows x_stride elements
-// apart, out rows out_stride apart, bias [n] or null. k must be a multiple of 32 (std::invalid_argument);
-// std::runtime_error where amx_linear_supported() is false.
+// apart, out rows out_stride apart, bias [n] or null. With out_float32, out is float32 and takes
+// the sum unrounded (the logits head: bfloat16 logits tie often, and greedy picks among ties).
+// k must be a multiple of 32 (std::invalid_argument); std::runtime_error where
+// amx_linear_supported() is false.
 void amx_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, int64_t x_stride, const uint16_t* packed,
-                     int64_t n, const uint16_t* bias, uint16_t* out, int64_t out_stride);
+                     int64_t n, const uint16_t* bias, void* out, int64_t out_stride, bool out_float32 = false);
 
 }  // namespace cspec

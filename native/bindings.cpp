@@ -11,7 +11,7 @@
 
 #include "amx_linear.h"
 #include "cpu_kernels.h"
-#include "decode_step.h"
+#include "forward_step.h"
 #include "mask_fill_pool.h"
 #include "ngram_trie.h"
 
@@ -212,11 +212,11 @@ static void bind_cpu_kernels(py::module_& parent) {
       },
       py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("inter"), "out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:].");
   m.def(
-      "decode_step_bf16",
+      "forward_step_bf16",
       [](py::dict model, py::dict batch, py::dict buffers) {
         auto addr = [](py::dict d, const char* key) { return d[key].cast<uintptr_t>(); };
         auto i64 = [](py::dict d, const char* key) { return d[key].cast<int64_t>(); };
-        cspec::DecodeModel m;
+        cspec::ForwardModel m;
         m.layers = i64(model, "layers"), m.hidden = i64(model, "hidden"), m.heads = i64(model, "heads");
         m.kv_heads = i64(model, "kv_heads"), m.head_dim = i64(model, "head_dim");
         m.intermediate = i64(model, "intermediate");
@@ -225,7 +225,7 @@ static void bind_cpu_kernels(py::module_& parent) {
         m.final_norm = pointer<const uint16_t>(addr(model, "final_norm"), "final_norm");
         m.cos_sin_cache = pointer<const float>(addr(model, "cos_sin_cache"), "cos_sin_cache");
         m.max_position = i64(model, "max_position");
-        cspec::DecodeBatch b;
+        cspec::ForwardBatch b;
         b.batch = i64(batch, "batch"), b.tokens = i64(batch, "tokens");
         b.positions = pointer<const int64_t>(addr(batch, "positions"), "positions");
         b.out_slots = pointer<const int64_t>(addr(batch, "out_slots"), "out_slots");
@@ -235,13 +235,13 @@ static void bind_cpu_kernels(py::module_& parent) {
         b.k_cache = pointer<uint16_t>(addr(batch, "k_cache"), "k_cache");
         b.v_cache = pointer<uint16_t>(addr(batch, "v_cache"), "v_cache");
         b.num_slots = i64(batch, "num_slots"), b.scale = batch["scale"].cast<float>();
-        if (batch.contains("q_lens")) {  // a verify step
+        if (batch.contains("q_lens")) {  // several tokens per sequence
           b.q_starts = pointer<const int32_t>(addr(batch, "q_starts"), "q_starts");
           b.q_lens = pointer<const int32_t>(addr(batch, "q_lens"), "q_lens");
           b.tree_mask = reinterpret_cast<const uint8_t*>(addr(batch, "tree_mask"));  // 0: causal
           b.mask_width = i64(batch, "mask_width");
         }
-        cspec::DecodeBuffers buf;
+        cspec::ForwardBuffers buf;
         buf.x = pointer<uint16_t>(addr(buffers, "x"), "x");
         buf.residual = pointer<uint16_t>(addr(buffers, "residual"), "residual");
         buf.qkv = pointer<uint16_t>(addr(buffers, "qkv"), "qkv");
@@ -249,10 +249,10 @@ static void bind_cpu_kernels(py::module_& parent) {
         buf.gate_up = pointer<uint16_t>(addr(buffers, "gate_up"), "gate_up");
         buf.act = pointer<uint16_t>(addr(buffers, "act"), "act");
         py::gil_scoped_release nogil;
-        cspec::decode_step_bf16(m, b, buf);
+        cspec::forward_step_bf16(m, b, buf);
       },
       py::arg("model"), py::arg("batch"), py::arg("buffers"),
-      "All layers of a bfloat16 decode step (native/decode_step.h); dicts of sizes and data_ptr() addresses. "
+      "All layers of a bfloat16 decode step (native/forward_step.h); dicts of sizes and data_ptr() addresses. "
       "Raises IndexError for a slot or position out of range.");
   m.def("amx_linear_supported", &cspec::amx_linear_supported,
         "True where the CPU and OS run AMX-BF16, the instructions of amx_linear_bf16 (native/amx_linear.h).");
@@ -271,15 +271,16 @@ static void bind_cpu_kernels(py::module_& parent) {
   m.def(
       "amx_linear_bf16",
       [](uintptr_t x, int64_t rows, int64_t k, int64_t x_stride, uintptr_t packed, int64_t n, uintptr_t bias,
-         uintptr_t out, int64_t out_stride) {
+         uintptr_t out, int64_t out_stride, bool out_float32) {
         auto* xp = pointer<const uint16_t>(x, "x");
         auto* pp = pointer<const uint16_t>(packed, "packed");
-        auto* op = pointer<uint16_t>(out, "out");
+        auto* op = pointer<void>(out, "out");
         const auto* bp = reinterpret_cast<const uint16_t*>(bias);  // 0: no bias
         py::gil_scoped_release nogil;
-        cspec::amx_linear_bf16(xp, rows, k, x_stride, pp, n, bp, op, out_stride);
+        cspec::amx_linear_bf16(xp, rows, k, x_stride, pp, n, bp, op, out_stride, out_float32);
       },
-      "out[m, :n] = x[m, :k] @ weight.T + bias for m < rows (native/amx_linear.h); bias 0 for none.");
+      "out[m, :n] = x[m, :k] @ weight.T + bias for m < rows (native/amx_linear.h); bias 0 for none; "
+      "out bfloat16, or float32 with out_float32.");
 }
 
 PYBIND11_MODULE(_native, m) {

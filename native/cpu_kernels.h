@@ -64,29 +64,11 @@ void rope_bf16(const RopeArgs& args);
 // is a task for the OpenMP threads: q.k by `vdpbf16ps` (exact products, float32 sums), the
 // softmax's exp on 16 lanes (Cephes' polynomial, ~1 ulp): 2.5 -> 1 ms a SmolLM2 step at batch 8
 // and 64 tokens of context on the 2-core dev VM.
-struct DecodeAttentionArgs {
+//
+// CacheAttentionArgs: what decode and tree attention share (the shapes, the query rows, the
+// caches and the table).
+struct CacheAttentionArgs {
   int64_t batch = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  const uint16_t* q = nullptr;  // [batch, num_heads, head_dim], heads contiguous within a row
-  int64_t q_row_stride = 0;
-  const uint16_t* k_cache = nullptr;
-  const uint16_t* v_cache = nullptr;
-  int64_t num_slots = 0;
-  const int64_t* slot_table = nullptr;  // [batch, table_width], rows table_row_stride apart
-  int64_t table_width = 0, table_row_stride = 0;
-  const int32_t* kv_lens = nullptr;  // [batch]
-  float scale = 1.0f;
-  uint16_t* out = nullptr;
-};
-void decode_attention_bf16(const DecodeAttentionArgs& args);
-
-// The same attention for sequences of several new tokens (a verify step's draft trees, or causal
-// new tokens): sequence b's new tokens are rows q_starts[b] .. q_starts[b + 1] - 1 of q and out
-// and the last q_lens[b] of its kv_lens[b] table columns. Token i sees the columns before them
-// and, of the new ones, j where tree_mask[b, i, j] (bool [batch, mask_width, mask_width]), or
-// j <= i without a mask; in column order, so a token's output is bit for bit what decode
-// attention gives it over the same slots. (native/cpu_attention.cpp)
-struct TreeAttentionArgs {
-  int64_t batch = 0, tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   const uint16_t* q = nullptr;  // [tokens, num_heads, head_dim], heads contiguous within a row
   int64_t q_row_stride = 0;
   const uint16_t* k_cache = nullptr;
@@ -94,13 +76,27 @@ struct TreeAttentionArgs {
   int64_t num_slots = 0;
   const int64_t* slot_table = nullptr;  // [batch, table_width], rows table_row_stride apart
   int64_t table_width = 0, table_row_stride = 0;
-  const int32_t* q_starts = nullptr;  // [batch + 1]
-  const int32_t* q_lens = nullptr;    // [batch]
-  const int32_t* kv_lens = nullptr;   // [batch], the new tokens included
-  const uint8_t* tree_mask = nullptr;  // null: causal
-  int64_t mask_width = 0;
+  const int32_t* kv_lens = nullptr;  // [batch], the new tokens included
   float scale = 1.0f;
   uint16_t* out = nullptr;  // [tokens, num_heads, head_dim] contiguous
+};
+
+struct DecodeAttentionArgs : CacheAttentionArgs {};  // tokens == batch
+void decode_attention_bf16(const DecodeAttentionArgs& args);
+
+// The same attention for sequences of several new tokens (a prefill chunk, or a verify step's
+// draft tree): sequence b's new tokens are rows q_starts[b] .. q_starts[b + 1] - 1 of q and out
+// and the last q_lens[b] of its kv_lens[b] table columns. Token i sees the columns before them
+// and, of the new ones, j where tree_mask[b, i, j] (bool [batch, mask_width, mask_width]), or
+// j <= i without a mask; in column order, so a token's output is bit for bit what decode
+// attention gives it over the same slots, whatever batch or chunk it came in.
+// (native/cpu_attention.cpp)
+struct TreeAttentionArgs : CacheAttentionArgs {
+  int64_t tokens = 0;
+  const int32_t* q_starts = nullptr;  // [batch + 1]
+  const int32_t* q_lens = nullptr;    // [batch]
+  const uint8_t* tree_mask = nullptr;  // null: causal
+  int64_t mask_width = 0;
 };
 void tree_attention_bf16(const TreeAttentionArgs& args);
 

@@ -384,29 +384,31 @@ def test_bf16_forward_native_vs_reference():
 
 
 @pytest.mark.slow
-def test_engine_greedy_tokens_native_vs_reference(smollm2_dir):
-    """SmolLM2-135M in bfloat16 on the CPU engine (prepacked projections): 40 greedy tokens of 4
-    requests, batched, with the native kernels and with the torch reference. Only the decode
-    attention is not bitwise SDPA (as close to exact, test above), so a near-tie can flip a token
-    and the text goes its own way from there: with the AVX-512 attention the fourth request's
-    second token is a bfloat16 tie (logprobs -1.3863 / -1.3863, the reference's -1.3327 / -1.4577)
-    and the third's 17th one. Every first token (prefill: bitwise kernels) must match, and all 40
-    tokens of at least two requests (broken kernels diverge at once)."""
+def test_engine_bf16_native_as_faithful_as_reference(smollm2_dir):
+    """SmolLM2-135M in bfloat16 on the CPU engine, 6 requests x 40 greedy tokens: the native path
+    (AMX projections, native kernels and attention, the one-call step) keeps to the float32
+    engine's tokens at least as long as the torch reference kernels in bfloat16 do. Token for token
+    the two bfloat16 paths cannot agree: attention is not SDPA's bits, and a near-tie then flips a
+    token (on the dev VM: native 163 tokens of agreement with float32, the reference 131)."""
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine
-    eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=1024)
-    try:
-        prompts = [eng.chat_prompt([{"role": "user", "content": f"Write a short story about {t}."}])
-                   for t in ("the sea", "a red fox", "bread", "prime numbers")]
-        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        native = [o.token_ids for o in eng.generate(prompts, params)]
-        K.set_fused_kernels(False)
+    topics = ("the sea", "a red fox", "bread", "prime numbers", "a lighthouse", "winter")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    def run(dtype, native=True):
+        K.set_fused_kernels(native)
+        eng = Engine(model=smollm2_dir, device="cpu", dtype=dtype, kv_cache_slots=2048)
         try:
-            reference = [o.token_ids for o in eng.generate(prompts, params)]
+            prompts = [eng.chat_prompt([{"role": "user", "content": f"Write a short story about {t}."}])
+                       for t in topics]
+            return [o.token_ids for o in eng.generate(prompts, params)]
         finally:
+            eng.shutdown()
             K.set_fused_kernels(True)
-    finally:
-        eng.shutdown()
+
+    def agreement(a, b):
+        return sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
+    exact = run("float32")
+    native, reference = run("bfloat16"), run("bfloat16", native=False)
     assert all(len(t) == 40 for t in native)
-    assert all(n[0] == r[0] for n, r in zip(native, reference))
-    assert sum(n == r for n, r in zip(native, reference)) >= 2
+    assert agreement(native, exact) >= agreement(reference, exact)

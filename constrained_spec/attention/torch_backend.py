@@ -1,10 +1,11 @@
 """Reference attention in plain torch: pads the batch, gathers each context from the slot pool,
 and calls SDPA with an explicit mask. Runs on CPU and GPU; the other backends are tested against it.
 
-bfloat16 on the CPU takes native kernels where they exist (`kernels.cpu_native`): RoPE + KV store
-always, and a decode or verify step's attention (one call reading the cache where it lies instead
-of two gathers, SDPA and its reshapes: ~15 small ops per layer; a verified draft token gets the
-bits decoding it would, so speculation leaves bfloat16 greedy text as it is). Prefill keeps SDPA. `kernels.set_fused_kernels(False)` makes
+bfloat16 on the CPU takes native kernels (`kernels.cpu_native`): RoPE + KV store, and the
+attention of every step (one call reading the cache where it lies instead of two gathers, SDPA and
+its reshapes: ~15 small ops per layer). Its per-token core gives a token the same bits whether it
+is decoded, prefilled in any batch or chunk, or verified as a draft: bfloat16 greedy text does not
+depend on batching, chunking or speculation. `kernels.set_fused_kernels(False)` makes
 this plain torch again."""
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ class TorchAttention(AttentionBackend):
         one_per_seq = Q == 1 and T == B  # decode: the flat tokens are the batch, no padding to undo
         if one_per_seq and uses_native_cpu_kernels(q):
             return cpu_native.decode_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, scale)
-        if meta.mode is ForwardMode.VERIFY and uses_native_cpu_kernels(q):  # a draft token's bits as decoding it
+        if uses_native_cpu_kernels(q):  # prefill and verify: each token's bits as decoding it would get
+            tree = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
             return cpu_native.tree_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.q_starts,
-                                             meta.q_lens, meta.kv_lens, meta.tree_mask, scale)
+                                             meta.q_lens, meta.kv_lens, tree, scale)
         if "torch" not in meta.scratch:  # the same for every layer of this forward
             meta.scratch["torch"] = (*_token_coords(meta, T), _attention_mask(meta, Q, K, q.device).unsqueeze(1))
         token_batch, token_pos, mask = meta.scratch["torch"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     device: str = "auto"  # auto: cuda when available
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and AMX CPUs, else float32 (models.loader.resolve_dtype)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 40% of free memory on CUDA
     kv_cache_slots: int | None = None  # exact token capacity; overrides kv_cache_memory_gb

@@ -16,7 +16,7 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
 from ..models.cpu_linear import prepack_bf16_linears
-from ..models.native_decode import NativeDecodeStep
+from ..models.native_forward import NativeForward
 from .batch import ScheduledBatch
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, GraphStep
@@ -63,7 +63,7 @@ class ModelRunner:
         if device.type == "cpu" and dtype == torch.bfloat16:
             prepack_bf16_linears(self.model)  # AMX / oneDNN layouts: the step's GEMMs 1.3-2x faster
         # bf16 CPU decode: all layers in one native call where every projection is AMX-packed
-        self.native_decode = NativeDecodeStep.build(self.model) if device.type == "cpu" else None
+        self.native_forward = NativeForward.build(self.model) if device.type == "cpu" else None
         self.mcfg = loaded.config
         self.device, self.dtype = device, dtype
         self.vocab_size = self.mcfg.vocab_size
@@ -197,8 +197,8 @@ class ModelRunner:
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states of one eager forward: the native CPU step where it applies."""
-        if self.native_decode is not None and self.native_decode.applies(meta):
-            return self.native_decode(input_ids, positions, self.kv, meta)
+        if self.native_forward is not None and self.native_forward.applies(meta):
+            return self.native_forward(input_ids, positions, self.kv, meta)
         return self.model(input_ids, positions, self.kv, meta, self.backend)
 
     def _reset_row_state(self, req) -> None:

@@ -232,19 +232,22 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """x [rows, k] @ weight.T + bias -> [rows, out_features] bfloat16, `packed` from `amx_pack`.
-    The hot path of every CPU bfloat16 projection: checks only what a wrong call would corrupt
-    memory with."""
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [rows, k] @ weight.T + bias -> [rows, out_features], `packed` from `amx_pack`; out_dtype
+    bfloat16 (rounded once) or float32 (the float32 sum as it is). The hot path of every CPU
+    bfloat16 projection: checks only what a wrong call would corrupt memory with."""
     k = x.shape[1]
     if x.dtype is not torch.bfloat16 or x.stride(1) != 1 or packed.numel() != _K.amx_packed_size(out_features, k):
         raise ValueError(f"x {x.dtype} {tuple(x.shape)} strides {x.stride()} does not match a packed "
                          f"[{out_features}, {k}] bfloat16 weight")
-    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, not {out_dtype}")
+    out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
     if x.shape[0]:
         _K.amx_linear_bf16(x.data_ptr(), x.shape[0], k, x.stride(0), packed.data_ptr(), out_features,
-                           0 if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+                           0 if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                           out_dtype is torch.float32)
     return out
 
 

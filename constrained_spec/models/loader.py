@@ -57,11 +57,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -> torch.dtype:
-    """"auto"/None: bfloat16 on CUDA, float32 elsewhere."""
+    """"auto"/None: bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs.
+
+    On an AMX CPU the bfloat16 path (AMX projections, native decode step) decodes ~5x faster than
+    float32 and is batch-invariant like it; float32 stays bit-exact with `transformers` (ask for it
+    with dtype="float32"). Without AMX, bfloat16 projections run slower than float32 ones."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or str(dtype).lower() == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        from ..kernels import cpu_native
+        return torch.bfloat16 if cpu_native.amx_linear_available() else torch.float32
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")

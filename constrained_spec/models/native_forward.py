@@ -1,11 +1,11 @@
-"""A bfloat16 CPU decode (or speculative verify) step in one native call (native/decode_step.h): the CPU counterpart of
-replaying the decode step's CUDA graph.
+"""A bfloat16 CPU forward step (decode, prefill, speculative verify) in one native call
+(native/forward_step.h): the CPU counterpart of replaying a step's CUDA graph.
 
 `CausalLM.forward` stays the definition. On the CPU in bfloat16 each of its ops is already one
 native kernel, but the ~10 calls a layer through module dispatch and argument checks cost ~68 us
 of Python a layer: 2 ms of a ~17 ms SmolLM2 step at batch 8 on the 2-core dev VM. This runs the
 same kernels in the same order from C++, so the hidden states are the forward's bit for bit
-(tests/test_native_decode.py); the checks run once per step here instead of once per layer.
+(tests/test_native_forward.py); the checks run once per step here instead of once per layer.
 It applies where every projection is AMX-packed (models/cpu_linear.py) and the model is the
 Llama-family decoder of models/llama.py.
 """
@@ -24,8 +24,8 @@ from .llama import CausalLM
 log = logging.getLogger(__name__)
 
 
-class NativeDecodeStep:
-    """Built once per model by `build`; called with a decode step's inputs, returns the final
+class NativeForward:
+    """Built once per model by `build`; called with a step's inputs (decode, prefill or verify), returns the final
     norm's output [batch, hidden] like `CausalLM.forward`."""
 
     def __init__(self, model: CausalLM):
@@ -52,11 +52,11 @@ class NativeDecodeStep:
                          cos_sin_cache=self.cos_sin_cache.data_ptr(), max_position=self.cos_sin_cache.shape[0])
 
     @classmethod
-    def build(cls, model) -> "NativeDecodeStep | None":
+    def build(cls, model) -> "NativeForward | None":
         """The native step for `model`, or None where it does not apply (the reason is logged)."""
         reason = cls._unsupported(model)
         if reason:
-            log.info("CPU decode step stays in Python: %s", reason)
+            log.info("CPU forward stays in Python: %s", reason)
             return None
         return cls(model)
 
@@ -64,8 +64,8 @@ class NativeDecodeStep:
     def _unsupported(model) -> str | None:
         if not isinstance(model, CausalLM):
             return f"{type(model).__name__} is not the Llama-family decoder"
-        if not hasattr(cpu_native._K, "decode_step_bf16"):
-            return "the native module was built without decode_step_bf16"
+        if not hasattr(cpu_native._K, "forward_step_bf16"):
+            return "the native module was built without forward_step_bf16"
         if model.embed_tokens.weight.dtype is not torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
             return "not a bfloat16 CPU model"
         for layer in model.layers:
@@ -78,9 +78,8 @@ class NativeDecodeStep:
         return None
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A decode or verify step with the native kernels switched on (`kernels.set_fused_kernels`)."""
-        return (meta.mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
-                and kernels.uses_native_cpu_kernels(self.model.embed_tokens.weight))
+        """Any step (decode, prefill, verify) with the native kernels switched on (`kernels.set_fused_kernels`)."""
+        return kernels.uses_native_cpu_kernels(self.model.embed_tokens.weight)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -95,11 +94,11 @@ class NativeDecodeStep:
                      slot_table=table.data_ptr(), table_width=table.shape[1], table_row_stride=table.stride(0),
                      kv_lens=meta.kv_lens.data_ptr(), k_cache=kv.k.data_ptr(), v_cache=kv.v.data_ptr(),
                      num_slots=kv.num_slots, scale=self.scale)
-        if meta.mode is ForwardMode.VERIFY:
-            mask = meta.tree_mask
+        if meta.mode is not ForwardMode.DECODE:  # several tokens a sequence: causal, or a draft tree's mask
+            mask = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
             batch.update(q_starts=meta.q_starts.data_ptr(), q_lens=meta.q_lens.data_ptr(),
                          tree_mask=0 if mask is None else mask.data_ptr(), mask_width=0 if mask is None else mask.shape[1])
-        cpu_native._K.decode_step_bf16(self.spec, batch, {k: t.data_ptr() for k, t in buffers.items()})
+        cpu_native._K.forward_step_bf16(self.spec, batch, {k: t.data_ptr() for k, t in buffers.items()})
         return x
 
 
@@ -108,14 +107,14 @@ def _check_step(T: int, positions: torch.Tensor, meta: AttentionMetadata, kv: KV
     length values)."""
     def need(ok: bool, what: str):
         if not ok:
-            raise ValueError(f"native decode step: {what}")
+            raise ValueError(f"native forward step: {what}")
     B = meta.batch_size
     for name, t in (("positions", positions), ("out_slots", meta.out_slots)):
         need(t.dtype is torch.int64 and t.shape == (T,) and t.is_contiguous(), f"{name} must be int64 [{T}] contiguous")
     int32 = [("kv_lens", meta.kv_lens, B)]
-    if meta.mode is ForwardMode.VERIFY:
+    if meta.mode is not ForwardMode.DECODE:
         int32 += [("q_lens", meta.q_lens, B), ("q_starts", meta.q_starts, B + 1)]
-        mask = meta.tree_mask
+        mask = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
         need(mask is None or (mask.dtype is torch.bool and mask.dim() == 3 and mask.shape[0] == B
                               and mask.shape[1] == mask.shape[2] and mask.is_contiguous()),
              f"tree_mask must be a contiguous bool [{B}, n, n] tensor")

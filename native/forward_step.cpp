@@ -1,4 +1,4 @@
-#include "decode_step.h"
+#include "forward_step.h"
 
 #include <cstring>
 
@@ -16,7 +16,7 @@ const T* weight(const int64_t* row, LayerWeight w) {
 
 }  // namespace
 
-void decode_step_bf16(const DecodeModel& m, const DecodeBatch& b, const DecodeBuffers& buf) {
+void forward_step_bf16(const ForwardModel& m, const ForwardBatch& b, const ForwardBuffers& buf) {
   const int64_t B = b.tokens, H = m.hidden, D = m.head_dim, q_size = m.heads * D, kv_size = m.kv_heads * D;
   const int64_t qkv_width = q_size + 2 * kv_size, layer_slots = b.num_slots * kv_size;
   // The Python forward's first layer norms the embeddings out of place and keeps them as the
@@ -41,22 +41,21 @@ void decode_step_bf16(const DecodeModel& m, const DecodeBatch& b, const DecodeBu
     rope.slots = b.out_slots, rope.num_slots = b.num_slots;
     rope_bf16(rope);
 
+    CacheAttentionArgs cache;
+    cache.batch = b.batch, cache.num_heads = m.heads, cache.num_kv_heads = m.kv_heads, cache.head_dim = D;
+    cache.q = buf.qkv, cache.q_row_stride = qkv_width;
+    cache.k_cache = rope.k_cache, cache.v_cache = rope.v_cache, cache.num_slots = b.num_slots;
+    cache.slot_table = b.slot_table, cache.table_width = b.table_width, cache.table_row_stride = b.table_row_stride;
+    cache.kv_lens = b.kv_lens, cache.scale = b.scale, cache.out = buf.attn;
     if (b.q_lens) {
       TreeAttentionArgs attn;
-      attn.batch = b.batch, attn.tokens = B, attn.num_heads = m.heads, attn.num_kv_heads = m.kv_heads;
-      attn.head_dim = D, attn.q = buf.qkv, attn.q_row_stride = qkv_width;
-      attn.k_cache = rope.k_cache, attn.v_cache = rope.v_cache, attn.num_slots = b.num_slots;
-      attn.slot_table = b.slot_table, attn.table_width = b.table_width, attn.table_row_stride = b.table_row_stride;
-      attn.q_starts = b.q_starts, attn.q_lens = b.q_lens, attn.kv_lens = b.kv_lens;
-      attn.tree_mask = b.tree_mask, attn.mask_width = b.mask_width, attn.scale = b.scale, attn.out = buf.attn;
+      static_cast<CacheAttentionArgs&>(attn) = cache;
+      attn.tokens = B, attn.q_starts = b.q_starts, attn.q_lens = b.q_lens;
+      attn.tree_mask = b.tree_mask, attn.mask_width = b.mask_width;
       tree_attention_bf16(attn);
     } else {
       DecodeAttentionArgs attn;
-      attn.batch = B, attn.num_heads = m.heads, attn.num_kv_heads = m.kv_heads, attn.head_dim = D;
-      attn.q = buf.qkv, attn.q_row_stride = qkv_width;
-      attn.k_cache = rope.k_cache, attn.v_cache = rope.v_cache, attn.num_slots = b.num_slots;
-      attn.slot_table = b.slot_table, attn.table_width = b.table_width, attn.table_row_stride = b.table_row_stride;
-      attn.kv_lens = b.kv_lens, attn.scale = b.scale, attn.out = buf.attn;
+      static_cast<CacheAttentionArgs&>(attn) = cache;
       decode_attention_bf16(attn);
     }
 

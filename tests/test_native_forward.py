@@ -1,4 +1,4 @@
-"""The bfloat16 CPU decode step in one native call (`models/native_decode.py`): hidden states and
+"""The bfloat16 CPU decode step in one native call (`models/native_forward.py`): hidden states and
 KV cache bit for bit those of `CausalLM.forward` (the same kernels in the same order), on the real
 SmolLM2 and on tiny Llama (untied head, llama3 RoPE) and Qwen2 (qkv bias) models; the engine uses
 it for decode steps and its greedy tokens are the Python forward's."""
@@ -15,7 +15,7 @@ from constrained_spec.engine import Engine
 from constrained_spec.kernels import cpu_native
 from constrained_spec.models import load_model
 from constrained_spec.models.cpu_linear import prepack_bf16_linears
-from constrained_spec.models.native_decode import NativeDecodeStep
+from constrained_spec.models.native_forward import NativeForward
 
 pytestmark = pytest.mark.skipif(not cpu_native.amx_linear_available(),
                                 reason="the native decode step needs AMX-BF16 (this CPU/OS lacks it)")
@@ -51,7 +51,7 @@ def test_native_step_is_the_forward_bit_for_bit(which, request):
     loaded = load_model(path, dtype=torch.bfloat16, device="cpu")
     model, cfg = loaded.model, loaded.config
     prepack_bf16_linears(model)
-    step = NativeDecodeStep.build(model)
+    step = NativeForward.build(model)
     assert step is not None
     kv, ids, pos, meta = _prefilled(model, cfg, [5, 17, 1, 40], torch.Generator().manual_seed(0))
     kv_native = KVCache(cfg.num_layers, kv.num_slots, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
@@ -89,7 +89,7 @@ def test_native_verify_step_is_the_forward_bit_for_bit(which, request):
     loaded = load_model(request.getfixturevalue(f"{which}_dir"), dtype=torch.bfloat16, device="cpu")
     model, cfg = loaded.model, loaded.config
     prepack_bf16_linears(model)
-    step = NativeDecodeStep.build(model)
+    step = NativeForward.build(model)
     prompt_lens = [5, 17, 40]
     kv, _, _, _ = _prefilled(model, cfg, prompt_lens, torch.Generator().manual_seed(2))
     positions, meta = _verify_meta(prompt_lens, 4)
@@ -108,7 +108,7 @@ def test_native_verify_step_is_the_forward_bit_for_bit(which, request):
 def test_native_step_checks_its_inputs(tiny_qwen2_dir):
     loaded = load_model(tiny_qwen2_dir, dtype=torch.bfloat16, device="cpu")
     prepack_bf16_linears(loaded.model)
-    step = NativeDecodeStep.build(loaded.model)
+    step = NativeForward.build(loaded.model)
     kv, ids, pos, meta = _prefilled(loaded.model, loaded.config, [3, 4], torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="positions"):
         step(ids, pos.int(), kv, meta)
@@ -119,30 +119,30 @@ def test_native_step_checks_its_inputs(tiny_qwen2_dir):
 
 def test_not_built_where_it_does_not_apply(smollm2_dir, monkeypatch):
     fp32 = load_model(smollm2_dir, dtype=torch.float32, device="cpu").model
-    assert NativeDecodeStep.build(fp32) is None
+    assert NativeForward.build(fp32) is None
     bf16 = load_model(smollm2_dir, dtype=torch.bfloat16, device="cpu").model
-    assert NativeDecodeStep.build(bf16) is None  # projections not packed
+    assert NativeForward.build(bf16) is None  # projections not packed
     monkeypatch.setattr(cpu_native, "amx_linear_available", lambda: False)
     prepack_bf16_linears(bf16)  # oneDNN's layout
-    assert NativeDecodeStep.build(bf16) is None
+    assert NativeForward.build(bf16) is None
 
 
-def test_engine_decodes_natively_with_the_forwards_tokens(smollm2_dir, monkeypatch):
+def test_engine_steps_natively_with_the_forwards_tokens(smollm2_dir, monkeypatch):
     calls = []
-    real = NativeDecodeStep.__call__
-    monkeypatch.setattr(NativeDecodeStep, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    real = NativeForward.__call__
+    monkeypatch.setattr(NativeForward, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
     eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=1024)
     try:
         prompts = [eng.chat_prompt([{"role": "user", "content": f"Write a short story about {t}."}])
                    for t in ("the sea", "bread", "prime numbers")]
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         native = [o.token_ids for o in eng.generate(prompts, params)]
-        assert len(calls) == 23  # every decode step (the first token comes from the prefill)
-        eng.runner.native_decode = None
+        assert len(calls) == 24  # every step: the prefill and 23 decode steps
+        eng.runner.native_forward = None
         python = [o.token_ids for o in eng.generate(prompts, params)]
         K.set_fused_kernels(False)  # the reference kernels: the native step must step aside
         try:
-            eng.runner.native_decode = NativeDecodeStep.build(eng.runner.model)
+            eng.runner.native_forward = NativeForward.build(eng.runner.model)
             calls.clear()
             eng.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0))
             assert not calls
