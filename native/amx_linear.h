@@ -7,8 +7,9 @@
 // per core). This kernel keeps the weight in AMX's pair layout and streams it through
 // `tdpbf16ps`, columns split between the process's OpenMP threads (torch's: setup.py says why),
 // each thread's column group passed over by the rows 16 at a time while it is in cache.
-// Measured on the dev VM (benchmarks/bench_cpu_gemm.py): SmolLM2-135M's 120 projections per step
-// at 8 rows in 7.1 ms against oneDNN's 11.1; no slower than oneDNN up to ~256 rows.
+// On the dev VM (benchmarks/bench_cpu_gemm.py, results/cpu_gemm_floor.md): SmolLM2-135M's 121
+// matmuls of a step at 8 rows in 9.7 ms against 14.2 on oneDNN's prepacked weights; in a loop of
+// the 120 layer shapes, faster than oneDNN up to ~128 rows and ~7% slower at 320.
 //
 // Numerics: float32 accumulation, the bias added in float32, one round to bfloat16 (nearest
 // even). Each output row depends on its own input row only: a token's projection is the same

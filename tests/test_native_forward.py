@@ -170,9 +170,10 @@ def test_bf16_ngram_speculation_keeps_the_plain_text(smollm2_dir):
                             for t in topics]
             story = [eng.chat_prompt([{"role": "user", "content": f"Repeat after me three times: {t} is here."}])
                      for t in topics[:2]]
-            outputs.append([o.token_ids for o in eng.generate(json_prompts, SamplingParams(max_tokens=64, temperature=0),
-                                                              GrammarSpec.json_schema(schema))]
-                           + [o.token_ids for o in eng.generate(story, SamplingParams(max_tokens=40, temperature=0))])
+            json_out = eng.generate(json_prompts, SamplingParams(max_tokens=64, temperature=0),
+                                    GrammarSpec.json_schema(schema))
+            story_out = eng.generate(story, SamplingParams(max_tokens=40, temperature=0))
+            outputs.append([o.token_ids for o in json_out + story_out])
             if spec:
                 assert eng.spec.stats.accepted_tokens > 40  # it speculated every step, and drafts were accepted
         finally:

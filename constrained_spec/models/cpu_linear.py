@@ -6,10 +6,10 @@ from memory once per step. `F.linear` re-lays a bfloat16 weight out for oneDNN o
 prepacking it once (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU freezing
 uses) took SmolLM2-135M's 121 matmuls per step from 20.5 / 22.0 / 23.5 ms to 15.1 / 14.7 / 17.3 ms
 at 1 / 8 / 24 rows on the 2-core AMX dev VM, the same outputs bit for bit. Our AMX kernel
-(native/amx_linear.h) streams the same weights at ~32 GB/s to oneDNN's ~20: 6.6 against 10.4 ms
-for the 120 layer projections at 8 rows. Both round a float32 sum once; oneDNN's bits are the same
-for some shapes and not others (its kernels change with the row count), while the AMX kernel's row
-does not depend on the batch around it.
+(native/amx_linear.h) streams the same weights at ~30 GB/s to oneDNN's ~20: 9.7 against 14.2 ms
+for the step's 121 matmuls at 8 rows (results/cpu_gemm_floor.md). Both round a float32 sum once;
+oneDNN's bits are the same for some shapes and not others (its kernels change with the row
+count), while the AMX kernel's row does not depend on the batch around it.
 float32 stays on `F.linear`: prepacked it is slower at one row and not bit-exact with
 `transformers`.
 """

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class NativeForward:
-    """Built once per model by `build`; called with a step's inputs (decode, prefill or verify), returns the final
-    norm's output [batch, hidden] like `CausalLM.forward`."""
+    """Built once per model by `build`; called with a step's inputs (decode, prefill or verify),
+    returns the final norm's output [tokens, hidden] like `CausalLM.forward`."""
 
     def __init__(self, model: CausalLM):
         cfg = model.config
@@ -90,14 +90,16 @@ class NativeForward:
         empty = lambda width: torch.empty(T, width, dtype=torch.bfloat16)  # noqa: E731
         buffers = dict(x=x, residual=empty(self.hidden), qkv=empty(self.qkv_width), attn=empty(self.q_size),
                        gate_up=empty(2 * self.intermediate), act=empty(self.intermediate))
-        batch = dict(batch=meta.batch_size, tokens=T, positions=positions.data_ptr(), out_slots=meta.out_slots.data_ptr(),
+        batch = dict(batch=meta.batch_size, tokens=T, positions=positions.data_ptr(),
+                     out_slots=meta.out_slots.data_ptr(),
                      slot_table=table.data_ptr(), table_width=table.shape[1], table_row_stride=table.stride(0),
                      kv_lens=meta.kv_lens.data_ptr(), k_cache=kv.k.data_ptr(), v_cache=kv.v.data_ptr(),
                      num_slots=kv.num_slots, scale=self.scale)
         if meta.mode is not ForwardMode.DECODE:  # several tokens a sequence: causal, or a draft tree's mask
             mask = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
             batch.update(q_starts=meta.q_starts.data_ptr(), q_lens=meta.q_lens.data_ptr(),
-                         tree_mask=0 if mask is None else mask.data_ptr(), mask_width=0 if mask is None else mask.shape[1])
+                         tree_mask=0 if mask is None else mask.data_ptr(),
+                         mask_width=0 if mask is None else mask.shape[1])
         cpu_native._K.forward_step_bf16(self.spec, batch, {k: t.data_ptr() for k, t in buffers.items()})
         return x
 
