@@ -38,12 +38,7 @@ def step_ms(dtype: torch.dtype, rows: int, packed: str | None, repeats: int) -> 
         from constrained_spec.models.cpu_linear import PackedLinear
         if packed == "amx" and not cpu_native.amx_linear_available():
             raise RuntimeError("no AMX-BF16 here")
-        available = cpu_native.amx_linear_available
-        cpu_native.amx_linear_available = (lambda: False) if packed == "onednn" else available
-        try:
-            layers = [PackedLinear(w, None) for w in weights]
-        finally:
-            cpu_native.amx_linear_available = available
+        layers = [PackedLinear(w, None, amx=packed == "amx") for w in weights]
 
         def step():
             for w, layer in zip(weights, layers):

@@ -62,7 +62,7 @@ class ModelRunner:
         self.model = loaded.model
         if device.type == "cpu" and dtype == torch.bfloat16:
             prepack_bf16_linears(self.model)  # AMX / oneDNN layouts: the step's GEMMs 1.3-2x faster
-        # bf16 CPU decode: all layers in one native call where every projection is AMX-packed
+        # bf16 CPU: every step's layers in one native call where every projection is AMX-packed
         self.native_forward = NativeForward.build(self.model) if device.type == "cpu" else None
         self.mcfg = loaded.config
         self.device, self.dtype = device, dtype

@@ -210,6 +210,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 _AMX_TILE_K = 32  # the kernel reads x 32 columns at a time
 
 
+def _amx_packed_size(n: int, k: int) -> int:
+    """`amx_packed_size` without a native call (the hot path checks it on every projection)."""
+    return -(-n // 16) * 16 * (k + k % 2)
+
+
 def amx_linear_available() -> bool:
     """The native module is built with the AMX kernel, and this CPU and OS run it."""
     return _K is not None and hasattr(_K, "amx_linear_supported") and _K.amx_linear_supported()
@@ -238,7 +243,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     bfloat16 (rounded once) or float32 (the float32 sum as it is). The hot path of every CPU
     bfloat16 projection: checks only what a wrong call would corrupt memory with."""
     k = x.shape[1]
-    if x.dtype is not torch.bfloat16 or x.stride(1) != 1 or packed.numel() != _K.amx_packed_size(out_features, k):
+    if x.dtype is not torch.bfloat16 or x.stride(1) != 1 or packed.numel() != _amx_packed_size(out_features, k):
         raise ValueError(f"x {x.dtype} {tuple(x.shape)} strides {x.stride()} does not match a packed "
                          f"[{out_features}, {k}] bfloat16 weight")
     if out_dtype not in (torch.bfloat16, torch.float32):

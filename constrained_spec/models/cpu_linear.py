@@ -36,10 +36,14 @@ class PackedLinear(nn.Module):
     """`nn.Linear` with its weight prepacked (CPU, bfloat16, inference only): for the AMX kernel
     where `cpu_native.amx_linear_fits` it, for oneDNN otherwise."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float32_out: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float32_out: bool = False,
+                 amx: bool | None = None):
+        """amx: None packs for AMX where it fits; False packs for oneDNN (A/B benchmarks)."""
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.amx = cpu_native.amx_linear_fits(weight)
+        self.amx = cpu_native.amx_linear_fits(weight) if amx is None else amx
+        if self.amx and not cpu_native.amx_linear_fits(weight):
+            raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} does not fit the AMX kernel")
         # float32 output (the AMX kernel's unrounded sum) for the logits head: bfloat16 logits tie
         # often, and a tie makes greedy and top-k=1 pick by index rather than by the model
         self.out_dtype = torch.float32 if float32_out and self.amx else torch.bfloat16
