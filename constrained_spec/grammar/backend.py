@@ -284,6 +284,37 @@ def legal_draft_nodes(bitmask: torch.Tensor, retrieve_next_token, retrieve_next_
     return legal
 
 
+def special_token_ids(tokenizer) -> set:
+    """The tokenizer's special and control tokens (`<|endoftext|>`, `<|im_start|>`, ...)."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
+    return ids
+
+
+def tokenizer_info_without_specials(tokenizer, vocab_size: int,
+                                    stop_token_ids: Optional[List[int]] = None) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, in which no special token is text.
+
+    xgrammar reads the vocabulary's strings and treats only empty ones as special: from a GGUF
+    tokenizer `<|endoftext|>` is the text "<|endoftext|>", legal anywhere a string may hold it, and
+    the engine would end a request on it (an EOS) in the middle of a JSON string. Emptying their
+    strings makes every special token illegal inside every grammar; the stop tokens stay legal
+    where the grammar may end."""
+    kw = {} if stop_token_ids is None else {"stop_token_ids": stop_token_ids}
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, **kw)
+    specials = special_token_ids(tokenizer)
+    if not specials:
+        return base
+    encoded = [""] * vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i < vocab_size and i not in specials:
+            encoded[i] = token
+    return xgr.TokenizerInfo(encoded, base.vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=list(base.stop_token_ids), add_prefix_space=base.add_prefix_space)
+
+
 class GrammarBackend:
     """One per (tokenizer, model vocab). Owns the xgrammar compiler and the compile cache."""
 
@@ -298,9 +329,7 @@ class GrammarBackend:
         self.compile_timeout_s = float(compile_timeout_s)
         self.any_whitespace = any_whitespace
         self.max_whitespace_cnt = max_whitespace_cnt
-        kw = {} if stop_token_ids is None else {"stop_token_ids": stop_token_ids}
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, **kw)
+        self.tokenizer_info = tokenizer_info_without_specials(tokenizer, self.vocab_size, stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
                                             cache_enabled=False)
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()  # key -> CompiledGrammar|GrammarError

@@ -70,9 +70,13 @@ _DATE = (r"(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
          r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
          r"|" + _LEAP_YEAR + r"-02-29)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_POINTER = r"(?:/(?:[^/~]|~[01])*)*"
 FORMAT_PATTERNS = {
     "date": "^" + _DATE + "$",
     "date-time": "^" + _DATE + "[Tt]" + _TIME + "$",
+    # xgrammar's own json-pointer grammars let a reference token hold a bare `"` or `\`
+    "json-pointer": "^" + _POINTER + "$",
+    "relative-json-pointer": "^(?:0|[1-9][0-9]*)(?:#|" + _POINTER + ")$",
 }
 
 MAX_BRANCHES = 64
@@ -177,7 +181,31 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
         raise unsupported(keyword, path, "anchors inside the regex are not supported")
     if alt:
         body = "(" + body + ")"
-    return ("" if start else ".*") + body + ("" if end else ".*")
+    return ascii_regex(("" if start else ".*") + body + ("" if end else ".*"))
+
+
+def ascii_regex(p: str) -> str:
+    """The regex with every non-ASCII character written as a `\\u` escape.
+
+    xgrammar 0.2.8 keeps a regex inside a JSON string (no bare `"`, `\\` or control character)
+    only while the regex is ASCII: after one literal `á`, `.` and `[^..]` match `"` too, so a key
+    or value never has to end. Its `\\u` escapes of the same characters stay exact."""
+    out, i = [], 0
+    while i < len(p):
+        c = p[i]
+        if c == "\\" and i + 1 < len(p):
+            nxt = p[i + 1]
+            out.append(_u_escape(nxt) if ord(nxt) > 127 else c + nxt)  # `\á` is `á`
+            i += 2
+            continue
+        out.append(_u_escape(c) if ord(c) > 127 else c)
+        i += 1
+    return "".join(out)
+
+
+def _u_escape(c: str) -> str:
+    o = ord(c)
+    return f"\\u{o:04x}" if o <= 0xFFFF else f"\\u{{{o:x}}}"
 
 
 # --------------------------------------------------------------------------- normalizer
