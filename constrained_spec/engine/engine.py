@@ -486,7 +486,11 @@ class Engine:
             return
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             req.output_ids.append(token)
-            self._finish(req, FinishReason.STOP, matched=token, new_ids=[token], logprobs=[logprob] if logprob else None)
+            lps = [logprob] if logprob else None
+            if matcher is not None and token not in params.stop_token_ids and token not in self._grammar_stop_ids:
+                self._grammar_end_violation(req, token, new_ids=[token], logprobs=lps)
+                return
+            self._finish(req, FinishReason.STOP, matched=token, new_ids=[token], logprobs=lps)
             return
         new_ids = [token]
         req.output_ids.append(token)
@@ -579,6 +583,19 @@ class Engine:
         self._by_id.pop(req.request_id, None)
         self.stats.on_finish(req)
         self._emit(req, new_ids or [], logprobs, finished=True, reason=reason, matched=matched)
+
+    def _grammar_end_violation(self, req: Request, token: int, new_ids: list[int], logprobs) -> None:
+        """An end of generation the request's grammar does not accept there: an engine bug (samples
+        are masked, and no special token is text in a grammar), never an answer. A grammar request
+        may end "stop" only on its grammar's stop token, having accepted it (the matcher then
+        terminated), or on the user's own stop strings and stop token ids."""
+        self.stats.grammar_end_violations += 1
+        tail = self.tokenizer.decode(req.output_ids[-40:])
+        log.error("request %s ended on token %d before its %s grammar did (%d tokens; text ends %r)",
+                  req.request_id, token, req.matcher.compiled.spec.kind,
+                  len(req.output_ids), tail)
+        self._finish(req, FinishReason.ERROR, error=f"internal error: generation ended on token {token} "
+                     "before the grammar was complete", new_ids=new_ids, logprobs=logprobs)
 
     def _fail_running(self, message: str) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):

@@ -17,6 +17,7 @@ class EngineStats:
     finished: dict = field(default_factory=dict)  # finish reason -> count
     grammar_mask_seconds: float = 0.0  # engine-thread time in bitmask fills (beside other work or not)
     grammar_accept_seconds: float = 0.0  # engine-thread time accepting decode steps' tokens into matchers
+    grammar_end_violations: int = 0  # requests that ended where their grammar could not (engine bugs)
     grammar_late_rows: int = 0  # rows whose mask missed the step's budget (their request sat the step out)
     step_seconds: float = 0.0
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-to-first-token samples

@@ -508,7 +508,8 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 if out.finished:
                     finals[i] = out
                     reason = _finish_str(out.finish_reason)
-                    if reason == "error":
+                    if reason == "error":  # the choice ends "error", then the error itself
+                        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "error"}])
                         err = APIError(500, f"generation failed: {out.error or 'engine error'}", code="engine_error")
                         yield _sse(err.body())
                         continue

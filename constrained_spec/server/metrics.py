@@ -66,6 +66,11 @@ class _EngineCollector:
             c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
             c.add_metric([], float(stats.grammar_mask_seconds))
             yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_end_violations",
+                                    "Requests that ended where their grammar could not end (an engine bug; "
+                                    "answered as errors)")
+            c.add_metric([], float(stats.grammar_end_violations))
+            yield c
             c = CounterMetricFamily(f"{PREFIX}_grammar_accept_seconds",
                                     "Time spent accepting decode steps' tokens into grammar matchers")
             c.add_metric([], float(stats.grammar_accept_seconds))
