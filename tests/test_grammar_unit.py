@@ -150,6 +150,17 @@ def test_rewrites_are_exact(backend, tokenizer):
         ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                     {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
          ['{"k": "a"}', '{"k": "b"}'], ['{"k": "c"}']),
+        # xgrammar's optional group ending in a repetition, `(ab*)?`, matched `b` alone
+        ({"type": "string", "pattern": "^/(([a-z.]|%[0-9a-fA-F]{2})+(/([a-z.]|%[0-9a-fA-F]{2})*)*)?$"},
+         ['"/a/b"', '"/"', '"/a//b"'], ['"//a"', '"//thelist/x"']),
+        ({"type": "string", "pattern": "^x(ab*)?$"}, ['"x"', '"xabb"'], ['"xb"', '"xbb"']),
+        # a literal non-ASCII character let `.` match a bare quote: the key never had to end
+        ({"type": "object", "patternProperties": {"^á": {}}, "additionalProperties": False},
+         ['{"á1": 1}', '{"áb": {"c": [1]}}'], ['{"á1":{"X "schemaVersion": 2021}}', '{"b": 1}']),
+        ({"type": "string", "pattern": "é.+"}, ['"aéb"'], ['"é"b"', '"é\x01"']),
+        # xgrammar's json-pointer grammars let a reference token hold a bare quote
+        ({"type": "string", "format": "json-pointer"}, ['"/a~0b/c"', '""'], ['"/a"b"', '"a"']),
+        ({"type": "string", "format": "relative-json-pointer"}, ['"0/a"', '"1#"'], ['"0/a"b"', '"/a"']),
     ]
     for schema, good, bad in cases:
         cg = backend.compile(GrammarSpec.json_schema(schema, strict=False))

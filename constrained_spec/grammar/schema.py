@@ -181,22 +181,37 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
         raise unsupported(keyword, path, "anchors inside the regex are not supported")
     if alt:
         body = "(" + body + ")"
-    return ascii_regex(("" if start else ".*") + body + ("" if end else ".*"))
+    return json_string_regex(("" if start else ".*") + body + ("" if end else ".*"))
 
 
-def ascii_regex(p: str) -> str:
-    """The regex with every non-ASCII character written as a `\\u` escape.
+def json_string_regex(p: str) -> str:
+    """The regex rewritten around two xgrammar 0.2.8 bugs of regexes inside JSON strings
+    (`Regex(.., json_string=true)`), each a language-preserving rewrite:
 
-    xgrammar 0.2.8 keeps a regex inside a JSON string (no bare `"`, `\\` or control character)
-    only while the regex is ASCII: after one literal `á`, `.` and `[^..]` match `"` too, so a key
-    or value never has to end. Its `\\u` escapes of the same characters stay exact."""
-    out, i = [], 0
+    * a literal non-ASCII character makes `.` and `[^..]` match a bare `"` (the string never has
+      to end): non-ASCII characters become `\\u` escapes, which stay exact;
+    * an optional group whose body ends in a repetition, `(ab*)?`, also matches the repetition
+      alone (`b`): a group's `?` becomes `{0,1}`, which is exact."""
+    out, i, in_class = [], 0, False
     while i < len(p):
         c = p[i]
-        if c == "\\" and i + 1 < len(p):
+        if c == "\\" and i + 1 < len(p):  # an escape is one piece: `\)` is no group's end
             nxt = p[i + 1]
             out.append(_u_escape(nxt) if ord(nxt) > 127 else c + nxt)  # `\á` is `á`
             i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            head = 1 + (p[i + 1:i + 2] == "^")
+            head += p[i + head:i + head + 1] == "]"  # a leading `]` is a literal
+            out.append(p[i:i + head])
+            i += head
+            continue
+        elif c == "?" and out and out[-1] == ")":
+            out.append("{0,1}")
+            i += 2 if p[i + 1:i + 2] == "?" else 1  # a lazy `??` matches the same strings
             continue
         out.append(_u_escape(c) if ord(c) > 127 else c)
         i += 1
