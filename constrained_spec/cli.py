@@ -115,9 +115,15 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                              "(default: %(default)s)")),
     "max_prefill_tokens": ("memory", dict(metavar="N", help="prompt tokens prefilled per step; longer prompts "
                                                             "are chunked (default: %(default)s)")),
-    "grammar_threads": ("grammar", dict(metavar="N", help="threads compiling grammars (default: %(default)s)")),
-    "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="give up compiling a grammar after this "
-                                                                       "long (default: %(default)s)")),
+    "grammar_threads": ("grammar", dict(metavar="N", help="threads compiling grammars; default: half the cores "
+                                                          "available, 2 to 16")),
+    "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="refuse a grammar (400) whose compile runs "
+                                                                       "longer than this; time queued for a "
+                                                                       "compile thread does not count "
+                                                                       "(default: %(default)s)")),
+    "grammar_cache_dir": ("grammar", dict(metavar="DIR", help="keep compiled grammars here across restarts, or "
+                                                              "'none'; default: $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR "
+                                                              "or ~/.cache/constrained-spec/grammars")),
     "jump_forward": ("grammar", dict(help="emit text the grammar forces (e.g. JSON keys) without sampling it")),
     "grammar_mask_budget_ms": ("grammar", dict(metavar="MS",
                                                help="per-step time limit for filling grammar masks: a request whose "

@@ -2,6 +2,9 @@
 cached), tiny random Llama/Qwen2 models saved as HF folders, and the `gpu` marker's skip."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -67,3 +70,7 @@ def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> str:
     from transformers import Qwen2Config
     cfg = Qwen2Config(**TINY, tie_word_embeddings=True)
     return _save_tiny(tmp_path_factory.mktemp("tiny_qwen2"), cfg, smollm2_dir)
+
+
+# the engine's disk cache of compiled grammars goes to a folder of this session, never the user's
+os.environ["CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="grammar-cache-")

@@ -34,6 +34,7 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
+from ..grammar.disk_cache import resolve_dir as resolve_cache_dir
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..spec.grammar_draft import stable_forced_tokens
@@ -101,9 +102,10 @@ class Engine:
         dtype = next(loaded.model.parameters()).dtype
         self.runner = setup(lambda: ModelRunner(loaded, config, self.device, dtype))
         self.max_context = self.runner.max_context
-        self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, max_threads=config.grammar_threads,
+        self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, compile_workers=config.grammar_threads,
                                       compile_timeout_s=config.grammar_compile_timeout_s,
-                                      max_whitespace_cnt=config.grammar_max_whitespace)
+                                      max_whitespace_cnt=config.grammar_max_whitespace,
+                                      cache_dir=resolve_cache_dir(config.grammar_cache_dir))
         self.scheduler = Scheduler(self.runner, config)
         self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
                                               budget_ms=config.grammar_mask_budget_ms,

@@ -8,21 +8,29 @@ Thread-safety (xgrammar 0.2.8):
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 import json
+import logging
 import math
+import os
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import xgrammar as xgr
 
-from .errors import GrammarError
+from .disk_cache import DiskCache, fingerprint
+from .errors import GrammarBusy, GrammarError
 from .schema import prepare_schema
 from .spec import GrammarSpec
+
+log = logging.getLogger("constrained_spec.grammar")
 
 try:  # xgrammar's bindings behind BatchGrammarMatcher (see `batch_accept`, `batch_fill_call`)
     import tvm_ffi
@@ -41,6 +49,14 @@ class CompiledGrammar:
     compile_seconds: float
     prepared: Optional[str] = None  # the rewritten JSON schema handed to xgrammar (json kinds)
     memory_bytes: int = 0
+    from_disk: bool = False  # loaded from the disk cache (compile_seconds is then the load's)
+
+
+def _memory(cg) -> int:
+    try:
+        return int(cg.memory_size_bytes)
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def _ebnf_string(s: str) -> str:
@@ -315,14 +331,82 @@ def tokenizer_info_without_specials(tokenizer, vocab_size: int,
                              stop_token_ids=list(base.stop_token_ids), add_prefix_space=base.add_prefix_space)
 
 
-class GrammarBackend:
-    """One per (tokenizer, model vocab). Owns the xgrammar compiler and the compile cache."""
+def default_compile_workers() -> int:
+    """Half the cores this process may run on, 2 to 16: the rest is the step's (its thread, the
+    grammar mask threads, the tokenizer)."""
+    return max(2, min(16, available_cores() // 2))
 
-    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2,
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 2
+
+
+def canonical_schema(schema: Any, ordered: bool = False) -> Any:
+    """The schema with sorted keys, except where order means something to xgrammar: a `properties`
+    map (properties are emitted in declaration order) and enum/const values (emitted as written)."""
+    if isinstance(schema, list):
+        return [canonical_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if ordered:
+        return {k: canonical_schema(v) for k, v in schema.items()}
+    return {k: schema[k] if k in ("enum", "const") else canonical_schema(schema[k], k == "properties")
+            for k in sorted(schema)}
+
+
+class Latency:
+    """Seconds observed: Prometheus buckets for /metrics, recent samples for exact percentiles."""
+
+    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+    def __init__(self, recent: int = 4096):
+        self.counts = [0] * (len(self.BUCKETS) + 1)  # the last is +Inf
+        self.sum = 0.0
+        self.recent: deque = deque(maxlen=recent)
+
+    def observe(self, s: float) -> None:
+        self.counts[bisect.bisect_left(self.BUCKETS, s)] += 1
+        self.sum += s
+        self.recent.append(s)
+
+    def snapshot(self) -> dict:
+        r = sorted(self.recent)
+        q = (lambda p: r[min(len(r) - 1, int(p * len(r)))] if r else 0.0)
+        return {"buckets": list(zip(self.BUCKETS + (math.inf,), itertools.accumulate(self.counts))),
+                "sum": self.sum, "count": sum(self.counts), "p50": q(0.5), "p99": q(0.99),
+                "max": r[-1] if r else 0.0}
+
+
+class _Job:
+    """One compile, shared by every request whose grammar normalizes to `key`."""
+    __slots__ = ("key", "spec", "prepared", "done", "queued", "started", "overran", "waiters")
+
+    def __init__(self, key, spec: GrammarSpec, prepared: Optional[str]):
+        self.key, self.spec, self.prepared = key, spec, prepared
+        self.done: Future = Future()
+        self.queued = time.monotonic()
+        self.started: Optional[float] = None
+        self.overran = False
+        self.waiters: list = []  # (Future, timeout_s) of the requests waiting on it
+
+
+class GrammarBackend:
+    """One per (tokenizer, model vocab). Owns the xgrammar compiler, its workers and the caches.
+
+    Compiles are queued (FIFO) to `compile_workers` threads. The timeout counts a grammar's own
+    compile time, from the moment a worker starts it: time in the queue is latency, never a
+    refusal. xgrammar cannot cancel a compile, so one that overruns keeps its thread (and its
+    result is cached when it ends) while a spare thread takes its place in the pool."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: Optional[int] = None,
                  compile_timeout_s: float = 30.0, cache_size: int = 512,
-                 compile_workers: int = 2, any_whitespace: bool = True,
+                 compile_workers: Optional[int] = None, any_whitespace: bool = True,
                  max_whitespace_cnt: Optional[int] = None,
-                 stop_token_ids: Optional[List[int]] = None):
+                 stop_token_ids: Optional[List[int]] = None, cache_dir: Optional[str] = None,
+                 max_queue: int = 4096, persist_min_s: float = 0.05):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.bitmask_width = math.ceil(self.vocab_size / 32)
@@ -330,19 +414,43 @@ class GrammarBackend:
         self.any_whitespace = any_whitespace
         self.max_whitespace_cnt = max_whitespace_cnt
         self.tokenizer_info = tokenizer_info_without_specials(tokenizer, self.vocab_size, stop_token_ids)
+        self.compile_workers = max(1, compile_workers or default_compile_workers())
+        # xgrammar's own threads per compile: the workers together use about half the cores
+        max_threads = max_threads or max(1, min(8, available_cores() // (2 * self.compile_workers)))
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
                                             cache_enabled=False)
+        self.disk = None
+        if cache_dir:
+            try:
+                fp = fingerprint(self.tokenizer_info, self.vocab_size, any_whitespace=any_whitespace,
+                                 max_whitespace_cnt=max_whitespace_cnt)
+                self.disk = DiskCache(cache_dir, fp)
+            except Exception as e:  # noqa: BLE001 (an unusable folder only loses the cache)
+                log.warning("grammar cache disabled: %s: %s", cache_dir, e)
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()  # key -> CompiledGrammar|GrammarError
         self._cache_size = cache_size
-        self._inflight: dict = {}  # key -> Future from the pool
-        self._timed_out: set = set()
+        # raw spec key -> normalized key (or the schema's GrammarError): repeats skip prepare_schema
+        self._front: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._jobs: dict = {}  # key -> _Job, queued or compiling
+        self._queue: deque = deque()
+        self._max_queue = max_queue
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=compile_workers,
-                                        thread_name_prefix="grammar-compile")
+        self._work = threading.Condition(self._lock)  # workers wait here for a job
+        self._tick = threading.Condition(self._lock)  # the watchdog waits here for a deadline
+        self._running: set = set()  # jobs a worker is compiling
+        self._closed = False
+        self._threads = 0
+        self.persist_min_s = persist_min_s
         self._stats = {"compile_count": 0, "cache_hits": 0, "cache_misses": 0,
                        "compile_seconds_total": 0.0, "compile_seconds_max": 0.0,
-                       "compile_errors": 0, "compile_timeouts": 0, "schema_refusals": 0}
+                       "compile_errors": 0, "compile_timeouts": 0, "schema_refusals": 0,
+                       "disk_hits": 0, "disk_errors": 0, "disk_writes": 0, "spare_threads_started": 0}
+        self._compile_latency = Latency()
+        self._queue_wait = Latency()
         self.refusals_by_keyword: dict = {}
+        for _ in range(self.compile_workers):
+            self._spawn()
+        threading.Thread(target=self._watchdog, name="grammar-compile-watchdog", daemon=True).start()
 
     # ---------------------------------------------------------------- compile
     @property
@@ -350,43 +458,48 @@ class GrammarBackend:
         with self._lock:
             d = dict(self._stats)
             d["cache_size"] = len(self._cache)
-            d["inflight"] = len(self._inflight)
+            d["inflight"] = len(self._jobs)
+            d["queue_depth"] = len(self._queue)
+            d["compiling"] = len(self._running)
+            d["compile_workers"] = self.compile_workers
+            d["compile_latency"] = self._compile_latency.snapshot()
+            d["queue_wait"] = self._queue_wait.snapshot()
             d["refusals_by_keyword"] = dict(self.refusals_by_keyword)
         return d
 
-    def _build(self, spec: GrammarSpec) -> CompiledGrammar:
-        t0 = time.perf_counter()
-        prepared = None
+    def _normalize(self, spec: GrammarSpec):
+        """(key, prepared): the compile key and the schema text handed to xgrammar. Schemas that
+        differ only in annotations or key order share a key."""
+        if spec.kind != "json_schema":
+            return spec.key, None
+        try:
+            prepared = prepare_schema(json.loads(spec.value), spec.strict)
+        except GrammarError as e:
+            with self._lock:
+                self._stats["schema_refusals"] += 1
+                k = e.keyword or "other"
+                self.refusals_by_keyword[k] = self.refusals_by_keyword.get(k, 0) + 1
+            raise
+        prepared = json.dumps(canonical_schema(prepared), separators=(",", ":"), ensure_ascii=False)
+        return ("json_schema", prepared, spec.strict), prepared
+
+    def _xgr_compile(self, spec: GrammarSpec, prepared: Optional[str]):
         try:
             if spec.kind == "json_schema":
-                try:
-                    prepared = json.dumps(prepare_schema(json.loads(spec.value), spec.strict),
-                                          ensure_ascii=False)
-                except GrammarError as e:
-                    with self._lock:
-                        self._stats["schema_refusals"] += 1
-                        k = e.keyword or "other"
-                        self.refusals_by_keyword[k] = self.refusals_by_keyword.get(k, 0) + 1
-                    raise
-                cg = self.compiler.compile_json_schema(
+                return self.compiler.compile_json_schema(
                     prepared, any_whitespace=self.any_whitespace, strict_mode=spec.strict,
                     max_whitespace_cnt=self.max_whitespace_cnt)
-            elif spec.kind == "json_object":
-                cg = self.compiler.compile_json_schema(
+            if spec.kind == "json_object":
+                return self.compiler.compile_json_schema(
                     '{"type":"object"}', any_whitespace=self.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=self.max_whitespace_cnt)
-            elif spec.kind == "regex":
-                cg = self.compiler.compile_regex(spec.value)
-            elif spec.kind == "ebnf":
-                cg = self.compiler.compile_grammar(spec.value)
-            elif spec.kind == "choice":
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.value)
+            if spec.kind == "ebnf":
+                return self.compiler.compile_grammar(spec.value)
+            if spec.kind == "choice":
                 opts = json.loads(spec.value)
-                cg = self.compiler.compile_grammar(
-                    "root ::= " + " | ".join(_ebnf_string(o) for o in opts))
-            else:
-                raise GrammarError(f"unknown grammar kind '{spec.kind}'")
-        except GrammarError:
-            raise
+                return self.compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(o) for o in opts))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ trace
             msg = str(e).strip().splitlines()
             msg = msg[-1] if msg else repr(e)
@@ -394,94 +507,205 @@ class GrammarBackend:
             with self._lock:
                 self._stats["compile_errors"] += 1
             raise GrammarError(f"{spec.kind} failed to compile: {msg}") from None
+        raise GrammarError(f"unknown grammar kind '{spec.kind}'")
+
+    def _build(self, spec: GrammarSpec, prepared: Optional[str] = None, key=None) -> CompiledGrammar:
+        """Loads the compiled grammar from disk, or compiles it (GrammarError if xgrammar fails)."""
+        name = self.disk.name(key) if self.disk is not None and key is not None else None
+        if name is not None:
+            text = self.disk.get(name)
+            if text is not None:
+                t0 = time.perf_counter()
+                try:
+                    cg = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
+                except Exception as e:  # noqa: BLE001 (a file from a crash or another build)
+                    log.warning("grammar cache: cannot load %s (%s); compiling", name, e)
+                    self.disk.drop(name)
+                    with self._lock:
+                        self._stats["disk_errors"] += 1
+                else:
+                    with self._lock:
+                        self._stats["disk_hits"] += 1
+                    return CompiledGrammar(spec, cg, time.perf_counter() - t0, prepared, _memory(cg), True)
+        t0 = time.perf_counter()
+        cg = self._xgr_compile(spec, prepared)
         dt = time.perf_counter() - t0
         with self._lock:
             self._stats["compile_count"] += 1
             self._stats["compile_seconds_total"] += dt
             self._stats["compile_seconds_max"] = max(self._stats["compile_seconds_max"], dt)
-        try:
-            mem = int(cg.memory_size_bytes)
-        except Exception:  # noqa: BLE001
-            mem = 0
-        return CompiledGrammar(spec, cg, dt, prepared, mem)
+            self._compile_latency.observe(dt)
+        return CompiledGrammar(spec, cg, dt, prepared, _memory(cg))
 
-    def _store(self, key, value) -> None:
-        with self._lock:
-            self._cache[key] = value
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-
-    def _run(self, spec: GrammarSpec):
+    def _persist(self, key, compiled: CompiledGrammar) -> None:
+        """Saves a compile worth saving. xgrammar's JSON loads at about 80 MB/s (deserialize_json on
+        the dev VM: 112 MB in 1.3 s for a 5 s compile; 327 MB in 4.3 s for a 3.2 s one): a grammar whose
+        text would load slower than half its compile is not kept, nor one that compiled faster
+        than persist_min_s (the median dev schema: 11 ms to compile, 17 ms to load). With
+        persist_min_s 0 every compile is saved."""
         try:
-            value = self._build(spec)
-        except GrammarError as e:
-            value = e
-        self._store(spec.key, value)
+            text = compiled.xgr_compiled.serialize_json()
+            if self.persist_min_s and len(text) > compiled.compile_seconds * 40e6:
+                return
+            self.disk.put(self.disk.name(key), text)
+        except Exception as e:  # noqa: BLE001
+            log.warning("grammar cache: cannot save a compiled grammar: %s", e)
+            with self._lock:
+                self._stats["disk_errors"] += 1
+            return
         with self._lock:
-            self._inflight.pop(spec.key, None)
-            self._timed_out.discard(spec.key)
-        if isinstance(value, GrammarError):
-            raise value
-        return value
+            self._stats["disk_writes"] += 1
+
+    def _spawn(self) -> None:
+        self._threads += 1
+        threading.Thread(target=self._worker, name="grammar-compile", daemon=True).start()
+
+    def _worker(self) -> None:
+        while True:
+            with self._work:
+                while not self._queue and not self._closed:
+                    self._work.wait()
+                if self._closed:
+                    self._threads -= 1
+                    return
+                job = self._queue.popleft()
+                job.started = time.monotonic()
+                self._queue_wait.observe(job.started - job.queued)
+                self._running.add(job)
+                self._tick.notify()
+            try:
+                value = self._build(job.spec, job.prepared, job.key)
+            except GrammarError as e:
+                value = e
+            except Exception as e:  # noqa: BLE001 (a bug here must not kill the worker)
+                log.exception("grammar compile failed")
+                value = GrammarError(f"{job.spec.kind} failed to compile: {e}")
+            with self._lock:
+                self._store(job.key, value)
+                del self._jobs[job.key]
+                self._running.discard(job)
+                # the thread of an overrun was replaced by a spare: one of them goes
+                retire = job.overran and self._threads > self.compile_workers
+                if retire:
+                    self._threads -= 1
+            if isinstance(value, GrammarError):
+                job.done.set_exception(value)
+            else:
+                job.done.set_result(value)
+                if self.disk is not None and not value.from_disk and value.compile_seconds >= self.persist_min_s:
+                    self._persist(job.key, value)
+            if retire:
+                return
+
+    def _store(self, key, value) -> None:  # under the lock
+        self._cache[key] = value
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def _overran(self, job: _Job) -> None:
+        with self._lock:
+            if job.overran or job.done.done():
+                return
+            job.overran = True
+            self._stats["compile_timeouts"] += 1
+            if self._threads < 2 * self.compile_workers and not self._closed:
+                self._stats["spare_threads_started"] += 1
+                self._spawn()
+        log.warning("grammar compile still running after its %gs timeout (%s)", self.compile_timeout_s,
+                    job.spec.kind)
 
     def compile_async(self, spec: GrammarSpec, timeout_s: Optional[float] = None) -> Future:
-        """Future[CompiledGrammar]; fails with GrammarError on refusal, error or timeout."""
+        """Future[CompiledGrammar]: fails with GrammarError when the grammar is refused, fails to
+        compile, or its compile runs longer than timeout_s. Raises GrammarBusy when the queue is full."""
         timeout_s = self.compile_timeout_s if timeout_s is None else timeout_s
-        key = spec.key
-        outer: Future = Future()
+        out: Future = Future()
+        with self._lock:
+            key = self._front.get(spec.key)
+            if key is not None:
+                self._front.move_to_end(spec.key)
+        if key is None:
+            try:
+                key, prepared = self._normalize(spec)
+            except GrammarError as e:
+                key = e
+            with self._lock:
+                self._front[spec.key] = key
+                while len(self._front) > 4 * self._cache_size:
+                    self._front.popitem(last=False)
+        else:
+            prepared = key[1] if spec.kind == "json_schema" and not isinstance(key, GrammarError) else None
+        if isinstance(key, GrammarError):
+            out.set_exception(key)
+            return out
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self._stats["cache_hits"] += 1
             else:
-                if key in self._timed_out:
-                    outer.set_exception(GrammarError(
-                        f"compile exceeded {timeout_s:g}s (a previous compile of this grammar "
-                        "is still running)"))
-                    return outer
-                inner = self._inflight.get(key)
-                if inner is None:
+                job = self._jobs.get(key)
+                if job is None:
+                    if len(self._queue) >= self._max_queue:
+                        raise GrammarBusy(f"{len(self._queue)} grammars are waiting to compile; retry later")
                     self._stats["cache_misses"] += 1
-                    inner = self._inflight[key] = self._pool.submit(self._run, spec)
+                    job = self._jobs[key] = _Job(key, spec, prepared)
+                    self._queue.append(job)
+                    self._work.notify()
         if hit is not None:
             if isinstance(hit, GrammarError):
-                outer.set_exception(hit)
+                out.set_exception(hit)
             else:
-                outer.set_result(hit)
-            return outer
+                out.set_result(hit if hit.spec == spec else dataclasses.replace(hit, spec=spec))
+            return out
 
-        def relay(f: Future):
-            if outer.done():
-                return
+        def relay(f: Future) -> None:
             exc = f.exception()
+            value = None if exc is not None else f.result()
+            if value is not None and value.spec != spec:
+                value = dataclasses.replace(value, spec=spec)
             try:
                 if exc is not None:
-                    outer.set_exception(exc)
+                    out.set_exception(exc)
                 else:
-                    outer.set_result(f.result())
-            except Exception:  # noqa: BLE001 (already timed out)
-                pass
-
-        def on_timeout():
-            if outer.done() or inner.done():
-                return
-            with self._lock:
-                self._timed_out.add(key)
-                self._stats["compile_timeouts"] += 1
-            try:
-                outer.set_exception(GrammarError(f"compile exceeded {timeout_s:g}s"))
-            except Exception:  # noqa: BLE001
+                    out.set_result(value)
+            except InvalidStateError:  # timed out first
                 pass
 
         if timeout_s and timeout_s > 0:
-            timer = threading.Timer(timeout_s, on_timeout)
-            timer.daemon = True
-            timer.start()
-            outer.add_done_callback(lambda _f: timer.cancel())
-        inner.add_done_callback(relay)
-        return outer
+            with self._lock:
+                job.waiters.append((out, timeout_s))
+                if job.started is not None:
+                    self._tick.notify()
+        job.done.add_done_callback(relay)
+        return out
+
+    def _watchdog(self) -> None:
+        """Fails the requests whose grammar has compiled longer than their timeout."""
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    now, expired, wake = time.monotonic(), [], None
+                    for job in self._running:
+                        job.waiters = [w for w in job.waiters if not w[0].done()]
+                        for out, timeout_s in job.waiters:
+                            deadline = job.started + timeout_s
+                            if deadline <= now:
+                                expired.append((job, out, timeout_s))
+                            else:
+                                wake = deadline if wake is None else min(wake, deadline)
+                    if expired:
+                        break
+                    self._tick.wait(None if wake is None else wake - now)
+            for job, out, timeout_s in expired:
+                self._overran(job)
+                try:
+                    out.set_exception(GrammarError(f"compile exceeded {timeout_s:g}s: this grammar is too "
+                                                   "large or complex to compile in time"))
+                except InvalidStateError:  # the compile ended meanwhile
+                    pass
 
     def compile(self, spec: GrammarSpec, timeout_s: Optional[float] = None) -> CompiledGrammar:
         """Synchronous compile (cached); raises GrammarError (refusal, compile error, timeout)."""
@@ -529,4 +753,13 @@ class GrammarBackend:
                 logits[idx, covered:] = float("-inf")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the workers once their compiles end; queued compiles fail."""
+        with self._lock:
+            self._closed = True
+            queued, self._queue = list(self._queue), deque()
+            for job in queued:
+                del self._jobs[job.key]
+            self._work.notify_all()
+            self._tick.notify_all()
+        for job in queued:
+            job.done.set_exception(GrammarError("the grammar backend was closed"))

@@ -31,3 +31,8 @@ def unsupported(keyword: str, path: str, why: str = "") -> GrammarError:
     if why:
         msg += f" ({why})"
     return GrammarError(msg, keyword=keyword, path=path)
+
+
+class GrammarBusy(RuntimeError):
+    """More distinct grammars wait to compile than the queue holds: a load problem, not the
+    grammar's (the server answers 503 with Retry-After)."""

@@ -285,12 +285,20 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             spec = grammar_spec_for(req)
             if spec is None:
                 return None
-            await run_in_threadpool(engine.compile_grammar, spec)
+            # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
+            # request waiting in the compile queue holds no thread
+            future = await run_in_threadpool(engine.grammar.compile_async, spec)
+            await asyncio.wrap_future(future)
         except Exception as e:
+            if _is_grammar_busy(e):
+                raise busy(str(e))
             if _is_grammar_error(e):
                 raise grammar_error(e, constraint_param(req))
             raise
         return spec
+
+    def busy(message: str) -> APIError:
+        return APIError(503, message, code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
 
     def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None):
         from ..sampling_params import SamplingParams
@@ -331,9 +339,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             code = getattr(e, "code", None)
             if e.__class__.__name__ == "RequestError":
                 if code == "queue_full":
-                    raise APIError(503, str(e), code="server_busy",
-                                   headers={"Retry-After": str(config.retry_after_s)})
+                    raise busy(str(e))
                 raise bad_request(str(e), param=getattr(e, "param", None), code=code or "invalid_request")
+            if _is_grammar_busy(e):
+                raise busy(str(e))
             if _is_grammar_error(e):
                 raise grammar_error(e, None)
             raise
@@ -638,6 +647,10 @@ async def _wait_disconnect(request: Request) -> None:
 
 def _is_grammar_error(e: Exception) -> bool:
     return any(c.__name__ == "GrammarError" for c in type(e).__mro__)
+
+
+def _is_grammar_busy(e: Exception) -> bool:
+    return type(e).__name__ == "GrammarBusy"
 
 
 def _now() -> int:

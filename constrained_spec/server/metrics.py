@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "constrained_spec"
 
@@ -58,6 +58,7 @@ class _EngineCollector:
             c = CounterMetricFamily(f"{PREFIX}_grammar_cache_hits", "Grammar compile-cache hits")
             c.add_metric([], float(gstats.get("cache_hits", 0)))
             yield c
+            yield from _compile_metrics(gstats)
         stats = getattr(eng, "stats", None)
         if stats is not None:
             c = CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps (prefill and decode)")
@@ -76,6 +77,34 @@ class _EngineCollector:
             c.add_metric([], float(stats.grammar_accept_seconds))
             yield c
         yield from _spec_metrics(getattr(getattr(eng, "spec", None), "stats", None))
+
+
+def _compile_metrics(gstats: dict):
+    """The compile queue: depth, waits, compile times and timeouts (GrammarBackend.stats)."""
+    for name, key, doc in (("grammar_compile_queue_depth", "queue_depth", "Grammars waiting for a compile thread"),
+                           ("grammar_compiles_running", "compiling", "Grammars being compiled now")):
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+        g.add_metric([], float(gstats.get(key, 0)))
+        yield g
+    for name, key, doc in (("grammar_compile_timeouts", "compile_timeouts",
+                            "Compiles that ran past the compile timeout (their requests got a 400)"),
+                           ("grammar_disk_cache_hits", "disk_hits", "Compiled grammars loaded from the disk cache")):
+        c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+        c.add_metric([], float(gstats.get(key, 0)))
+        yield c
+    for name, key, doc in (("grammar_compile_duration_seconds", "compile_latency", "Compile time per grammar"),
+                           ("grammar_compile_queue_wait_seconds", "queue_wait",
+                            "Time a grammar waited for a compile thread")):
+        snap = gstats.get(key)
+        if not snap:
+            continue
+        h = HistogramMetricFamily(f"{PREFIX}_{name}", doc, sum_value=snap["sum"],
+                                  buckets=[("+Inf" if le == float("inf") else repr(le), n) for le, n in snap["buckets"]])
+        yield h
+        g = GaugeMetricFamily(f"{PREFIX}_{name}_recent", doc + " (recent samples)", labels=["quantile"])
+        g.add_metric(["0.5"], snap["p50"])
+        g.add_metric(["0.99"], snap["p99"])
+        yield g
 
 
 def _spec_metrics(st):

@@ -1,0 +1,258 @@
+"""Grammar compilation under load and its caches (CPU, SmolLM2 tokenizer, no model except the
+/metrics test): the compile timeout counts compile time only, an overrunning compile blocks no one,
+the cache keys on the normalized schema, and compiled grammars survive a restart on disk."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from constrained_spec.grammar import GrammarBackend, GrammarBusy, GrammarError, GrammarSpec
+from constrained_spec.grammar import backend as backend_mod
+from server_fixtures import server, server_engine  # noqa: F401 (fixtures)
+
+VOCAB = 49152
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from constrained_spec.grammar.testing import load_test_tokenizer
+    return load_test_tokenizer()
+
+
+class SlowBackend(GrammarBackend):
+    """Each compile of a grammar in `slow` takes that long first (xgrammar's compile cannot be
+    slowed on purpose reliably)."""
+
+    def __init__(self, *a, slow=None, **kw):
+        self.slow = slow or {}
+        super().__init__(*a, **kw)
+
+    def _build(self, spec, prepared=None, key=None):
+        time.sleep(self.slow.get(spec.value, 0.0))
+        return super()._build(spec, prepared, key)
+
+
+def regex(i) -> GrammarSpec:
+    return GrammarSpec.regex(f"r{i}-[a-z]+")
+
+
+def accepts(backend, tok, compiled, text) -> bool:
+    m = backend.matcher(compiled)
+    return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.can_terminate()
+
+
+def test_timeout_counts_compile_time_only(tok):
+    # one worker; three compiles of 0.6 s each: the third waits 1.2 s in the queue, past its 1 s timeout
+    specs = [regex(i) for i in range(3)]
+    b = SlowBackend(tok, VOCAB, compile_workers=1, compile_timeout_s=1.0, slow={s.value: 0.6 for s in specs})
+    try:
+        futures = [b.compile_async(s) for s in specs]
+        assert b.stats["queue_depth"] >= 1
+        for s, f in zip(specs, futures):
+            assert f.result(timeout=30).spec == s
+        st = b.stats
+        assert st["compile_timeouts"] == 0 and st["compile_count"] == 3
+        assert st["queue_wait"]["max"] > 1.0  # queueing shows as latency
+        assert st["queue_wait"]["count"] == 3 and st["compile_latency"]["count"] == 3
+        assert st["queue_depth"] == 0 and st["inflight"] == 0
+    finally:
+        b.close()
+
+
+def test_overrunning_compile_blocks_no_one(tok):
+    slow, fast = regex("slow"), regex("fast")
+    b = SlowBackend(tok, VOCAB, compile_workers=1, compile_timeout_s=0.3, slow={slow.value: 2.0})
+    try:
+        t0 = time.monotonic()
+        f_slow = b.compile_async(slow)
+        f_fast = b.compile_async(fast)  # queued behind the slow one on the only worker
+        with pytest.raises(GrammarError, match="compile exceeded 0.3s"):
+            f_slow.result(timeout=30)
+        assert f_fast.result(timeout=30).spec == fast
+        assert time.monotonic() - t0 < 1.5  # a spare thread took it; the slow one still runs
+        st = b.stats
+        assert st["compile_timeouts"] == 1 and st["spare_threads_started"] == 1
+        # a request joining the overrun compile is told at once; its result is cached when it ends
+        with pytest.raises(GrammarError, match="exceeded"):
+            b.compile(slow)
+        deadline = time.monotonic() + 30
+        while b.stats["inflight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert b.compile(slow).spec == slow
+        assert b.stats["compile_count"] == 2
+        assert b._threads == 1  # the replaced thread retired
+    finally:
+        b.close()
+
+
+def test_full_queue_is_busy_not_a_grammar_error(tok):
+    specs = [regex(i) for i in range(3)]
+    b = SlowBackend(tok, VOCAB, compile_workers=1, max_queue=1, slow={s.value: 0.5 for s in specs})
+    try:
+        b.compile_async(specs[0])
+        time.sleep(0.1)  # the worker has it
+        b.compile_async(specs[1])
+        with pytest.raises(GrammarBusy) as e:
+            b.compile_async(specs[2])
+        assert not isinstance(e.value, GrammarError)  # the server answers 503, not 400
+    finally:
+        b.close()
+
+
+def test_normalized_schema_shares_a_compile(tok, monkeypatch):
+    b = GrammarBackend(tok, VOCAB)
+    try:
+        a = b.compile(GrammarSpec.json_schema(PERSON))
+        annotated = {"required": ["name", "age"], "title": "Person", "description": "someone",
+                     "properties": {"name": {"description": "full name", "type": "string"},
+                                    "age": {"type": "integer", "examples": [3]}},
+                     "type": "object"}
+        c = b.compile(GrammarSpec.json_schema(annotated))
+        assert c.xgr_compiled is a.xgr_compiled and c.spec.value != a.spec.value
+        assert b.stats["compile_count"] == 1 and b.stats["cache_hits"] == 1
+        assert accepts(b, tok, c, '{"name": "Ann", "age": 3}')
+        # property order is kept: xgrammar emits properties in declaration order
+        swapped = {**PERSON, "properties": dict(reversed(list(PERSON["properties"].items())))}
+        b.compile(GrammarSpec.json_schema(swapped))
+        assert b.stats["compile_count"] == 2
+        # a repeat of the same text does not normalize it again
+        calls = []
+        real = backend_mod.prepare_schema
+        monkeypatch.setattr(backend_mod, "prepare_schema", lambda *a: calls.append(1) or real(*a))
+        assert b.compile(GrammarSpec.json_schema(annotated)).xgr_compiled is a.xgr_compiled
+        assert calls == []
+    finally:
+        b.close()
+
+
+def test_canonical_schema_keeps_meaningful_order():
+    s = {"type": "object", "properties": {"b": {"type": "string", "enum": ["y", "x"]}, "a": {"const": {"z": 1, "y": 2}}}}
+    c = backend_mod.canonical_schema({"type": "object", **{k: v for k, v in s.items() if k != "type"}})
+    assert list(c) == ["properties", "type"]
+    assert list(c["properties"]) == ["b", "a"]
+    assert list(c["properties"]["b"]) == ["enum", "type"] and c["properties"]["b"]["enum"] == ["y", "x"]
+    assert list(c["properties"]["a"]["const"]) == ["z", "y"]
+
+
+def _dev_schemas(n):
+    import json
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = []
+    with open(os.path.join(root, "schemas", "jsonschemabench-dev.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            out.append((GrammarSpec.json_schema(row["schema"]), row.get("valid") or []))
+            if len(out) == n:
+                return out
+    return out
+
+
+def _wait_writes(b, n):
+    deadline = time.monotonic() + 30
+    while b.stats["disk_writes"] < n:  # saved after the future resolves
+        assert time.monotonic() < deadline, b.stats
+        time.sleep(0.02)
+
+
+def test_disk_cache_warm_restart(tok, tmp_path):
+    specs = _dev_schemas(3)
+    cold = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    try:
+        for s, _ in specs:
+            cold.compile(s)
+        _wait_writes(cold, len(specs))
+        assert cold.stats["compile_count"] == len(specs)
+    finally:
+        cold.close()
+    (folder,) = os.listdir(tmp_path)  # one fingerprint
+    assert len([n for n in os.listdir(tmp_path / folder) if n.endswith(".json.z")]) == len(specs)
+    warm = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    try:
+        for s, valid in specs:
+            c = warm.compile(s)
+            assert c.from_disk
+            for v in valid[:2]:
+                import json
+                assert accepts(warm, tok, c, json.dumps(v)), v
+        st = warm.stats
+        assert st["compile_count"] == 0 and st["disk_hits"] == len(specs)
+    finally:
+        warm.close()
+    # other compile options are another fingerprint: nothing shared
+    other = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0, max_whitespace_cnt=4)
+    try:
+        assert not other.compile(specs[0][0]).from_disk
+        assert len(os.listdir(tmp_path)) == 2
+    finally:
+        other.close()
+
+
+def test_damaged_cache_files_are_recompiled(tok, tmp_path):
+    import zlib
+    spec_a, spec_b = GrammarSpec.json_schema(PERSON), regex("disk")
+    b = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    try:
+        b.compile(spec_a), b.compile(spec_b)
+        _wait_writes(b, 2)
+        disk = b.disk
+        file_a = os.path.join(disk.dir, disk.name(b._front[spec_a.key]))
+        file_b = os.path.join(disk.dir, disk.name(b._front[spec_b.key]))
+    finally:
+        b.close()
+    with open(file_a, "wb") as f:  # not zlib: caught by the checksum
+        f.write(b"\x00garbage")
+    with open(file_b, "wb") as f:  # intact zlib, text xgrammar refuses
+        f.write(zlib.compress(b'{"not": "a compiled grammar"}'))
+    b = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    try:
+        a = b.compile(spec_a)
+        assert not a.from_disk and accepts(b, tok, a, '{"name": "A", "age": 1}')
+        assert not b.compile(spec_b).from_disk
+        _wait_writes(b, 2)
+        st = b.stats
+        assert st["compile_count"] == 2 and st["disk_errors"] == 1
+    finally:
+        b.close()
+    b = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    try:
+        assert b.compile(spec_a).from_disk and b.compile(spec_b).from_disk  # rewritten whole
+    finally:
+        b.close()
+
+
+def test_disk_cache_is_bounded(tmp_path):
+    from constrained_spec.grammar.disk_cache import DiskCache
+    d = DiskCache(str(tmp_path), "fp", max_files=3)
+    for i in range(5):
+        d.put(d.name(i), "x" * 100)
+        os.utime(os.path.join(d.dir, d.name(i)), (i, i))  # distinct ages
+    assert sorted(os.listdir(d.dir)) == sorted(d.name(i) for i in (2, 3, 4))
+    assert d.get(d.name(4)) == "x" * 100 and d.get(d.name(0)) is None
+
+
+def test_compile_metrics_in_prometheus_text(server, server_engine):  # noqa: F811
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": "smollm2", "messages": [{"role": "user", "content": "a person"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+                **PERSON, "properties": {**PERSON["properties"], "metrics_probe": {"type": "boolean"}}}}}})
+        assert r.status_code == 200, r.text
+        text = c.get("/metrics").text
+    for name in ("constrained_spec_grammar_compile_queue_depth 0.0",
+                 "constrained_spec_grammar_compiles_running",
+                 "constrained_spec_grammar_compile_timeouts_total",
+                 'constrained_spec_grammar_compile_duration_seconds_bucket{le="+Inf"}',
+                 'constrained_spec_grammar_compile_queue_wait_seconds_bucket{le="+Inf"}',
+                 'constrained_spec_grammar_compile_duration_seconds_recent{quantile="0.99"}'):
+        assert name in text, name
+    count = [ln for ln in text.splitlines() if ln.startswith("constrained_spec_grammar_compile_duration_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1
+    assert server_engine.grammar.disk is None or str(server_engine.grammar.disk.dir).startswith(
+        os.environ["CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR"])
