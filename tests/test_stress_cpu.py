@@ -1,0 +1,102 @@
+"""benchmarks/stress_schemas.py as tests: its answer classification, a CPU form at 8 clients against the real
+server (SmolLM2 on the CPU, started as a subprocess), and a short GPU form (64 clients, ~100 schemas).
+
+Every answer must be valid, refused for a keyword, or truncated: never invalid, an error, or a refusal for load.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "stress_schemas.py"
+_spec = importlib.util.spec_from_file_location("stress_schemas", _PATH)
+stress = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = stress  # dataclasses look their module up
+_spec.loader.exec_module(stress)
+
+CPU_DEV_SCHEMAS = 8  # plus the conformance cases: 32 schemas
+CPU_MAX_TOKENS = 64
+
+
+def _assert_clean(summary: dict) -> None:
+    report = stress.format_report([summary])
+    print("\n" + report)
+    assert summary["requests"] == sum(summary["tally"].values())
+    for outcome in stress.FAILING:
+        assert summary["tally"][outcome] == 0, report
+    assert not summary["end_violations"], report
+
+
+def test_classifies_answers():
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"],
+              "additionalProperties": False}
+
+    def completion(content, finish):
+        return stress.classify_completion(stress.Answer("x", "bounded", "object"), schema, content, finish)
+
+    assert completion('{"a": "abc"}', "stop").outcome == "valid"
+    bad = completion('{"a": "abcd"}', "stop")
+    assert bad.outcome == "invalid" and "too long" in bad.detail and bad.content == '{"a": "abcd"}'
+    assert completion('{"a": "abc"}\n```', "stop").outcome == "invalid"
+    cut = completion('{"a": "ab', "length")
+    assert cut.outcome == "truncated" and cut.open_string_chars == 2 and not cut.looping
+    assert completion('{"a": ["the-source","the-source","the-source","the-source","the-', "length").looping
+    assert completion('{"a": "abc"}', "error").outcome == "error"
+
+    unsupported = {"error": {"message": "invalid JSON schema: unsupported JSON Schema keyword 'dependentSchemas' "
+                                        "at the schema root", "code": "unsupported_schema"}}
+    assert stress.classify_refusal(400, unsupported)[:2] == ("refused", "dependentSchemas")
+    assert stress.classify_refusal(400, {"error": {"message": "invalid JSON schema: compile exceeded 30s"}})[0] \
+        == "refused_load"
+    assert stress.classify_refusal(503, {"error": {"message": "the server is at its limit"}})[0] == "refused_load"
+    assert stress.classify_refusal(500, {"error": {"message": "generation failed"}})[0] == "error"
+
+
+def test_validates_formats_and_kinds():
+    assert stress.validation_error({"format": "json-pointer"}, '"/a/b~1c"') is None
+    assert stress.validation_error({"format": "json-pointer"}, '"a/b"') is not None
+    assert stress.validation_error({"format": "relative-json-pointer"}, '"1/a"') is None
+    assert stress.validation_error({"format": "date-time"}, '"2024-02-29T10:00:00Z"') is None
+    assert stress.validation_error({"format": "date-time"}, '"2023-02-29T10:00:00Z"') is not None
+    assert stress.validation_error({"format": "uri"}, '"//thelist/x"') is not None
+    assert stress.validation_error({"type": "string", "pattern": "^/"}, '"//ok"') is None
+    assert stress.schema_kind({}) == "free-form"
+    assert stress.schema_kind({"patternProperties": {"f.*o": {"type": "integer"}}}) == "free-form"
+    assert stress.schema_kind({"type": "object", "properties": {"s": {"type": "string"}}}) == "unbounded-string"
+    assert stress.schema_kind({"type": "array", "items": {"type": "integer"}}) == "unbounded-array"
+    assert stress.schema_kind({"type": "array", "items": {"enum": ["a"]}, "maxItems": 2}) == "bounded"
+    cases = stress.load_cases(limit=3)
+    assert len(cases) > 3 and all(c.kind in stress.KINDS for c in cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["greedy", "t0.7-stream"])
+def test_stress_cpu(name, tmp_path):
+    """Dev and conformance schemas, 8 clients, plain decoding on the CPU."""
+    cases = stress.load_cases(limit=CPU_DEV_SCHEMAS)
+    config = stress.parse_config(name, clients=8, temperature=0.0, stream=False, extra_args=["--device", "cpu"])
+    summary, _ = stress.run_config(config, cases, CPU_MAX_TOKENS, seed=0, log_dir=tmp_path)
+    _assert_clean(summary)
+
+
+@pytest.mark.slow
+def test_stress_cpu_ngram(tmp_path):
+    """The same with n-gram speculation (always on: the measured policy would run plain on the CPU)."""
+    cases = stress.load_cases(limit=CPU_DEV_SCHEMAS)
+    config = stress.parse_config("ngram-t0.7-stream", clients=8, temperature=0.0, stream=False,
+                                 extra_args=["--device", "cpu", "--speculative-policy", "always"])
+    summary, _ = stress.run_config(config, cases, CPU_MAX_TOKENS, seed=1, log_dir=tmp_path)
+    _assert_clean(summary)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain-t0.7", "plain-greedy-stream", "ngram-t0.7-stream", "ngram-greedy"])
+def test_stress_gpu(name, tmp_path):
+    """~100 schemas at 64 clients on CUDA, max_tokens 256: the short form of the GPU stress run."""
+    cases = stress.load_cases(limit=100 - len(stress.load_cases(limit=0)))
+    config = stress.parse_config(name, clients=64, temperature=0.0, stream=False, extra_args=["--device", "cuda"])
+    summary, _ = stress.run_config(config, cases, 256, seed=0, log_dir=tmp_path)
+    _assert_clean(summary)
