@@ -260,6 +260,15 @@ def test_jump_forward_tokens(backend, tokenizer):
     assert m.jump_forward_tokens(tokenizer) == []
 
 
+def test_jump_forward_inside_a_character_forces_nothing(backend, tokenizer):
+    """A byte-level token may end inside a UTF-8 character (`Ã` is é's first byte): the forced rest
+    is no string, and asking for it raised UnicodeDecodeError (it failed the whole speculative step)."""
+    m = backend.matcher(backend.compile(GrammarSpec.json_schema({"type": "string", "pattern": "^é[a-z]{1,5}ü$"})))
+    first_byte = tokenizer.convert_tokens_to_ids("Ã")
+    assert m.accept_tokens(tokenizer.encode('"', add_special_tokens=False) + [first_byte]) == 2
+    assert m.jump_forward_string() == "" and m.jump_forward_tokens(tokenizer) == []
+
+
 def test_traverse_draft_tree(backend, tokenizer):
     cg = backend.compile(GrammarSpec.regex("a(b|c)d"))
     m = backend.matcher(cg)

@@ -77,11 +77,12 @@ def _ebnf_string(s: str) -> str:
 class RequestMatcher:
     """Per-request grammar state (one xgrammar GrammarMatcher). Not thread-safe."""
 
-    __slots__ = ("_m", "compiled", "vocab_size", "_bitmask_width", "ffi_handle")
+    __slots__ = ("_m", "compiled", "vocab_size", "_bitmask_width", "ffi_handle", "_specials")
 
-    def __init__(self, compiled: CompiledGrammar, vocab_size: int):
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int, specials: frozenset = frozenset()):
         self.compiled = compiled
         self.vocab_size = vocab_size
+        self._specials = specials  # never legal: refused here, without xgrammar's warning per call
         self._bitmask_width = math.ceil(vocab_size / 32)
         self._m = xgr.GrammarMatcher(compiled.xgr_compiled)  # xgrammar 0.2.8: rollback is unbounded
         self.ffi_handle = _ffi_handle(self._m)
@@ -92,7 +93,7 @@ class RequestMatcher:
 
     def accept_token(self, tok: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
-        if tok < 0 or tok >= self.vocab_size:
+        if tok < 0 or tok >= self.vocab_size or tok in self._specials:
             return False
         return self._m.accept_token(int(tok))
 
@@ -124,16 +125,22 @@ class RequestMatcher:
 
     def fork(self) -> "RequestMatcher":
         new = RequestMatcher.__new__(RequestMatcher)
-        new.compiled, new.vocab_size, new._bitmask_width = (
-            self.compiled, self.vocab_size, self._bitmask_width)
+        new.compiled, new.vocab_size, new._bitmask_width, new._specials = (
+            self.compiled, self.vocab_size, self._bitmask_width, self._specials)
         new._m = self._m.fork()
         new.ffi_handle = _ffi_handle(new._m)
         return new
 
     def jump_forward_string(self) -> str:
+        """The text the grammar forces next ("" for none). After a token that ends inside a UTF-8
+        character the forced text starts with the character's remaining bytes, which are no
+        string: nothing is forced then (the next sample, masked, completes the character)."""
         if self._m.is_terminated():
             return ""
-        return self._m.find_jump_forward_string()
+        try:
+            return self._m.find_jump_forward_string()
+        except UnicodeDecodeError:
+            return ""
 
     def jump_forward_tokens(self, tokenizer) -> List[int]:
         """Tokens of the string the grammar forces from here, each legal in sequence.
@@ -414,6 +421,7 @@ class GrammarBackend:
         self.any_whitespace = any_whitespace
         self.max_whitespace_cnt = max_whitespace_cnt
         self.tokenizer_info = tokenizer_info_without_specials(tokenizer, self.vocab_size, stop_token_ids)
+        self._special_ids = frozenset(self.tokenizer_info.special_token_ids)
         self.compile_workers = max(1, compile_workers or default_compile_workers())
         # xgrammar's own threads per compile: the workers together use about half the cores
         max_threads = max_threads or max(1, min(8, available_cores() // (2 * self.compile_workers)))
@@ -724,7 +732,7 @@ class GrammarBackend:
 
     # ---------------------------------------------------------------- matching
     def matcher(self, compiled: CompiledGrammar) -> RequestMatcher:
-        return RequestMatcher(compiled, self.vocab_size)
+        return RequestMatcher(compiled, self.vocab_size, self._special_ids)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         pin = torch.cuda.is_available()
