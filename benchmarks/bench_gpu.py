@@ -1,4 +1,4 @@
-"""GPU fast path, one command, one run (issue: Triton attention, CUDA graphs, overlap).
+"""GPU throughput, one command, one run: the engine with its Triton attention, CUDA graphs and overlap.
 
 SmolLM2-135M bf16 (real weights) at batch 1..128, plain vs JSON schema, with CUDA graphs and
 overlap toggled on one engine; transformers.generate + xgrammar (default and static cache) as the

@@ -19,7 +19,9 @@ speedup (median of the rounds' ratios). Batch 1 runs its prompts one after anoth
   python benchmarks/bench_spec.py                      # GPU, SmolLM2-135M-Instruct, a few minutes on an H100
   python benchmarks/bench_spec.py --device cpu --batches 1 --min-prompts 4   # CPU, ~3 minutes
   python benchmarks/bench_spec.py --device cpu --quick # end-to-end smoke run on a CPU
-Writes benchmarks/results/spec_<device>[_quick].{json,md,png}.
+  python benchmarks/bench_spec.py --workloads json    # one workload: writes spec_<device>_json.*
+Writes benchmarks/results/spec_<device>[_<workload>][_quick].{json,md,png} (the workload named when
+`--workloads` picks one).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def parse_args():
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
-    ap.add_argument("--name", default=None, help="results file name (default spec_<device>[_quick])")
+    ap.add_argument("--name", default=None, help="results file name (default spec_<device>[_<workload>][_quick])")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every engine, e.g. grammar_mask_threads=1 (repeatable; A/B runs)")
     args = ap.parse_args()
@@ -250,7 +252,9 @@ def main():
                 print(json.dumps(rec), flush=True)
     for engine in engines.values():
         engine.shutdown()
-    name = args.name or f"spec_{args.device}" + ("_quick" if args.quick else "")
+    picked = [w for w in args.workloads.split(",") if w]
+    only = "" if set(picked) == set(WORKLOADS) else "_" + "_".join(picked)
+    name = args.name or f"spec_{args.device}{only}" + ("_quick" if args.quick else "")
     title = f"Speculative decoding: plain vs n-gram lookahead ({engines['plain'].model_name}, greedy, {args.device})"
     payload = {"machine": machine(), "args": vars(args), "seconds": time.perf_counter() - t_start, "results": records}
     write_results(name, payload, table(records, title))

@@ -1,7 +1,10 @@
 """Decode-step timing of a random-weight SmolLM2-135M-shaped model, CUDA-graph replayed:
 pre-fusion forward (legacy, from tests/test_fused_kernels.py) vs torch-reference kernels vs fused
-Triton kernels; then the grammar mask of the sample tail, torch reference vs the Triton kernel.
-`python -m constrained_spec.kernels.bench [batch ...]` on a CUDA machine."""
+Triton kernels, with the kernel count of each forward; then the grammar mask of the sample tail,
+torch reference vs the Triton kernel. Prints its table (writes no file).
+
+  python benchmarks/bench_kernels.py [batch ...]     # CUDA machine; default batches 1 64
+"""
 from __future__ import annotations
 
 import sys
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 20) -> float:

@@ -1,0 +1,48 @@
+#!/bin/bash
+# The GPU tests and benchmarks, by stage, on a CUDA machine with the project installed
+# (`pip install -e ".[dev]"` with a CUDA build of torch). The default model (SmolLM2-135M-Instruct)
+# is fetched on first use and cached, as for `constrained-spec serve`.
+#
+#   bash benchmarks/run_gpu.sh STAGE [STAGE ...]
+#
+# Stages (each writes benchmarks/results/ as its script says; the figures of docs/performance.md):
+#   tests      the GPU test suite (pytest -m gpu)
+#   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
+#   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
+#   attention  bench_attention.py: Triton vs torch attention, one layer -> attention.*
+#   kernels    bench_kernels.py: decode forward by kernel set, mask kernel (prints only)
+#   mask       bench_mask_latency.py on CUDA -> mask_latency_cuda.*; bench_mask_fill.py -> mask_fill.*
+#   all        tests gpu spec attention
+#
+# PYTHON selects the interpreter (default: python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+stage_tests() { "$PYTHON" -m pytest -q -m gpu tests; }
+stage_gpu() { "$PYTHON" benchmarks/bench_gpu.py; }
+stage_spec() {
+  "$PYTHON" benchmarks/bench_spec.py --workloads json
+  "$PYTHON" benchmarks/bench_spec.py --workloads rag
+}
+stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
+stage_kernels() { "$PYTHON" benchmarks/bench_kernels.py 1 8 32 64 128; }
+stage_mask() {
+  "$PYTHON" benchmarks/bench_mask_latency.py
+  "$PYTHON" benchmarks/bench_mask_fill.py
+}
+stage_all() { stage_tests; stage_gpu; stage_spec; stage_attention; }
+
+if [ $# -eq 0 ]; then
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
+for stage in "$@"; do
+  if ! declare -F "stage_$stage" > /dev/null; then
+    echo "unknown stage: $stage (see bash benchmarks/run_gpu.sh)" >&2
+    exit 2
+  fi
+  echo "== $stage"
+  "stage_$stage"
+done
