@@ -1,36 +1,14 @@
 """Grammar bitmask rows for one step, optionally within a time budget ("bounded mask latency").
 
-Without a budget the rows are filled on the engine thread: one `GrammarMatcher.fill_next_token_bitmask`
-per row for small batches, one GIL-free call for larger ones: on the native pool's persistent
-threads (`grammar/native_fill.py`: a thread per NATIVE_ROWS_PER_THREAD rows, up to `threads`;
-the step's token accepts go through it too), or where that is not available on xgrammar's
-`BatchGrammarMatcher`, which starts its `threads` C++ threads in every call. Native pool against
-the batch matcher, H100, one machine (bench_gpu.py --xgrammar-fill, results/gpu_fill_native.md,
-gpu_fill_xgrammar.log): JSON / plain 0.97 / 0.95 / 0.79 / 0.89 against 0.94 / 0.90 / 0.54 / 0.91
-at batch 8 / 32 / 64 / 128, batch-64 JSON 27.7k against 19.8k tok/s.
-
-The history of the batch matcher's thread count follows. Measured on the H100 machine's 16-core host
-(benchmarks/profile_decode_host.py, random SmolLM2-shaped weights, JSON schema, 96 tokens;
-benchmarks/results/host_bm*.json): host ms per step filling the rows with 1 / 4 / 8 threads:
-batch 32 0.96 / 0.55 / 0.46, batch 64 1.96 / 1.34 / 0.78, batch 128 3.21 / 1.94 / 0.99, and the
-step 6.5 -> 4.1 ms at batch 128 with 8. One thread per 8 rows, up to `threads` (then min(8, cores / 2)):
-with real weights (benchmarks/bench_gpu.py) 8 threads took batch 64 and 128 JSON from 16.2k/17.0k
-to 20-27k/26.7k tok/s, while batch 32 measured slower once (13.6k vs 17.7k, on a host whose plain
-steps were also 1.5x slower that run); fewer threads at 32 rows is the cautious middle.
-Since the fill runs beside the step's Python work (below), the cap is all cores but two (14 on the
-H100 host): profile_decode_host.py there, JSON step at batch 64 / 128 1.81 / 4.38 ms with the cap
-at 8 and 1.62 / 3.10 ms at 14 (results/host_final.json, host_final_t14.json); bench_gpu.py with
-14: JSON batch 32 / 64 / 128 20.2k / 25.3k / 33.4k tok/s (results/gpu_final_t14.md).
-Rechecked later (session 7, H100 hosts): xgrammar starts and joins its threads in every call
-(~40-75 us each), and on the states of hand-written JSON answers (~4-8 us a row) 128 rows took
-0.40-0.47 ms on 4 threads against 0.88-1.11 on 14 (benchmarks/bench_fill_threads.py,
-results/fill_threads*.md); in the engine, though (bench_fill_policy.py, real weights), its rows cost
-more and no rule won on two hosts: JSON / plain at batch 32 / 64 / 128 was 0.95 / 0.85 / 0.84 on 4
-threads and 0.70 / 0.73 / 0.76 with this rule on one host, 0.93 / 0.90 / 0.79 against 0.95 / 0.94 /
-0.78 on another (results/fill_policy_ab_s7*.md); one thread was clearly worse (0.77 / 0.56 / 0.52).
-A thread count learned from the fills' times was tried and not kept (in the history after
-b6f717d: no better than this rule in the engine). That fill, not the step's Python beside it,
-bounds the overlapped JSON step at batch 64 and 128 (results/host_split_s7_*.json).
+Without a budget the rows are filled on the engine thread's behalf: one
+`GrammarMatcher.fill_next_token_bitmask` per row for small batches (up to DIRECT_FILL_MAX_ROWS), one
+GIL-free call for larger ones, on the native pool's persistent threads (`grammar/native_fill.py`: a
+thread per NATIVE_ROWS_PER_THREAD rows, up to `threads`; the step's token accepts go through it
+too). Where the pool cannot be built (another xgrammar layout) xgrammar's `BatchGrammarMatcher`
+does the work, a thread per ROWS_PER_THREAD rows. The pool is the default because the batch
+matcher starts and joins its threads in every call (~40-75 us each) and accepts on one thread: 128
+rows of real JSON states fill in 0.11 ms on the pool against 0.52-0.96 ms on the batch matcher at
+1-14 threads (H100 host, `benchmarks/bench_mask_fill.py`; docs/performance.md).
 Only the rows no matcher writes are set to all-ones: xgrammar writes every word of a row it fills
 (tests/test_mask_latency.py checks it).
 
@@ -78,10 +56,10 @@ _FINISHED = Status.FINISHED
 
 # Up to this many rows a plain loop on the engine thread costs no more than the batch matcher's call.
 DIRECT_FILL_MAX_ROWS = 8
-# Rows per thread of the batch matcher (measured at batch 32 to 128 with 1, 4 and 8 threads, above).
+# Rows per thread of the batch matcher (host time per step at batch 32-128 fell with up to 8 threads).
 ROWS_PER_THREAD = 8
-# Rows per thread of the native pool, whose threads are waiting (bench_fill_threads.py, H100 host:
-# 2 rows a thread fastest at batch 32 and 64, 4 at 128; results/fill_threads_native.md).
+# Rows per thread of the native pool, whose threads are waiting (benchmarks/bench_mask_fill.py, H100
+# host: 2 rows a thread fastest at batch 32 and 64, as fast as 4 at 128).
 NATIVE_ROWS_PER_THREAD = 2
 # Tokens accepted per thread of the native pool (an accept costs about what a cheap fill does).
 ACCEPT_ROWS_PER_THREAD = 8

@@ -2,13 +2,13 @@
 
 xgrammar's `BatchGrammarMatcher` starts and joins its threads in every call (~40-75 us each on
 the H100 host); at batch 32-128 that made the decode step's fill the last thing to end on the
-host (benchmarks/results/host_split_s7_*.json), and its batch accept runs on one thread.
+host, and its batch accept runs on one thread.
 `NativeFill` makes the same per-row calls into xgrammar (`GrammarMatcher.fill_next_token_bitmask`,
 `accept_token`, `rollback`, through the TVM FFI C ABI that xgrammar's own Python bindings use) from
 threads that live as long as the engine: a step's token accepts (`accept`), its bitmask rows
 (`prepare`, then `PoolFill.run`, or `start` and `finish` around other work) and a speculative
 step's draft chains (`chains_call`). 128 rows of real JSON states on the H100 host: 0.11 ms against 0.52-0.96 for
-xgrammar's batch matcher at 1-14 threads (benchmarks/results/fill_threads_native.md).
+xgrammar's batch matcher at 1-14 threads (`benchmarks/bench_mask_fill.py`).
 
 `NativeFill.create` returns None where that ABI is not found (another xgrammar or tvm-ffi layout,
 or no native extension): callers then use xgrammar's batch matcher.

@@ -6,9 +6,9 @@ head (so every K/V row is read once per kv head) and one contiguous chunk of the
 split it writes the output directly (one launch). With several, each program writes a partial
 output plus its log-sum-exp and a second launch, grid (B, H), merges the splits (`merge_splits`).
 Merging inside the split launch instead (the last split program to finish, found with atomic
-counters) was measured slower on the H100 and removed (results/decode_ab.md, SmolLM2 shapes, slot
-table 8192 wide): the whole graphed decode forward 1.378 vs 1.341 ms at batch 1 and 1.380 vs
-1.340 ms at batch 32; one call 6.1 vs 4.7 us at batch 1.
+counters) is slower on the H100 (SmolLM2 shapes, slot table 8192 wide: the whole graphed decode
+forward 1.378 vs 1.341 ms at batch 1 and 1.380 vs 1.340 ms at batch 32; one call 6.1 vs 4.7 us at
+batch 1), so the merge stays a launch of its own.
 
 RoPE and the KV store can be fused in (`rope=DecodeRope(...)`, what the engine's decode uses):
 every program rotates its q heads; the split that owns the last context position (the new token)
