@@ -279,8 +279,9 @@ def classify_completion(ans: Answer, schema: dict, content: str, finish: str | N
 
 # ---------------------------------------------------------------- requests
 
-def request_body(case: Case, model: str, temperature: float, max_tokens: int, stream: bool, seed: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": build_prompt(case.schema)}],
+def request_body(case: Case, model: str, temperature: float, max_tokens: int, stream: bool, seed: int,
+                 sampling: dict | None = None) -> dict:
+    body = {**(sampling or {}), "model": model, "messages": [{"role": "user", "content": build_prompt(case.schema)}],
             "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
             "response_format": {"type": "json_schema", "json_schema": {
                 "name": re.sub(r"[^A-Za-z0-9_-]", "_", case.id)[:64], "schema": case.schema, "strict": True}}}
@@ -354,7 +355,8 @@ def _json_or_text(text: str):
 
 
 async def run_load(url: str, cases: list[Case], model: str, clients: int, temperature: float, max_tokens: int,
-                   stream: bool, seed: int, timeout_s: float = 1800.0) -> tuple[list[Answer], float]:
+                   stream: bool, seed: int, sampling: dict | None = None,
+                   timeout_s: float = 1800.0) -> tuple[list[Answer], float]:
     """Sends every case with `clients` concurrent workers; returns the answers (in case order) and wall time."""
     queue: asyncio.Queue = asyncio.Queue()
     for i, case in enumerate(cases):
@@ -365,7 +367,7 @@ async def run_load(url: str, cases: list[Case], model: str, clients: int, temper
     async def worker(client):
         while not queue.empty():
             i, case = queue.get_nowait()
-            body = request_body(case, model, temperature, max_tokens, stream, seed + i)
+            body = request_body(case, model, temperature, max_tokens, stream, seed + i, sampling)
             answers[i] = await send_one(client, case, body)
 
     t0 = time.perf_counter()
@@ -475,11 +477,13 @@ class Config:
     clients: int
     temperature: float
     stream: bool
+    sampling: dict = field(default_factory=dict)  # more request fields, e.g. frequency_penalty
 
 
 def parse_config(name: str, clients: int, temperature: float, stream: bool, extra_args: list[str]) -> Config:
-    """'ngram-t0.7-stream-c128' -> n-gram speculation, T=0.7, streamed, 128 clients (unset parts: the flags)."""
-    server_args = list(extra_args)
+    """'ngram-t0.7-stream-c128' -> n-gram speculation, T=0.7, streamed, 128 clients (unset parts: the flags);
+    'fp0.5' adds frequency_penalty 0.5 to every request."""
+    server_args, sampling = list(extra_args), {}
     for tok in name.split("-"):
         if tok == "plain":
             pass
@@ -493,9 +497,11 @@ def parse_config(name: str, clients: int, temperature: float, stream: bool, extr
             stream = True
         elif re.fullmatch(r"c\d+", tok):
             clients = int(tok[1:])
+        elif re.fullmatch(r"fp\d+(\.\d+)?", tok):
+            sampling["frequency_penalty"] = float(tok[2:])
         else:
             raise ValueError(f"unknown configuration part {tok!r} in {name!r}")
-    return Config(name, server_args, clients, temperature, stream)
+    return Config(name, server_args, clients, temperature, stream, sampling)
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -553,7 +559,7 @@ def run_config(config: Config, cases: list[Case], max_tokens: int, seed: int, ur
         models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         before = read_metrics(url)
         answers, wall = asyncio.run(run_load(url, cases, models[0]["id"], config.clients, config.temperature,
-                                             max_tokens, config.stream, seed))
+                                             max_tokens, config.stream, seed, config.sampling))
         summary = summarize(config, answers, wall, grammar_metrics(before, read_metrics(url)))
         if server is not None:
             summary["server_ready_s"] = server.ready_s
