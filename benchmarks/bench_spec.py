@@ -32,7 +32,7 @@ import time
 import torch
 
 from common import RESULTS, SCHEMAS, bar_plot, machine, markdown_table, write_results
-from constrained_spec.engine.speculative import SPEC_PHASES
+from constrained_spec.speculative.worker import SPEC_PHASES
 
 DOC = ("The Aurora-7 research station sits 3,200 metres above sea level on the Kaskawulsh plateau. It was opened "
        "in 2019, houses 14 researchers in winter and 31 in summer, and runs on a 420 kW solar array with two backup "

@@ -96,11 +96,10 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                  f"(default: {DEFAULT_MODEL_LABEL}, fetched and cached on first use)")),
     "device": ("model", dict(metavar="DEV", help="cpu, cuda, cuda:N, or auto: CUDA when available (default: auto)")),
     "dtype": ("model", dict(choices=["auto", "float32", "float16", "bfloat16"],
-                            help="weights and KV-cache dtype; auto: bfloat16 on CUDA and on CPUs with AMX-BF16, "
-                                 "float32 on other CPUs (default: auto)")),
-    "attention_backend": ("model", dict(metavar="NAME",
-                                        help="attention kernels: torch, triton, flashinfer, or auto: triton on CUDA, "
-                                             "torch on CPU (default: auto)")),
+                            help="weights and KV-cache dtype; auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
+                                 "(AMX-BF16 or AVX512-BF16), float32 on other CPUs (default: auto)")),
+    "attention_backend": ("model", dict(choices=["auto", "torch", "triton"],
+                                        help="attention kernels; auto: triton on CUDA, torch on CPU (default: auto)")),
     "max_model_len": ("model", dict(metavar="N", help="context length in tokens (prompt + completion); "
                                                       "default: the model's, capped at 8192")),
     "kv_cache_memory_gb": ("memory", dict(metavar="GIB",

@@ -1,4 +1,4 @@
-"""Grammar-guided drafting (spec/grammar_draft.py) with the real SmolLM2 tokenizer, real xgrammar
+"""Grammar-guided drafting (speculative/grammar_draft.py) with the real SmolLM2 tokenizer, real xgrammar
 matchers and the native n-gram drafter."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
-from constrained_spec.spec.grammar_draft import guided_chain, stable_forced_tokens, write_chain
-from constrained_spec.spec.ngram import NgramDrafter
+from constrained_spec.speculative.grammar_draft import guided_chain, stable_forced_tokens, write_chain
+from constrained_spec.speculative.ngram import NgramDrafter
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                                            "population": {"type": "integer"}},

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from constrained_spec._native import NgramTrie
-from constrained_spec.spec.drafter import DraftBatch
-from constrained_spec.spec.ngram import NgramDrafter
-from constrained_spec.spec.tree import DraftTrees
+from constrained_spec.speculative.drafter import DraftBatch
+from constrained_spec.speculative.ngram import NgramDrafter
+from constrained_spec.speculative.tree import DraftTrees
 
 
 def check_layout(tokens, nxt, sib, n_max, branches):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from constrained_spec.spec.tree import DraftTrees, HostTrees, allowed_from_bitmask, host_ancestors, host_parents
-from constrained_spec.spec.verify import greedy_accept_host, greedy_verify
+from constrained_spec.speculative.tree import DraftTrees, HostTrees, allowed_from_bitmask, host_ancestors, host_parents
+from constrained_spec.speculative.verify import greedy_accept_host, greedy_verify
 from test_tree import EXAMPLE, random_tree, ref_prune, ref_structure
 
 
@@ -233,7 +233,7 @@ def run_policy(policy, batch, seconds, steps=200, start=0.0, launch=None, spec_t
 
 
 def test_policy_measures_both_then_keeps_the_faster():
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy(min_samples=1)
     picks = run_policy(p, 1, {True: 0.002, False: 0.001})  # spec: 1500 tok/s, plain: 1000 tok/s
     # speculation measured first, then plain (the first step of each run is no sample), then the faster
@@ -246,7 +246,7 @@ def test_policy_measures_both_then_keeps_the_faster():
 
 
 def test_policy_buckets_and_unclean_samples():
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy(min_samples=1)
     assert p.choose(3, 0.0, 0) is True  # bucket 4
     assert p.choose(3, 0.01, 1) is True  # the first step of a run is no sample: spec still unmeasured
@@ -261,7 +261,7 @@ def test_policy_buckets_and_unclean_samples():
 def test_policy_counts_the_tokens_of_steps_it_cannot_time():
     """A speculative step right after a plain one (or with a prefill in between) is no timing, but
     what it emitted is a sample of acceptance."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy(min_samples=1)
     assert p.choose(1, 0.0, 0) is True  # first step: no timing
     p.add_tokens(5)
@@ -273,7 +273,7 @@ def test_policy_counts_the_tokens_of_steps_it_cannot_time():
 
 
 def test_policy_measures_each_arm_several_times_before_judging():
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy(min_samples=4)
     picks = run_policy(p, 1, {True: 0.002, False: 0.001})
     assert picks[:10] == [True] * 5 + [False] * 5
@@ -287,7 +287,7 @@ def test_policy_measures_each_arm_several_times_before_judging():
 def test_policy_not_fooled_by_the_overlap_pipeline(spec_seconds, expect_spec):
     """Plain 1 ms/step launched in 0.3 ms: speculation at 2 ms per 3 tokens must win (1500 vs 1000
     tok/s), at 4 ms lose (750), though the switches make plain look 3x faster and spec slower."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     picks = run_policy(MeasuredPolicy(), 1, {True: spec_seconds, False: 0.001}, steps=600, launch=0.0003)
     share = sum(picks[20:]) / len(picks[20:])
     assert share > 0.9 if expect_spec else share < 0.1
@@ -299,7 +299,7 @@ def test_policy_with_acceptance_that_comes_in_phases(spec_seconds, expect_spec):
     on average. At 2 ms per speculative step that is 2000 tok/s against plain's 1000 and must win
     although the short re-measurements of speculation often land in a slow phase; at 5 ms (800
     tok/s) it must lose."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     picks = run_policy(MeasuredPolicy(), 1, {True: spec_seconds, False: 0.001}, steps=3000,
                        spec_tokens=lambda t: 7 if (t // 12) % 2 == 0 else 1)
     share = sum(picks[100:]) / len(picks[100:])
@@ -309,7 +309,7 @@ def test_policy_with_acceptance_that_comes_in_phases(spec_seconds, expect_spec):
 def test_policy_leaves_speculation_after_a_lucky_start():
     """Drafts right for the first 8 steps, then never: 500 tok/s against plain's 1000. (While the
     acceptance average rests on few, widely spread steps, speculation is re-measured often.)"""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     picks = run_policy(MeasuredPolicy(), 1, {True: 0.002, False: 0.001}, steps=400,
                        spec_tokens=lambda t: 7 if t < 8 else 1)
     assert sum(picks[40:80]) <= 20 and sum(picks[150:]) / len(picks[150:]) < 0.1
@@ -319,7 +319,7 @@ def test_policy_shrugs_off_host_hiccups():
     """Speculation at 2 ms per 3 tokens beats plain at 1 ms; every 40th step (either arm) takes an
     extra 20 ms (a garbage collection). Unclipped, each hiccup that lands on a speculative step
     sends the bucket to plain decoding for hundreds of steps."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     picks = run_policy_timed(MeasuredPolicy(), 2000, 3,
                              lambda i, spec: (0.002 if spec else 0.001) + (0.020 if i % 40 == 39 else 0.0))
     assert sum(picks[100:]) / len(picks[100:]) > 0.9
@@ -343,7 +343,7 @@ def test_policy_step_times_ignore_a_slow_step_tail():
     kept. A moving average clipped at twice itself (the policy before) climbed to 2.8 / 1.2 ms and
     speculated on 46% of the steps: with speculation's slow steps 2 ms longer than plain's, it
     judged speculation the slower."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy()
     picks = run_policy_timed(p, 3000, 2.4, lambda i, spec: (0.002 if spec else 0.001) * (3.0 if i % 5 == 4 else 1.0))
     assert p.arms[(1, True)].step_seconds == pytest.approx(0.002)
@@ -356,7 +356,7 @@ def test_policy_does_not_keep_re_measuring_plain_on_scattered_acceptance():
     1 ms) on an acceptance too scattered to be sure of: the quick re-measurement a close call gets is
     for speculation when it is the slower arm (its steps add acceptance samples); re-measuring plain
     teaches nothing about acceptance. Applied both ways it decoded plainly on ~45% of the steps."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy()
     now, picks = 0.0, []
     for i in range(3000):
@@ -369,7 +369,7 @@ def test_policy_does_not_keep_re_measuring_plain_on_scattered_acceptance():
 
 
 def test_spec_metrics_export_acceptance_and_host_phases():
-    from constrained_spec.engine.speculative import SPEC_PHASES, SpecStats
+    from constrained_spec.speculative.worker import SPEC_PHASES, SpecStats
     from constrained_spec.server.metrics import _spec_metrics
     st = SpecStats(steps=4, verified_requests=8, accepted_tokens=12, draft_seconds=0.002, mask_seconds=0.001)
     st.histogram[1], st.histogram[2] = 4, 4
@@ -410,7 +410,7 @@ def test_policy_re_measures_soon_after_an_unlucky_cold_start():
     """Speculation at 2 ms per step, plain at 1 ms: the first 6 speculative steps emit 1.5 tokens per
     request (a cold trie), then 3.5 (3.5 per 2 ms beats plain by 1.75x). Speculation must win back
     within a few dozen steps, not after hundreds."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy()
     spec_steps = []
 
@@ -426,7 +426,7 @@ def test_policy_re_measures_close_arms_more_often_than_a_clear_loser():
     """The re-measurement budget is a share of throughput: plain at 1000 tok/s against speculation
     at 900 (close: re-measured often, a cold start's low estimate is soon corrected) or at 300 (a
     clear loser: rarely)."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     close = run_policy(MeasuredPolicy(), 1, {True: 0.003 / 0.9 * 1.0, False: 0.001}, steps=2000)
     clear = run_policy(MeasuredPolicy(), 1, {True: 0.010, False: 0.001}, steps=2000)
     assert sum(close[20:]) > 4 * max(sum(clear[20:]), 1)
@@ -439,7 +439,7 @@ def test_policy_borrows_only_implied_decisions():
     cost shrinks with the batch), which is measured afresh and speculates. Growing again to 32
     after 16 speculated: measured already. A new bucket 64 borrows 32's plain decision (it costs
     more to speculate there) and decodes plainly from its first step."""
-    from constrained_spec.engine.spec_policy import MeasuredPolicy
+    from constrained_spec.speculative.policy import MeasuredPolicy
     p = MeasuredPolicy()
     run_policy(p, 32, {True: 0.010, False: 0.001}, steps=40)  # 3 tokens per request in 10 ms: loses
     assert p.rates(32)[0] < p.rates(32)[1]

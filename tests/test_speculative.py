@@ -12,7 +12,7 @@ import pytest
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.grammar import GrammarSpec
-from constrained_spec.spec.drafter import DraftBatch, Drafter
+from constrained_spec.speculative.drafter import DraftBatch, Drafter
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
@@ -101,7 +101,7 @@ class OracleDrafter(Drafter):
         self.streams[request_id][1].extend(accepted_tokens)
 
     def propose(self, batch: DraftBatch):
-        from constrained_spec.spec.tree import DraftTrees
+        from constrained_spec.speculative.tree import DraftTrees
         trees = []
         for rid in batch.request_ids:
             prompt, out = self.streams[rid]
@@ -188,7 +188,7 @@ def test_always_policy_pauses_while_drafts_fail(tiny_llama_dir):
     """Random weights: the n-gram drafts are (nearly) never accepted. With `always`, after 32
     request-steps of acceptance below speculative_min_accept the engine decodes plainly for 16
     steps, then speculates again; the output is unchanged."""
-    from constrained_spec.engine.speculative import PAUSE_STEPS
+    from constrained_spec.speculative.worker import PAUSE_STEPS
     kw = dict(model=tiny_llama_dir, device="cpu", max_running_requests=4)
     sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     prompt = [5, 9, 5, 9, 5, 9, 5, 9]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from constrained_spec.spec.tree import DraftTrees, allowed_from_bitmask
+from constrained_spec.speculative.tree import DraftTrees, allowed_from_bitmask
 
 EXAMPLE = ([3, 4, 6, 5, 7, 9], [1, 3, 4, -1, -1, -1], [-1, 2, -1, 5, -1, -1])
 

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from constrained_spec.spec.tree import DraftTrees
-from constrained_spec.spec.verify import greedy_verify, rejection_verify
+from constrained_spec.speculative.tree import DraftTrees
+from constrained_spec.speculative.verify import greedy_verify, rejection_verify
 
 EXAMPLE = ([3, 4, 6, 5, 7, 9], [1, 3, 4, -1, -1, -1], [-1, 2, -1, 5, -1, -1])
 V = 8

@@ -24,9 +24,8 @@ class EngineConfig:
     # is the step's: its thread and the mask threads). Compiles queue for them; the timeout below
     # counts a grammar's own compile time, not its wait
     grammar_threads: int | None = None
-    # threads filling grammar bitmask rows: xgrammar's batch matcher's (no budget), or the budgeted
-    # fill's workers (at least 2); mask_filler.py has the measurements behind the default
-    # (since the fill runs beside the step's Python work, all cores but two: 14 on the H100 host)
+    # threads filling grammar bitmask rows (the native fill pool's): all cores but two, since the
+    # fill runs beside the step's own Python work (engine/mask_filler.py)
     grammar_mask_threads: int = field(default_factory=lambda: max(1, min(16, (os.cpu_count() or 2) - 2)))
     grammar_mask_budget_ms: float | None = None  # per step; requests whose mask is not ready by then
     #   skip the step (losslessly) instead of holding the batch. None or 0: wait for every mask

@@ -8,7 +8,7 @@ Graphs exist for
   buffer, masks, samples, writes `last_token` and copies the tokens to a pinned host buffer — so a
   constrained step replays too, and a decode step costs two graph launches and two small copies;
 - the speculative VERIFY step at a fixed tree width, in three parts (forward; bitmask + argmax
-  tail; commit of the accepted path), whose buffers and code live in `spec_verify.py`;
+  tail; commit of the accepted path), whose buffers and code live in `speculative/verify_step.py`;
 - the EXTEND forward of a single request (prefill), per bucket of new tokens, up to the last
   token's logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it.
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
@@ -30,7 +30,7 @@ from .pinned import PinnedStaging
 from .prefill_graph import PrefillIO
 from ..kernels import mask_logits
 from .sampler import SamplingBatch, sample
-from .spec_verify import VerifyIO
+from ..speculative.verify_step import VerifyIO
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture_verify(self, q_len: int, max_batch: int) -> None:
         """Verify graphs at tree width `q_len` for the ladder's sizes up to `max_batch`: per size the
-        forward, the tail (masked or not) and the commit of `spec_verify.VerifyIO`, whose static
+        forward, the tail (masked or not) and the commit of `verify_step.VerifyIO`, whose static
         buffers they read and write."""
         t0 = time.perf_counter()
         sizes = [b for b in self.batch_sizes if b <= max_batch]

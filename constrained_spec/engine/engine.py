@@ -37,7 +37,7 @@ from ..grammar import GrammarBackend, GrammarError, GrammarSpec
 from ..grammar.disk_cache import resolve_dir as resolve_cache_dir
 from ..models import load_model
 from ..sampling_params import SamplingParams
-from ..spec.grammar_draft import stable_forced_tokens
+from ..speculative.grammar_draft import stable_forced_tokens
 from .config import EngineConfig
 from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer
@@ -46,7 +46,7 @@ from .model_runner import ModelRunner, StepResult
 from .omp_pool import on_fresh_thread
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
-from .speculative import SpeculativeWorker, make_drafter
+from ..speculative.worker import SpeculativeWorker, make_drafter
 from .step_thread import StepThread
 from ..attention import ForwardMode
 from .stats import EngineStats

@@ -325,6 +325,19 @@ class ModelRunner:
         top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
         return chosen, top_ids, top_vals
 
+    def sample_ahead(self, reqs, logits: torch.Tensor, ahead: np.ndarray) -> torch.Tensor:
+        """Row b * N + j of `logits` drawn as a plain decode step of `reqs[b]` would draw it
+        `ahead[b, j]` output positions later: same seed, position counter, temperature and filters
+        (no penalties). The speculative step's sampled verification; [B, N] tokens on the device."""
+        B, N = ahead.shape
+        sb = self._sampling_batch(reqs, None)
+        expand = lambda t: t.repeat_interleave(N)
+        offsets = torch.from_numpy(np.ascontiguousarray(ahead, dtype=np.int64).reshape(-1)).to(logits.device)
+        per_node = SamplingBatch(temperature=expand(sb.temperature), top_k=expand(sb.top_k),
+                                 top_p=expand(sb.top_p), min_p=expand(sb.min_p), seeds=expand(sb.seeds),
+                                 steps=expand(sb.steps) + offsets, needs_filter=sb.needs_filter)
+        return sample(logits[:B * N], per_node).view(B, N)
+
     def _sampling_batch(self, reqs, rows_d) -> SamplingBatch:
         n = len(reqs)
         f = np.empty((6, n), dtype=np.float64)

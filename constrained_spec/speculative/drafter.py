@@ -41,7 +41,7 @@ class Drafter(ABC):
     #: to [B, N] (the static verify width for CUDA graphs).
     num_draft_tokens: int
     #: whether `next_tokens` works: then requests with a grammar get grammar-guided chains
-    #: (spec/grammar_draft.py) instead of `propose`'s trees
+    #: (`grammar_draft.py`) instead of `propose`'s trees
     has_next_tokens: bool = False
     #: trailing context tokens `next_tokens` reads (callers pass no more than this)
     context_tokens: int = 8
@@ -62,7 +62,7 @@ class Drafter(ABC):
     def next_tokens(self, request_id: Hashable, context: Sequence[int], k: int) -> Sequence[int]:
         """Up to k likely next tokens after `context` (the tail of the request's stream, perhaps
         followed by drafted tokens), best first: what grammar-guided drafting picks from
-        (spec/grammar_draft.py). Only called when `has_next_tokens` is set."""
+        (`grammar_draft.py`). Only called when `has_next_tokens` is set."""
         raise NotImplementedError
 
     def observe(self, request_id: Hashable, accepted_tokens: Sequence[int]) -> None:

@@ -3,7 +3,7 @@
 One trie is shared by all requests (prompts and outputs, frequency counts, LRU-leaf eviction at
 ``capacity`` nodes); each request also has its own small trie whose continuations rank first.
 Drafts are deterministic (no draft distribution): the engine verifies them by path matching against
-the target's greedy or seeded draws (`engine/speculative.py`), the single-token case of
+the target's greedy or seeded draws (`worker.py`), the single-token case of
 ``rejection_verify(..., draft_probs=None)``.
 """
 from __future__ import annotations

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
-from ..spec.tree import HostTrees
 from ..kernels import mask_logits
+from .tree import HostTrees
 
 
 class VerifyIO:

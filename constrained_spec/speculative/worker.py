@@ -26,18 +26,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..spec.drafter import DraftBatch, Drafter
-from ..spec.grammar_draft import guided_chain, write_chain
-from ..spec.tree import HostTrees
-from ..spec.verify import HostAcceptance, greedy_accept_host
-from .batch import ScheduledBatch
-from .sampler import SamplingBatch, sample
-from .spec_policy import MeasuredPolicy
-from .spec_verify import VerifyIO, VerifyLaunch
+from .drafter import DraftBatch, Drafter
+from .grammar_draft import guided_chain, write_chain
+from .policy import MeasuredPolicy
+from .tree import HostTrees
+from .verify import HostAcceptance, greedy_accept_host
+from .verify_step import VerifyIO, VerifyLaunch
+
+if TYPE_CHECKING:  # the engine calls this package, never the other way at import time
+    from ..engine.batch import ScheduledBatch
+    from ..engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ def make_drafter(config) -> Drafter | None:
     if not algo:
         return None
     if algo == "ngram":
-        from ..spec.ngram import NgramDrafter
+        from .ngram import NgramDrafter
         return NgramDrafter(num_draft_tokens=config.speculative_num_draft_tokens, branches=config.ngram_branches,
                             max_ngram=config.ngram_max_match, min_ngram=config.ngram_min_match,
                             capacity=config.ngram_capacity)
@@ -84,7 +87,12 @@ def make_drafter(config) -> Drafter | None:
 
 
 class SpeculativeWorker:
-    def __init__(self, engine, drafter: Drafter):
+    """The speculative step of the engine that owns it. Of the engine it uses only `config`,
+    `runner` (the model runner: KV pool and table, graphs, `sample_ahead`), `tokenizer`, `masks`
+    (`MaskFiller.fill_chains`), `stats.steps`, `_grammar_stop_ids` and `_append_verified` (the
+    emitted tokens go back through the engine's own token path)."""
+
+    def __init__(self, engine: Engine, drafter: Drafter):
         self.engine = engine
         self.runner = engine.runner
         self.drafter = drafter
@@ -296,17 +304,10 @@ class SpeculativeWorker:
         x is accepted with probability p(x), and after a rejection the draw is distributed as the
         residual p without the rejected tokens, renormalized (siblings included); so the output
         distribution is the target's. It also emits, for a seeded request, the very tokens plain
-        sampling emits, whatever was drafted (`spec.verify.rejection_verify` is the general form,
+        sampling emits, whatever was drafted (`verify.rejection_verify` is the general form,
         for drafters that propose distributions)."""
-        B, N = trees.shape
-        sb = self.runner._sampling_batch(reqs, None)
-        expand = lambda t: t.repeat_interleave(N)
         # a plain step draws with num_cached counting its input token: node d's input is cached at base + d
-        depth = torch.from_numpy(trees.depth.reshape(-1) + 1).to(logits.device)
-        per_node = SamplingBatch(temperature=expand(sb.temperature), top_k=expand(sb.top_k),
-                                 top_p=expand(sb.top_p), min_p=expand(sb.min_p), seeds=expand(sb.seeds),
-                                 steps=expand(sb.steps) + depth, needs_filter=sb.needs_filter)
-        drawn = sample(logits[:B * N], per_node).view(B, N).cpu().numpy()  # the step's one read-back
+        drawn = self.runner.sample_ahead(reqs, logits, trees.depth + 1).cpu().numpy()  # the step's one read-back
         return greedy_accept_host(trees, drawn)
 
     # -- after verification ----------------------------------------------------------------------
