@@ -103,19 +103,7 @@ def main():
     ap.add_argument("--name", default=None, help="results file name (default gpu)")
     ap.add_argument("--xgrammar-fill", action="store_true",
                     help="fill masks with xgrammar's batch matcher instead of the native pool (A/B)")
-    ap.add_argument("--fill-beside-step-thread", action="store_true",
-                    help="overlapped fills as one call on the engine thread while its step thread appends (A/B; "
-                         "default: the fill runs on the native pool while the engine thread appends)")
-    ap.add_argument("--accepts-before-fill", action="store_true",
-                    help="the overlapped step's token accepts in a pool call of their own before its fill starts "
-                         "(A/B; default: in the fill's job, each request's before its row)")
     args = ap.parse_args()
-    if args.accepts_before_fill:
-        from constrained_spec.engine import mask_filler
-        mask_filler.ACCEPTS_IN_FILL = False
-    if args.fill_beside_step_thread:
-        from constrained_spec.engine import mask_filler
-        mask_filler.START_ON_POOL = False
     if args.xgrammar_fill:
         from constrained_spec.grammar.native_fill import NativeFill
         NativeFill.create = classmethod(lambda cls, workers: None)

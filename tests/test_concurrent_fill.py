@@ -20,7 +20,6 @@ from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.engine.engine import _Collector
 from constrained_spec.engine.request import Status
-from constrained_spec.engine import mask_filler
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
 from constrained_spec.grammar import GrammarSpec
 from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
@@ -546,9 +545,8 @@ def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
         filler.close()
 
 
-@pytest.mark.parametrize("native, in_fill", [(True, True), (True, False), (False, True)],
-                         ids=["native-pool", "native-pool-accepts-before", "xgrammar-calls"])
-def test_started_fill_accepts_the_last_tokens_first(backend, native, in_fill, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
+def test_started_fill_accepts_the_last_tokens_first(backend, native):
     """`start(reqs, accept_reqs, accept_tokens)`: each accepting request takes its token before its row is filled (a
     request not among `reqs` only takes it); a refused token is reported once finished and leaves
     its matcher where it was."""
@@ -564,7 +562,6 @@ def test_started_fill_accepts_the_last_tokens_first(backend, native, in_fill, mo
     filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
     if not native:
         filler._native = None
-    monkeypatch.setattr(mask_filler, "ACCEPTS_IN_FILL", in_fill)
     try:
         started = filler.start(sampling, [r for r, _ in accepts], [t for _, t in accepts])
         started.finish()

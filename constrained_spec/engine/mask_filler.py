@@ -70,14 +70,6 @@ CHAINS_PER_THREAD = 2
 SLOW_SHARE = 0.5
 # Workers started beyond `threads` to stand in for workers held by late fills (one per late fill).
 MAX_EXTRA_WORKERS = 32
-# Started fills run on the native pool's threads while the engine thread appends the step's tokens
-# (False: the engine thread makes the fill as one call while its step thread appends; an A/B lever,
-# `bench_gpu.py --fill-beside-step-thread`).
-START_ON_POOL = True
-# The overlapped step's token accepts run in the started fill's job on the pool, each request's
-# before its row (False: in a pool call of their own before the fill starts; an A/B lever,
-# `bench_gpu.py --accepts-before-fill`).
-ACCEPTS_IN_FILL = True
 # A started fill (`MaskFiller.start`) of fewer rows is not worth the engine's hand-over of the step's
 # Python work to its step thread (a thread wake-up at each end, some 20-60 us each).
 BACKGROUND_MIN_ROWS = 4
@@ -239,12 +231,8 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        on_pool = self._native is not None and START_ON_POOL
-        if on_pool and ACCEPTS_IN_FILL:
+        if self._native is not None:  # the accepts ride along in the fill's job, each before its row
             started = self._start_on_pool(reqs, live, accept_reqs, accept_tokens, bitmask)
-        elif on_pool:
-            refused = self._accept_now(accept_reqs, accept_tokens)
-            started = self._start_on_pool(reqs, live, (), (), bitmask, refused)
         else:
             refused = self._accept_now(accept_reqs, accept_tokens)
             fill = self._fill_call([reqs[i].matcher for i in live], bitmask, live)
@@ -257,10 +245,9 @@ class MaskFiller:
         return started
 
     def _start_on_pool(self, reqs: Sequence, live: list[int], accept_reqs: Sequence, accept_tokens: Sequence[int],
-                       bitmask, refused: list = ()) -> StartedFill:
+                       bitmask) -> StartedFill:
         """One job on the pool: each live row's request accepts its token (if it has one among the
-        accepts), then fills its row; the accepting requests without a row only accept.
-        `refused`: what accepts made before refused."""
+        accepts), then fills its row; the accepting requests without a row only accept."""
         entries = reqs if len(live) == len(reqs) else [reqs[i] for i in live]
         rows, tokens = live, None
         if len(accept_reqs) == len(entries) and all(map(operator.is_, accept_reqs, entries)):
@@ -278,7 +265,7 @@ class MaskFiller:
 
         def finish() -> list:
             running.finish()
-            return list(refused) + [(entries[j], tokens[j]) for j in running.refused()]
+            return [(entries[j], tokens[j]) for j in running.refused()]
         return StartedFill(reqs, finish, on_threads=True)
 
     def _accept_now(self, accept_reqs: Sequence, accept_tokens: Sequence[int]) -> list:
