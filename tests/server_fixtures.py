@@ -48,7 +48,12 @@ def _get_engine(request):
         if "engine" not in _cache:
             from constrained_spec.engine import Engine, EngineConfig
             _cache["model_path"] = _model_path(request)
-            _cache["engine"] = Engine(EngineConfig(model=_cache["model_path"], device="cpu", max_running_requests=64))
+            # float32 where bfloat16 would not be batch-invariant (no AMX): the server tests check
+            # answers of requests batched with whatever else runs (tests/test_engine.exact_dtype)
+            from constrained_spec.kernels import cpu_native
+            dtype = "auto" if cpu_native.amx_linear_available() else "float32"
+            _cache["engine"] = Engine(EngineConfig(model=_cache["model_path"], device="cpu", dtype=dtype,
+                                                   max_running_requests=64))
             request.session.config.add_cleanup(_shutdown_all)
         return _cache["engine"]
 

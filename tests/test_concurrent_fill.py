@@ -149,11 +149,12 @@ def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch, na
 
 
 def illegal_token(matcher) -> int:
-    """A token the matcher refuses in its present state."""
+    """A text token the matcher refuses in its present state (not one of SmolLM2's 17 special
+    tokens: those are never legal, and the EOS among them ends a request by another path)."""
     row = torch.zeros((1, 1536), dtype=torch.int32)
     matcher.fill_bitmask(row, 0)
     words = row[0].tolist()
-    return next(t for t in range(49152) if not (words[t >> 5] >> (t & 31)) & 1)
+    return next(t for t in range(17, 49152) if not (words[t >> 5] >> (t & 31)) & 1)
 
 
 def inject(engine: Engine, when) -> None:
@@ -190,7 +191,9 @@ def test_refused_token_fails_its_request_only(tiny_llama_dir, reference, overlap
         outs = summary(eng.generate(PROMPTS, params, specs))
         ids, text, reason, error = outs[victim]
         assert reason is FinishReason.ERROR and "violates the grammar" in error
-        assert ids == reference[victim][0][:5]
+        # on the fill's pool (overlap) the step's tokens are streamed while their accepts run: the
+        # refused one has gone out when the request fails
+        assert ids[:5] == reference[victim][0][:5] and len(ids) <= 6
         assert outs[:victim] + outs[victim + 1:] == reference[:victim] + reference[victim + 1:]
         wait_pool_full(eng)
         del eng._process  # no more injections
@@ -210,7 +213,7 @@ def test_refused_tokens_in_one_step(tiny_llama_dir, reference):
         outs = summary(eng.generate(PROMPTS, params, specs))
         for i, (out, ref) in enumerate(zip(outs, reference)):
             if i in victims:
-                assert out[2] is FinishReason.ERROR and out[0] == ref[0][:3]
+                assert out[2] is FinishReason.ERROR and out[0][:3] == ref[0][:3] and len(out[0]) <= 4
             else:
                 assert out == ref
         wait_pool_full(eng)
