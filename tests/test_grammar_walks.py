@@ -41,13 +41,6 @@ SWEEP = os.environ.get("CONSTRAINED_SPEC_GRAMMAR_SWEEP") == "1"
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from constrained_spec.grammar.testing import load_test_tokenizer
-
-    return load_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def walker(tokenizer):
     b = GrammarBackend(tokenizer, VOCAB)
     yield Walker(b, tokenizer)
