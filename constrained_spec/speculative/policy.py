@@ -44,10 +44,8 @@ class MeasuredPolicy:
     timings: with the overlap scheduler a plain step's interval ends before its device work does,
     so the step after it absorbs the rest (a speculative step after a plain one looks slow, a plain
     one after a speculative one fast); their tokens still count. An arm's step time is the median of
-    its last `window` timings: on the H100 the clean timings had a median of 1.0 / 1.5 ms (plain /
-    speculative) and a 90th percentile 10-30% above it, but a moving average of them, even with each
-    timing clipped at twice the average, ended at 1.5-2.2x the median (the slow steps' tail pulls it
-    up faster than the normal steps pull it back); a host hiccup is not the arm's cost.
+    its last `window` timings, not an average: step timings have a long tail (host hiccups) that pulls
+    an average up faster than normal steps pull it back, and a hiccup is not the arm's cost.
 
     Per request, speculation gives `acceptance / spec seconds` tokens/s against `1 / plain seconds`.
     A bucket measures each arm for `min_samples` timings first (speculation first: its first step
@@ -66,10 +64,6 @@ class MeasuredPolicy:
     acceptance samples, so a close call the other way waits its turn): after the
     bucket has run `min_explore_ratio` to `max_explore_ratio` times as long as the re-measurement
     takes (a re-measurement's first step is no timing, so back to back ones would measure little).
-    Replayed over SmolLM2's JSON outputs with the H100's step costs and 30% timing noise
-    (batch 1, requests in turn; and a 32-request batch draining to 1), this does as well as or
-    better than the earlier policy (a fixed 1/20 of the time re-measuring, every bucket measured
-    from scratch): docs/architecture.md, "Speculative decoding".
     """
 
     def __init__(self, explore_cost: float = 0.01, min_explore_ratio: float = 3.0,
