@@ -30,6 +30,14 @@ def _model_path(request) -> str:
         return resolve_model_path(None)
 
 
+def exact_dtype() -> str:
+    """The CPU dtype for tests that compare answers token for token (batch invariance, top_k=1
+    against greedy): bfloat16 keeps them exact only through our AMX kernels (float32 logits);
+    without AMX, oneDNN's bfloat16 GEMMs depend on the batch and write bfloat16 logits that tie."""
+    from constrained_spec.kernels import cpu_native
+    return "auto" if cpu_native.amx_linear_available() else "float32"
+
+
 def _shutdown_all() -> None:
     for key in ("server", "secured", "tiny", "busy"):
         handle = _cache.pop(key, None)
@@ -48,11 +56,8 @@ def _get_engine(request):
         if "engine" not in _cache:
             from constrained_spec.engine import Engine, EngineConfig
             _cache["model_path"] = _model_path(request)
-            # float32 where bfloat16 would not be batch-invariant (no AMX): the server tests check
-            # answers of requests batched with whatever else runs (tests/test_engine.exact_dtype)
-            from constrained_spec.kernels import cpu_native
-            dtype = "auto" if cpu_native.amx_linear_available() else "float32"
-            _cache["engine"] = Engine(EngineConfig(model=_cache["model_path"], device="cpu", dtype=dtype,
+            # the server tests check answers of requests batched with whatever else runs
+            _cache["engine"] = Engine(EngineConfig(model=_cache["model_path"], device="cpu", dtype=exact_dtype(),
                                                    max_running_requests=64))
             request.session.config.add_cleanup(_shutdown_all)
         return _cache["engine"]

@@ -8,14 +8,7 @@ import pytest
 
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason, RequestError
-
-def exact_dtype() -> str:
-    """These tests compare token for token (batch invariance, top_k=1 against greedy): bfloat16 keeps
-    that only through our AMX kernels (float32 logits); without AMX, oneDNN's bfloat16 GEMMs depend
-    on the batch and write bfloat16 logits that tie, so the tests run float32 there."""
-    from constrained_spec.kernels import cpu_native
-    return "auto" if cpu_native.amx_linear_available() else "float32"
-
+from server_fixtures import exact_dtype
 
 TOPICS = ["the sea", "a red fox", "bread", "winter in Oslo", "prime numbers", "a violin", "trains", "the moon"]
 
