@@ -101,12 +101,7 @@ def main():
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for our engine, e.g. grammar_mask_threads=1 (repeatable; A/B runs)")
     ap.add_argument("--name", default=None, help="results file name (default gpu)")
-    ap.add_argument("--xgrammar-fill", action="store_true",
-                    help="fill masks with xgrammar's batch matcher instead of the native pool (A/B)")
     args = ap.parse_args()
-    if args.xgrammar_fill:
-        from constrained_spec.grammar.native_fill import NativeFill
-        NativeFill.create = classmethod(lambda cls, workers: None)
     opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine

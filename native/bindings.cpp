@@ -329,6 +329,44 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
            "Fills the rows no pool thread has taken and waits for the threads; returns -1, or the position of a "
            "row whose fill failed.")
       .def(
+          "set_staging",
+          [](MaskFillPool& pool, uintptr_t fill_method, int32_t type_index, uintptr_t bitmask, int64_t num_rows,
+             int64_t width, py::array_t<int8_t, py::array::c_style> done,
+             py::array_t<double, py::array::c_style> seconds) {
+            if (!fill_method || !bitmask) throw py::value_error("null fill method or bitmask");
+            if (done.size() != num_rows || seconds.size() != num_rows)
+              throw py::value_error("done and seconds need one entry per staging row");
+            if (!done.writeable() || !seconds.writeable()) throw py::value_error("done and seconds must be writeable");
+            pool.SetStaging(reinterpret_cast<void*>(fill_method), type_index, reinterpret_cast<int32_t*>(bitmask),
+                            num_rows, width, done.mutable_data(), seconds.mutable_data());
+          },
+          py::arg("fill_method"), py::arg("type_index"), py::arg("bitmask"), py::arg("num_rows"), py::arg("width"),
+          py::arg("done"), py::arg("seconds"),
+          "The staging bitmask of queued rows, and its done flags and fill times (one per row); the caller keeps "
+          "all three alive as long as the pool.")
+      .def(
+          "submit",
+          [](MaskFillPool& pool, I64Arr matchers, I64Arr rows, int64_t num_rows) {
+            const int64_t n = matchers.size();
+            if (rows.size() != n) throw py::value_error("matchers and rows differ in length");
+            const int64_t* r = rows.data();
+            for (int64_t i = 0; i < n; ++i)
+              if (r[i] < 0 || r[i] >= num_rows) throw py::index_error("staging row out of range");
+            pool.Submit(reinterpret_cast<const uintptr_t*>(matchers.data()), r, n);
+          },
+          py::arg("matchers"), py::arg("rows"), py::arg("num_rows"),
+          "Queues the fill of staging row rows[i] from matchers[i] (FFI object handles), in this order; the caller "
+          "clears done[rows[i]] first and keeps the matchers alive until it is set.")
+      .def(
+          "wait_rows",
+          [](MaskFillPool& pool, I64Arr rows, double timeout_s) {
+            py::gil_scoped_release nogil;
+            return pool.WaitRows(rows.data(), rows.size(), timeout_s);
+          },
+          py::arg("rows"), py::arg("timeout_s"),
+          "Waits (without the GIL) until every staging row in `rows` is done, or timeout_s has passed (< 0: no "
+          "limit); returns whether all are done.")
+      .def(
           "accept",
           [](MaskFillPool& pool, uintptr_t method, int32_t type_index, I64Arr matchers, IntArr tokens,
              py::array_t<int8_t, py::array::c_style> accepted, int helpers) {

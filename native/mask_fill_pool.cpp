@@ -1,5 +1,8 @@
 #include "mask_fill_pool.h"
 
+#include <chrono>
+#include <cstring>
+
 namespace cspec {
 
 namespace {
@@ -69,15 +72,16 @@ bool MaskFillPool::AcceptToken(int64_t i, int32_t token) {
   return Call(job_.accept_method, args, 3, &result) && result.type_index == kFfiBool && result.v_int64 != 0;
 }
 
-bool MaskFillPool::FillRow(int64_t i, int64_t row) {
-  DLTensorView tensor{job_.bitmask, 1, 0, 2, 0, 32, 1, shape_, nullptr, 0};
+bool MaskFillPool::FillRow(void* method, int32_t type_index, uintptr_t matcher, int32_t* bitmask,
+                           int64_t* shape, int64_t row) {
+  DLTensorView tensor{bitmask, 1, 0, 2, 0, 32, 1, shape, nullptr, 0};
   FfiAny args[4];
-  SetPtrArg(&args[0], job_.matcher_type_index, reinterpret_cast<void*>(job_.matchers[i]));
+  SetPtrArg(&args[0], type_index, reinterpret_cast<void*>(matcher));
   SetPtrArg(&args[1], kFfiDLTensorPtr, &tensor);
   SetArg(&args[2], kFfiInt, row);
   SetArg(&args[3], kFfiBool, 0);  // debug_print
   FfiAny result;
-  return Call(job_.fill_method, args, 4, &result);
+  return Call(method, args, 4, &result);
 }
 
 bool MaskFillPool::Rollback(int64_t i, int64_t num_tokens) {
@@ -99,7 +103,9 @@ bool MaskFillPool::WalkChain(int64_t i) {
       if (!ok) break;
       ++taken;
     }
-    if (!(d == length - 1 && job_.skip_last_fill[i])) ok = FillRow(i, job_.rows[i] + d);
+    if (!(d == length - 1 && job_.skip_last_fill[i]))
+      ok = FillRow(job_.fill_method, job_.matcher_type_index, job_.matchers[i], job_.bitmask, shape_,
+                   job_.rows[i] + d);
   }
   return Rollback(i, taken) && ok;
 }
@@ -115,7 +121,8 @@ void MaskFillPool::Work() {
       // accept-and-fill jobs mark "no token" and "no row" with -1
       if (job_.accept_method != nullptr)
         job_.accepted[i] = static_cast<int8_t>(job_.tokens[i] < 0 || AcceptToken(i, job_.tokens[i]));
-      if (job_.fill_method != nullptr && job_.rows[i] >= 0) ok = FillRow(i, job_.rows[i]);
+      if (job_.fill_method != nullptr && job_.rows[i] >= 0)
+        ok = FillRow(job_.fill_method, job_.matcher_type_index, job_.matchers[i], job_.bitmask, shape_, job_.rows[i]);
     }
     if (!ok) {
       int64_t expected = -1;
@@ -124,21 +131,82 @@ void MaskFillPool::Work() {
   }
 }
 
+void MaskFillPool::FillQueued(uintptr_t matcher, int64_t row) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int32_t* out = staging_.bitmask + row * staging_.shape[1];
+  // A row whose fill failed allows every token: the end-of-request check still holds the output to
+  // the grammar, and one broken matcher must not stop the threads.
+  if (!FillRow(staging_.fill_method, staging_.type_index, matcher, staging_.bitmask, staging_.shape, row))
+    std::memset(out, 0xff, sizeof(int32_t) * staging_.shape[1]);
+  staging_.seconds[row] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    __atomic_store_n(&staging_.done[row], int8_t{1}, __ATOMIC_RELEASE);
+  }
+  row_done_.notify_all();
+}
+
 void MaskFillPool::WorkerLoop(int id) {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    wake_.wait(lock, [&] { return stop_ || generation_ != seen || !queued_.empty(); });
     if (stop_) return;
-    seen = generation_;
-    // A worker that wakes after the caller closed the job (it found no rows left) stays out.
-    if (!open_ || id >= helpers_) continue;
-    ++inside_;
-    lock.unlock();
-    Work();
-    lock.lock();
-    if (--inside_ == 0) idle_.notify_one();
+    if (generation_ != seen) {
+      seen = generation_;
+      // A worker that wakes after the caller closed the job (it found no rows left) stays out.
+      if (open_ && id < helpers_) {
+        ++inside_;
+        lock.unlock();
+        Work();
+        lock.lock();
+        if (--inside_ == 0) idle_.notify_one();
+        continue;
+      }
+    }
+    if (!queued_.empty()) {
+      const auto [matcher, row] = queued_.front();
+      queued_.pop_front();
+      lock.unlock();
+      FillQueued(matcher, row);
+      lock.lock();
+    }
   }
+}
+
+void MaskFillPool::SetStaging(void* fill_method, int32_t matcher_type_index, int32_t* bitmask, int64_t num_rows,
+                              int64_t width, int8_t* done, double* seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  staging_.fill_method = fill_method;
+  staging_.type_index = matcher_type_index;
+  staging_.bitmask = bitmask;
+  staging_.shape[0] = num_rows;
+  staging_.shape[1] = width;
+  staging_.done = done;
+  staging_.seconds = seconds;
+}
+
+void MaskFillPool::Submit(const uintptr_t* matchers, const int64_t* rows, int64_t n) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t i = 0; i < n; ++i) queued_.emplace_back(matchers[i], rows[i]);
+  }
+  if (n == 1) wake_.notify_one();
+  else if (n > 1) wake_.notify_all();
+}
+
+bool MaskFillPool::WaitRows(const int64_t* rows, int64_t n, double timeout_s) {
+  auto all_done = [&] {
+    for (int64_t i = 0; i < n; ++i)
+      if (!__atomic_load_n(&staging_.done[rows[i]], __ATOMIC_ACQUIRE)) return false;
+    return true;
+  };
+  std::unique_lock<std::mutex> lock(mu_);
+  if (timeout_s < 0) {
+    row_done_.wait(lock, all_done);
+    return true;
+  }
+  return row_done_.wait_for(lock, std::chrono::duration<double>(timeout_s), all_done);
 }
 
 void MaskFillPool::Start(const FillJob& job, int helpers) {

@@ -1,9 +1,14 @@
-// Grammar bitmask rows filled on persistent threads.
+// Grammar bitmask rows filled on persistent threads: the one parallel fill of the engine.
 //
-// xgrammar's BatchGrammarMatcher starts and joins its threads inside every call (40-75 us each on
-// the H100 host), which made the decode step's mask fill the last thing to end on the host from
-// batch 32 up. This pool keeps its threads: a call wakes the helpers it wants, fills rows with
-// them (the calling thread fills too), and returns once every row is written.
+// Two kinds of work share the threads:
+// * jobs (Run, or Start ... Finish): a step's accepts, bitmask rows or draft chains; the caller
+//   wakes the helpers it wants, works beside them, and returns once every row is written;
+// * queued rows (Submit, WaitRows): the budgeted fill's rows, each written to its own row of a
+//   staging bitmask and flagged done there. Idle threads take them one at a time, so a slow row
+//   holds one thread and no one waits for it unless they choose to.
+// Threads persist because xgrammar's BatchGrammarMatcher starts and joins its threads inside every
+// call (40-75 us each on the H100 host), which made the decode step's mask fill the last thing to
+// end on the host from batch 32 up.
 //
 // The rows are filled by xgrammar itself: its GrammarMatcher.fill_next_token_bitmask method,
 // called through the TVM FFI C ABI (stable, plain C, no GIL). The caller hands over the method's
@@ -14,8 +19,10 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace cspec {
@@ -85,6 +92,17 @@ class MaskFillPool {
   // at a time.
   int64_t Run(const FillJob& job, int helpers);
 
+  // The staging bitmask of queued rows: row r is written by the fill of a row queued for r, which
+  // then stores its time in seconds[r] and 1 in done[r] (release order: the row is whole by then).
+  // done[r] = 0 is the caller's to set before it queues r. Set once, before the first Submit.
+  void SetStaging(void* fill_method, int32_t matcher_type_index, int32_t* bitmask, int64_t num_rows,
+                  int64_t width, int8_t* done, double* seconds);
+  // Queues fills: matchers[i] fills staging row rows[i], in this order. Copies the arguments.
+  void Submit(const uintptr_t* matchers, const int64_t* rows, int64_t n);
+  // Waits until done[rows[i]] is set for every i, or `timeout_s` has passed (forever if < 0).
+  // Returns whether all are done.
+  bool WaitRows(const int64_t* rows, int64_t n, double timeout_s);
+
   // Run in two halves, for a caller with other work meanwhile: Start wakes up to `helpers` pool
   // threads on the job and returns; Finish fills the rows none of them has taken yet, waits for
   // them and returns what Run would. The job's arrays must live until Finish; one job at a time.
@@ -96,15 +114,18 @@ class MaskFillPool {
   void Work();
   bool Call(void* method, FfiAny* args, int32_t num_args, FfiAny* result);
   bool AcceptToken(int64_t i, int32_t token);
-  bool FillRow(int64_t i, int64_t row);
+  bool FillRow(void* method, int32_t type_index, uintptr_t matcher, int32_t* bitmask, int64_t* shape,
+               int64_t row);
   bool Rollback(int64_t i, int64_t num_tokens);
   bool WalkChain(int64_t i);
+  void FillQueued(uintptr_t matcher, int64_t row);  // mu_ not held
 
   FfiApi api_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable wake_;   // workers wait for a new job
   std::condition_variable idle_;   // the caller waits for the workers inside a job
+  std::condition_variable row_done_;  // WaitRows waits for queued rows
   uint64_t generation_ = 0;        // bumped per job (guarded by mu_)
   int helpers_ = 0;                // workers with id < helpers_ join the current job
   bool open_ = false;              // rows may still be claimed (guarded by mu_)
@@ -112,6 +133,16 @@ class MaskFillPool {
   bool stop_ = false;
   int started_helpers_ = 0;        // helpers woken for the job in flight (the caller's thread only)
   bool pending_ = false;           // Start called, Finish not yet (the caller's thread only)
+
+  std::deque<std::pair<uintptr_t, int64_t>> queued_;  // (matcher, staging row) (guarded by mu_)
+  struct Staging {
+    void* fill_method = nullptr;
+    int32_t type_index = 0;
+    int32_t* bitmask = nullptr;
+    int64_t shape[2] = {0, 0};
+    int8_t* done = nullptr;
+    double* seconds = nullptr;
+  } staging_;
 
   FillJob job_;
   int64_t shape_[2] = {0, 0};

@@ -38,3 +38,36 @@ def wait_pool_full(engine, timeout=5.0) -> None:
     while pool.num_free != pool.capacity and time.monotonic() < end:
         time.sleep(0.01)
     assert pool.num_free == pool.capacity
+
+
+class SlowFills:
+    """Fault injection for a pathological grammar, at the FFI boundary the native pool calls: the
+    pool's fill method becomes a Python FFI function that sleeps `delay_s` before xgrammar's own
+    fill for the matchers in `slow` (FFI handles), and fills the others at once. Install it on a
+    MaskFiller with `install`; `mark(matcher)` makes a matcher slow."""
+
+    def __init__(self, delay_s: float):
+        import tvm_ffi
+        self.delay_s = delay_s
+        self.slow: set[int] = set()
+        self.calls = 0
+        self._function = tvm_ffi.convert(self._fill)
+        self._real = None
+
+    def _fill(self, matcher, bitmask, row, debug_print):
+        self.calls += 1
+        if matcher.__chandle__() in self.slow:
+            time.sleep(self.delay_s)
+        return self._real(matcher, bitmask, row, debug_print)
+
+    def mark(self, matcher):
+        self.slow.add(matcher.ffi_handle)
+        return matcher
+
+    def install(self, filler) -> None:
+        native = filler._native
+        self._real = native._methods["fill_next_token_bitmask"]
+        native._fill_handle = self._function.__chandle__()
+        native._methods["fault_injection"] = self._function  # keeps the handle alive with the pool
+        if filler._staged is not None:
+            filler._staged = native.staged_rows(filler._staging)

@@ -23,7 +23,6 @@ from constrained_spec.engine.request import Status
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
 from constrained_spec.grammar import GrammarSpec
 from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
-from constrained_spec.grammar.backend import batch_accept
 
 PERSON = GrammarSpec.json_schema({
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -38,12 +37,8 @@ def build(tiny_llama_dir, **kw) -> Engine:
                   grammar_mask_threads=2, **kw)
 
 
-def overlapped(engine: Engine, native: bool = True) -> list[int]:
-    """Forces the overlapped loop (`native=False`: with xgrammar's calls, not the native pool);
-    returns a list that counts the fills made beside the processing."""
-    assert engine.masks._native is not None
-    if not native:
-        engine.masks._native = None
+def overlapped(engine: Engine) -> list[int]:
+    """Forces the overlapped loop; returns a list that counts the fills made beside the processing."""
     started = [0]
     start = engine.masks.start
 
@@ -70,14 +65,10 @@ def workload():
 
 
 def beside_a_fill(engine: Engine) -> bool:
-    """Whether the caller runs beside a running mask fill: on the engine's step thread (while the
-    engine thread makes xgrammar's call), or on the engine thread while the fill runs on the native
-    pool's threads."""
-    name = threading.current_thread().name
-    if name == "constrained-spec-step":
-        return True
+    """Whether the caller runs on the engine thread while a mask fill runs on the pool's threads."""
     started = engine.masks._started
-    return name == "constrained-spec-engine" and started is not None and started.on_threads and not started.done
+    return (threading.current_thread().name == "constrained-spec-engine" and started is not None
+            and not started.done)
 
 
 def summary(outs):
@@ -100,11 +91,10 @@ def reference(tiny_llama_dir):
     return summary(outs)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
-def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference, native):
+def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference):
     eng = build(tiny_llama_dir)
     try:
-        started = overlapped(eng, native)
+        started = overlapped(eng)
         specs, params = workload()
         assert summary(eng.generate(PROMPTS, params, specs)) == reference
         assert started[0] >= 10  # the fills did run beside the processing
@@ -122,11 +112,9 @@ def test_concurrent_fill_equals_sequential(tiny_llama_dir, reference, native):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
-def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch, native):
-    """The ownership rule: the Python that runs while a fill holds the batch's matchers (the engine
-    thread's, the fill on the native pool; the step thread's, beside xgrammar's call) must not call
-    any matcher (a race xgrammar would not report)."""
+def test_engine_thread_calls_no_matcher_beside_a_fill(tiny_llama_dir, reference, monkeypatch):
+    """The ownership rule: the engine thread's Python that runs while a fill on the pool holds the
+    batch's matchers must not call any matcher (a race xgrammar would not report)."""
     from constrained_spec.grammar.backend import RequestMatcher
     offenders = []
     for name in ("accept_token", "accept_tokens", "rollback", "fill_bitmask", "is_terminated", "can_terminate",
@@ -140,7 +128,7 @@ def test_step_thread_calls_no_matcher(tiny_llama_dir, reference, monkeypatch, na
         monkeypatch.setattr(RequestMatcher, name, guarded)
     eng = build(tiny_llama_dir)
     try:
-        started = overlapped(eng, native)
+        started = overlapped(eng)
         specs, params = workload()
         assert summary(eng.generate(PROMPTS, params, specs)) == reference
         assert started[0] >= 10 and offenders == []
@@ -311,31 +299,24 @@ def rows_of(matchers, width=1536) -> torch.Tensor:
     return ref
 
 
-@pytest.fixture(params=["binding", "public wrappers"])
-def xgr_calls(request, monkeypatch):
-    """The batch calls through xgrammar's binding (the engine's way), or through its public wrappers
-    (the fallback for another xgrammar layout)."""
-    if request.param == "public wrappers":
-        from constrained_spec.grammar import backend as backend_mod
-        monkeypatch.setattr(backend_mod, "_BATCH_ACCEPT", None)
-        monkeypatch.setattr(backend_mod, "_FFI_ARRAY", None)
-    return request.param
-
-
-def test_batch_accept_refuses_and_leaves_refused_matchers_alone(backend, xgr_calls):
+def test_pool_accept_refuses_and_leaves_refused_matchers_alone(backend):
     text = json.dumps({"name": "Ann", "age": 41})
     ms, ids = matchers_along(backend, PERSON, text, 6)
     tokens = [ids[k] for k in range(6)]
     tokens[2], tokens[4] = illegal_token(ms[2]), 60000  # a refused token, a token outside the vocabulary
     before = rows_of(ms)
-    assert batch_accept(ms, tokens) == [2, 4]
-    after = rows_of(ms)
-    assert torch.equal(after[2], before[2]) and torch.equal(after[4], before[4])
-    for k in (0, 1, 3, 5):  # the others moved on by their token
-        assert not torch.equal(after[k], before[k]) or ids[k] == ids[k + 1]
-        fresh, _ = matchers_along(backend, PERSON, text, k + 2)
-        assert torch.equal(after[k], rows_of([fresh[k + 1]])[0])
-    assert batch_accept(ms[:1], [ids[1]]) == []
+    filler = MaskFiller(torch.zeros((1, 1536), dtype=torch.int32), threads=2, budget_ms=None, max_requests=1)
+    try:
+        assert filler.accept(ms, tokens) == [2, 4]
+        after = rows_of(ms)
+        assert torch.equal(after[2], before[2]) and torch.equal(after[4], before[4])
+        for k in (0, 1, 3, 5):  # the others moved on by their token
+            assert not torch.equal(after[k], before[k]) or ids[k] == ids[k + 1]
+            fresh, _ = matchers_along(backend, PERSON, text, k + 2)
+            assert torch.equal(after[k], rows_of([fresh[k + 1]])[0])
+        assert filler.accept(ms[:1], [ids[1]]) == []
+    finally:
+        filler.close()
 
 
 def test_matchers_terminate_only_on_stop_tokens(backend):
@@ -371,8 +352,7 @@ def fake_reqs(matchers):
 
 
 @pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 19])
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
-def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls, native):
+def test_started_fill_gives_the_direct_rows(backend, rows):
     ms, _ = matchers_along(backend, PERSON, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows + 2)
     reqs = fake_reqs(ms)
     reqs[1].matcher = None  # no grammar
@@ -380,12 +360,9 @@ def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls, native):
     expected = rows_of([r.matcher if not r.finished else None for r in reqs])
     buf = torch.full((len(reqs), 1536), 0x5A5A5A5A, dtype=torch.int32)
     filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
-    if not native:
-        filler._native = None
     try:
         started = filler.start(reqs)
         assert started is not None and filler.start(reqs) is None  # one at a time
-        assert started.on_threads == native
         worker = threading.Thread(target=started.finish)  # any thread may finish it
         worker.start()
         worker.join()
@@ -397,7 +374,7 @@ def test_started_fill_gives_the_direct_rows(backend, rows, xgr_calls, native):
         filler.start(reqs).finish()
         other = reqs[::-1]
         assert torch.equal(filler.fill(other).bitmask, rows_of([r.matcher if not r.finished else None for r in other]))
-        # never finished by the caller: `fill` finishes it (native) or fills anew
+        # never finished by the caller: `fill` finishes it
         buf.fill_(0x5A5A5A5A)
         assert filler.start(reqs) is not None
         assert torch.equal(filler.fill(reqs).bitmask, expected)
@@ -430,9 +407,8 @@ def test_started_fill_not_used_below_its_threshold_or_with_a_budget(backend):
         budgeted.close()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
 @pytest.mark.parametrize("rows", [BACKGROUND_MIN_ROWS, 24])  # one thread, or several
-def test_started_fill_error_reaches_the_engine_thread(backend, rows, native):
+def test_started_fill_error_reaches_the_engine_thread(backend, rows):
     """A fill call that fails does not raise (it runs beside the step's Python work); `fill` raises
     it (the engine fails that step), and the filler works on afterwards."""
     ms, _ = matchers_along(backend, CHOICE, "yes", 2)  # at the start, after "yes"
@@ -443,8 +419,6 @@ def test_started_fill_error_reaches_the_engine_thread(backend, rows, native):
     reqs = fake_reqs(ms)
     buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
     filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(ms))
-    if not native:
-        filler._native = None
     try:
         filler.start(reqs).finish()
         with pytest.raises(Exception, match="terminated"):
@@ -455,8 +429,7 @@ def test_started_fill_error_reaches_the_engine_thread(backend, rows, native):
         filler.close()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
-def test_fill_call_releases_the_gil(backend, native):
+def test_fill_call_releases_the_gil(backend):
     """The prepared fill call drops the GIL (at once: its arguments are converted beforehand), so
     Python on another thread runs on while it fills. A thread that wakes from a sleep needs the
     GIL to go on; with the switch interval raised, a call holding the GIL would hold it back to
@@ -468,8 +441,6 @@ def test_fill_call_releases_the_gil(backend, native):
     reqs = fake_reqs(ms)
     buf = torch.zeros((len(ms), 1536), dtype=torch.int32)
     filler = MaskFiller(buf, threads=1, budget_ms=None, max_requests=len(ms))
-    if not native:
-        filler._native = None
     interval = sys.getswitchinterval()
     try:
         worker = threading.Thread(target=filler.start(reqs).finish)
@@ -488,33 +459,10 @@ def test_fill_call_releases_the_gil(backend, native):
         filler.close()
 
 
-def test_step_thread_hands_over_and_raises():
-    from constrained_spec.engine.step_thread import StepThread
-    t = StepThread()
-    try:
-        seen = []
-        t.submit(lambda x: seen.append((x, threading.current_thread().name)), 7)
-        with pytest.raises(RuntimeError):
-            t.submit(print)
-        t.wait()
-        assert seen == [(7, "constrained-spec-step")] and not t.busy
-        t.submit(lambda: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
-            t.wait()
-        t.wait()  # nothing pending
-        t.submit(seen.append, 8)
-        t.wait()
-        assert seen[-1] == 8
-    finally:
-        t.close()
-
-
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
-def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
+def test_chain_fill_equals_the_tree_walk(backend, threads):
     """A speculative step's rows for grammar-guided chains (`MaskFiller.fill_chains`: a chain per
-    thread on the native pool, or depth by depth in xgrammar calls) equal xgrammar's walk of each
-    chain; a chain may end on the grammar's stop token (the row after it is left alone); the
+    thread on the pool) equal xgrammar's walk of each chain; a chain may end on the grammar's stop token (the row after it is left alone); the
     matchers are where they were."""
     import numpy as np
     text = json.dumps({"name": "Bo Lee of the " * 4 + "Hills", "age": 7})
@@ -537,9 +485,6 @@ def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
     buf = torch.full_like(expected, 0x5A5A5A5A)
     filler = MaskFiller(torch.zeros((1, 1536), dtype=torch.int32), threads=threads, budget_ms=None, max_requests=1)
     try:
-        assert filler._native is not None
-        if not native:
-            filler._native = None
         filler.fill_chains(ms, [np.array(c) for c in chains], buf, [b * N for b in range(len(ms))],
                            frozenset(backend.grammar.tokenizer_info.stop_token_ids))
         assert torch.equal(buf, expected)
@@ -548,8 +493,7 @@ def test_chain_fill_equals_the_tree_walk(backend, xgr_calls, threads, native):
         filler.close()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-calls"])
-def test_started_fill_accepts_the_last_tokens_first(backend, native):
+def test_started_fill_accepts_the_last_tokens_first(backend):
     """`start(reqs, accept_reqs, accept_tokens)`: each accepting request takes its token before its row is filled (a
     request not among `reqs` only takes it); a refused token is reported once finished and leaves
     its matcher where it was."""
@@ -563,8 +507,6 @@ def test_started_fill_accepts_the_last_tokens_first(backend, native):
     accepts[1] = (reqs[1], zebra)  # refused after '{'
     buf = torch.full((len(sampling), 1536), 0x5A5A5A5A, dtype=torch.int32)
     filler = MaskFiller(buf, threads=2, budget_ms=None, max_requests=len(reqs))
-    if not native:
-        filler._native = None
     try:
         started = filler.start(sampling, [r for r, _ in accepts], [t for _, t in accepts])
         started.finish()

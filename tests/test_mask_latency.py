@@ -14,9 +14,9 @@ import torch
 
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
-from constrained_spec.engine.mask_filler import DIRECT_FILL_MAX_ROWS, ROWS_PER_THREAD, MaskFiller
+from constrained_spec.engine.mask_filler import NATIVE_ROWS_PER_THREAD, MaskFiller
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
-from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
+from matcher_states import SlowFills, backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
 
 NORMAL = GrammarSpec.json_schema({
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -30,28 +30,17 @@ SLOW_FILL_S = 0.06
 MAX_TOKENS = 24
 
 
-class SlowFills:
-    """Fault injection: a matcher whose every bitmask fill first sleeps (a pathological grammar)."""
-
-    def __init__(self, inner, delay_s: float):
-        self._inner, self._delay_s = inner, delay_s
-
-    def fill_bitmask(self, bitmask, row):
-        time.sleep(self._delay_s)
-        self._inner.fill_bitmask(bitmask, row)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-def make_slow(engine: Engine, spec: GrammarSpec, delay_s: float) -> None:
-    """Requests added from now on with `spec` get a slow matcher."""
+def make_slow(engine: Engine, spec: GrammarSpec, delay_s: float) -> SlowFills:
+    """Requests added from now on with `spec` get a slow matcher (`matcher_states.SlowFills`)."""
+    slow = SlowFills(delay_s)
+    slow.install(engine.masks)
     make = engine.grammar.matcher
 
     def matcher(compiled, *args, **kwargs):
         m = make(compiled, *args, **kwargs)
-        return SlowFills(m, delay_s) if compiled.spec.key == spec.key else m
+        return slow.mark(m) if compiled.spec.key == spec.key else m
     engine.grammar.matcher = matcher
+    return slow
 
 
 def time_fills(engine: Engine) -> list[float]:
@@ -195,12 +184,11 @@ def test_xgrammar_writes_whole_rows(backend):
     assert torch.equal(poisoned, reference_rows(ms, 1536))
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-pool", "xgrammar-batch"])
 @pytest.mark.parametrize("budget_ms", [None, 1000.0])
-@pytest.mark.parametrize("rows", [3, DIRECT_FILL_MAX_ROWS + 5, 4 * ROWS_PER_THREAD + 1])
-def test_filler_rows_match_direct_fills(backend, budget_ms, rows, native):
-    """Direct loop, native pool, xgrammar's batch matcher (on one or several threads) and worker
-    threads all give the reference rows; rows without a matcher (or finished) allow everything."""
+@pytest.mark.parametrize("rows", [3, 4 * NATIVE_ROWS_PER_THREAD + 5])
+def test_filler_rows_match_direct_fills(backend, budget_ms, rows):
+    """The pool's step job and its queued (budgeted) rows give the reference rows; rows without a
+    matcher (or finished) allow everything."""
     ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Bo Lee of the " * 8 + "Hills", "age": 7}), rows)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
             for m in ms]
@@ -209,13 +197,8 @@ def test_filler_rows_match_direct_fills(backend, budget_ms, rows, native):
     buf = torch.full((rows, 1536), 0x5A5A5A5A, dtype=torch.int32)
     filler = MaskFiller(buf, threads=4, budget_ms=budget_ms, max_requests=rows)
     try:
-        assert filler._native is not None  # the native extension is built with the package
-        if not native:  # xgrammar's batch matcher: where the native pool is not available
-            filler._native = None
         fill = filler.fill(reqs)
         assert fill.late == []
-        if budget_ms is None and rows > DIRECT_FILL_MAX_ROWS and not native:  # a thread per ROWS_PER_THREAD rows
-            assert list(filler._batch) == [min(4, (rows - 2) // ROWS_PER_THREAD)]
         expected = reference_rows([r.matcher if not r.finished else None for r in reqs], 1536)
         assert torch.equal(fill.bitmask, expected)
         assert all(r.mask_job is None for r in reqs)
@@ -228,9 +211,11 @@ def test_late_row_serves_the_next_fill(backend):
     ms, _ = matchers_along(backend, NORMAL, json.dumps({"name": "Al", "age": 3}), 3)
     reqs = [SimpleNamespace(matcher=m, finished=False, discard_inflight=False, mask_job=None, mask_fill_seconds=0.0)
             for m in ms]
-    reqs[1].matcher = SlowFills(ms[1], 0.2)
     buf = torch.zeros((3, 1536), dtype=torch.int32)
     filler = MaskFiller(buf, threads=2, budget_ms=20.0, max_requests=3)
+    slow = SlowFills(0.2)
+    slow.install(filler)
+    slow.mark(ms[1])
     try:
         t0 = time.perf_counter()
         fill = filler.fill(reqs)

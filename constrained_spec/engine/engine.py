@@ -2,11 +2,11 @@
 thread-safe entry points (`add_request`, `generate`, `stream`, `astream`, `abort`) on top.
 
 Step timeline (design notes, "Overlap"): launch batch N on the device; while it runs, read batch
-N-1's tokens and accept them into the grammar matchers (one xgrammar call); then fill batch N's
-bitmask rows on this thread (one xgrammar call, GIL released) while the step thread
-(`step_thread.py`) finishes and streams batch N-1's requests; then sample. With `disable_overlap`,
-batch N's results are processed right after its own sampling instead (and every fill is made
-before or after the processing, not beside it).
+N-1's tokens, start one job on the grammar pool that accepts them into the matchers and fills
+batch N's bitmask rows (`mask_filler.py`), finish and stream batch N-1's requests on this thread
+meanwhile, wait for the job; then sample. With `disable_overlap`, batch N's results are processed
+right after its own sampling instead (and every fill is made before or after the processing, not
+beside it).
 
 Matcher ownership: a request's matcher is used by one thread at a time. The engine thread owns all
 of them; while the fill beside the step's Python work runs (from `MaskFiller.start` until the call
@@ -47,7 +47,6 @@ from .omp_pool import on_fresh_thread
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
 from ..speculative.worker import SpeculativeWorker, make_drafter
-from .step_thread import StepThread
 from ..attention import ForwardMode
 from .stats import EngineStats
 
@@ -121,7 +120,6 @@ class Engine:
         self._by_id: dict[str, Request] = {}
         self._stopped = False
         self._launched = None  # the batch whose forward is on the device now
-        self._step_thread: StepThread | None = None  # started on first use (`_fill_beside`)
         # tokens on which a matcher can terminate (xgrammar: a matcher terminates only by accepting
         # one of its stop tokens; the engine's matchers do not override them)
         self._grammar_stop_ids = frozenset(self.grammar.tokenizer_info.stop_token_ids)
@@ -225,8 +223,6 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-        if self._step_thread is not None:
-            self._step_thread.close()
         self.masks.close()
         self.grammar.close()
 
@@ -420,22 +416,12 @@ class Engine:
         return [i for i in live if not reqs[i].finished]
 
     def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
-        """Appends the step's tokens while the mask fill runs. A fill on the native pool's threads
-        runs by itself: this thread appends meanwhile, then waits for it. Otherwise this thread makes
-        the fill call while the step thread appends: the call drops the GIL at once, so the step
-        thread, waking meanwhile, finds it free (`step_thread.py` says why not the other way round).
-        `grammar_mask_seconds` counts what the fill holds this thread up."""
-        if fill.on_threads:
-            try:
-                self._append_accepted(reqs, live, tokens, logprobs)
-            finally:
-                self._finish_fill(fill)
-            return
-        if self._step_thread is None:
-            self._step_thread = StepThread()
-        self._step_thread.submit(self._append_accepted, reqs, live, tokens, logprobs)
-        self._finish_fill(fill)
-        self._step_thread.wait()
+        """Appends the step's tokens while the mask fill runs on the pool's threads, then waits for
+        it. `grammar_mask_seconds` counts what the fill holds this thread up."""
+        try:
+            self._append_accepted(reqs, live, tokens, logprobs)
+        finally:
+            self._finish_fill(fill)
 
     def _finish_fill(self, fill) -> None:
         t0 = time.perf_counter()

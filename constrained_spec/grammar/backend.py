@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import xgrammar as xgr
@@ -31,16 +31,6 @@ from .schema import prepare_schema
 from .spec import GrammarSpec
 
 log = logging.getLogger("constrained_spec.grammar")
-
-try:  # xgrammar's bindings behind BatchGrammarMatcher (see `batch_accept`, `batch_fill_call`)
-    import tvm_ffi
-    from xgrammar.base import _core as _xgr_core
-    _BATCH_ACCEPT = _xgr_core.BatchGrammarMatcher.batch_accept_token
-    _BATCH_ROLLBACK = _xgr_core.BatchGrammarMatcher.batch_rollback
-    _FFI_ARRAY = tvm_ffi.Array
-except (ImportError, AttributeError):  # another xgrammar layout: the public wrappers do it
-    _BATCH_ACCEPT = _BATCH_ROLLBACK = _FFI_ARRAY = None
-
 
 @dataclass
 class CompiledGrammar:
@@ -184,92 +174,6 @@ def _ffi_handle(matcher: xgr.GrammarMatcher) -> int:
         return matcher._handle.__chandle__()
     except AttributeError:
         return 0
-
-
-def batch_accept(matchers: Sequence[RequestMatcher], tokens: Sequence[int]) -> List[int]:
-    """Accepts tokens[i] into matchers[i] in one xgrammar call; returns the positions whose token
-    the grammar refused (those matchers are unchanged, as with `accept_token`; a token outside the
-    vocabulary is refused too, with a warning from xgrammar).
-
-    The public `BatchGrammarMatcher.batch_accept_token` converts its result element by element
-    through the FFI (about 0.5 us each, 60 us at batch 128); this calls the same binding and asks
-    the result once whether it holds a refusal."""
-    if _BATCH_ACCEPT is None:
-        ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in matchers], list(tokens))
-        return [i for i, a in enumerate(ok) if not a]
-    ok = _BATCH_ACCEPT([m._m._handle for m in matchers], tokens, False)
-    if 0 not in ok:  # one FFI call (the elements are 0 or 1)
-        return []
-    return [i for i, a in enumerate(ok) if not a]
-
-
-def batch_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[RequestMatcher],
-                    bitmask: torch.Tensor, rows: Sequence[int]) -> Callable[[], None]:
-    """The fill of bitmask[rows[i]] for matchers[i] (`BatchGrammarMatcher.batch_fill_next_token_bitmask`)
-    as a call prepared for later: the matcher list is converted for the binding here, so that the
-    call itself drops the GIL after a few microseconds (the engine wakes its step thread right
-    before it; the woken thread then finds the GIL free)."""
-    if _FFI_ARRAY is not None:
-        try:
-            fill = batch_matcher._handle.batch_fill_next_token_bitmask
-            handles = _FFI_ARRAY([m._m._handle for m in matchers])
-            indices = _FFI_ARRAY(list(rows))
-        except AttributeError:
-            pass
-        else:
-            return lambda: fill(handles, bitmask, indices, False)
-    xgr_matchers = [m.xgr_matcher for m in matchers]
-    rows = list(rows)
-    return lambda: batch_matcher.batch_fill_next_token_bitmask(xgr_matchers, bitmask, rows)
-
-
-def chain_fill_call(batch_matcher: xgr.BatchGrammarMatcher, matchers: Sequence[RequestMatcher],
-                    chains: Sequence[Sequence[int]], bitmask: torch.Tensor, first_rows: Sequence[int],
-                    stop_ids: frozenset) -> Callable[[], None]:
-    """The bitmask rows of draft chains, as a call prepared for later: matchers[i] (which has
-    accepted the chain's root) fills row first_rows[i] + d after accepting chains[i][1:d + 1], for
-    every d < len(chains[i]), and is rolled back at the end. Depth by depth, one fill and one
-    accept call for all the chains, so the call holds the GIL only while it enters them. Every
-    chain token must be one the matcher accepts (grammar-guided drafts are); a matcher ends only
-    on one of `stop_ids` (the grammar's stop tokens), so only a chain's last token may be one, and
-    the row after it is left alone (xgrammar fills no row for an ended matcher)."""
-    depth = max((len(c) for c in chains), default=0)
-    fill_at, accept_at = [], []  # per depth: (matchers, rows), (matchers, tokens)
-    for d in range(depth):
-        live = [i for i, c in enumerate(chains) if len(c) > d]
-        accept_at.append(([matchers[i] for i in live], [int(chains[i][d]) for i in live]) if d else None)
-        filled = [i for i in live if not (d == len(chains[i]) - 1 and d and int(chains[i][d]) in stop_ids)]
-        fill_at.append(([matchers[i] for i in filled], [first_rows[i] + d for i in filled]))
-    back = [len(c) - 1 for c in chains]
-    if _FFI_ARRAY is not None:
-        fill = batch_matcher._handle.batch_fill_next_token_bitmask
-        arr = _FFI_ARRAY
-        fills = [(arr([m._m._handle for m in ms]), arr(rows)) for ms, rows in fill_at]
-        accepts = [None if a is None else (arr([m._m._handle for m in a[0]]), a[1]) for a in accept_at]
-        everyone = arr([m._m._handle for m in matchers])
-
-        def run() -> None:
-            for d in range(depth):
-                if accepts[d] is not None and 0 in _BATCH_ACCEPT(*accepts[d], False):
-                    raise RuntimeError(REFUSED_DRAFT)
-                handles, rows = fills[d]
-                if len(rows):
-                    fill(handles, bitmask, rows, False)
-            _BATCH_ROLLBACK(everyone, back)
-        return run
-
-    def run_public() -> None:
-        for d in range(depth):
-            if accept_at[d] is not None:
-                ok = xgr.BatchGrammarMatcher.batch_accept_token([m.xgr_matcher for m in accept_at[d][0]],
-                                                                accept_at[d][1])
-                if not all(ok):
-                    raise RuntimeError(REFUSED_DRAFT)
-            if fill_at[d][1]:
-                batch_matcher.batch_fill_next_token_bitmask([m.xgr_matcher for m in fill_at[d][0]], bitmask,
-                                                            fill_at[d][1])
-        xgr.BatchGrammarMatcher.batch_rollback([m.xgr_matcher for m in matchers], back)
-    return run_public
 
 
 # A chain fill whose chain the grammar refuses (a bug: guided chains are legal by construction)
@@ -741,12 +645,6 @@ class GrammarBackend:
     @staticmethod
     def reset_bitmask(bitmask: torch.Tensor) -> None:
         bitmask.fill_(-1)
-
-    def fill_bitmasks(self, matchers: Sequence[RequestMatcher], bitmask: torch.Tensor,
-                      rows: Sequence[int]) -> None:
-        """Fill bitmask[rows[i]] for matchers[i] (a plain loop; cheap per call)."""
-        for m, r in zip(matchers, rows):
-            m._m.fill_next_token_bitmask(bitmask, int(r))
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                       indices: Optional[List[int]] = None) -> None:

@@ -1,31 +1,25 @@
-"""Grammar bitmask rows, and token accepts, on persistent native threads (`native/mask_fill_pool.h`).
+"""Grammar bitmask rows, and token accepts, on persistent native threads (`native/mask_fill_pool.h`):
+the engine's one parallel fill.
 
-xgrammar's `BatchGrammarMatcher` starts and joins its threads in every call (~40-75 us each on
-the H100 host); at batch 32-128 that made the decode step's fill the last thing to end on the
-host, and its batch accept runs on one thread.
-`NativeFill` makes the same per-row calls into xgrammar (`GrammarMatcher.fill_next_token_bitmask`,
-`accept_token`, `rollback`, through the TVM FFI C ABI that xgrammar's own Python bindings use) from
-threads that live as long as the engine: a step's token accepts (`accept`), its bitmask rows
-(`prepare`, then `PoolFill.run`, or `start` and `finish` around other work) and a speculative
-step's draft chains (`chains_call`). 128 rows of real JSON states on the H100 host: 0.11 ms against 0.52-0.96 for
-xgrammar's batch matcher at 1-14 threads (`benchmarks/bench_mask_fill.py`).
-
-`NativeFill.create` returns None where that ABI is not found (another xgrammar or tvm-ffi layout,
-or no native extension): callers then use xgrammar's batch matcher.
+`NativeFill` makes xgrammar's own per-row calls (`GrammarMatcher.fill_next_token_bitmask`,
+`accept_token`, `rollback`, through the TVM FFI C ABI that xgrammar's Python bindings use) from
+threads that live as long as the engine, never taking the GIL: a step's token accepts (`accept`),
+its bitmask rows (`prepare`, then `PoolFill.run`, or `start` and `finish` around other work), a
+speculative step's draft chains (`chains_call`) and the budgeted fill's rows (`StagedRows`), each
+filled on its own into a staging row. Persistent threads won over xgrammar's `BatchGrammarMatcher`,
+which starts and joins its threads in every call: 128 rows of real JSON states fill in 0.11 ms here
+against 0.52-0.96 ms there (H100 host, `benchmarks/bench_mask_fill.py`).
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .backend import REFUSED_DRAFT
-
-log = logging.getLogger(__name__)
 
 _METHODS = frozenset({"fill_next_token_bitmask", "accept_token", "rollback"})
 
@@ -63,9 +57,13 @@ class NativeFill:
         self._rollback_handle = methods["rollback"].__chandle__()
         self._type_index = type_index
         self.workers = pool.workers
+        self.max_helpers = pool.workers
 
     @classmethod
-    def create(cls, workers: int) -> Optional["NativeFill"]:
+    def create(cls, workers: int, max_helpers: int | None = None) -> "NativeFill":
+        """A pool of `workers` threads, of which a job takes up to `max_helpers` (all by default);
+        the others only serve queued rows (`StagedRows`). Raises RuntimeError where xgrammar's FFI
+        layout is not the one this build knows (xgrammar is pinned in pyproject.toml)."""
         try:
             from xgrammar.tvm_ffi_binding._ffi_api import GrammarMatcher as FfiMatcher
 
@@ -76,15 +74,22 @@ class NativeFill:
             if missing:
                 raise AttributeError(f"xgrammar's GrammarMatcher has no FFI method {sorted(missing)}")
             pool = MaskFillPool(workers, *_ffi_entry_points())
-        except Exception as e:  # noqa: BLE001 - any layout we do not know: use xgrammar's batch matcher
-            log.info("native grammar fill unavailable (%s: %s); using xgrammar's batch matcher",
-                     type(e).__name__, e)
-            return None
-        return cls(pool, methods, info.type_index)
+        except Exception as e:  # noqa: BLE001 - reported with what to do
+            raise RuntimeError(
+                f"the native grammar fill pool cannot be built ({type(e).__name__}: {e}); it needs the "
+                "project's native extension (pip install -e .) and the xgrammar version pinned in "
+                "pyproject.toml") from e
+        fill = cls(pool, methods, info.type_index)
+        fill.max_helpers = workers if max_helpers is None else min(workers, max_helpers)
+        return fill
 
     def helpers_for(self, rows: int, rows_per_thread: int) -> int:
         """Pool threads beside the caller for `rows` rows: one thread per `rows_per_thread`."""
-        return max(0, min(self.workers, math.ceil(rows / rows_per_thread) - 1))
+        return max(0, min(self.max_helpers, math.ceil(rows / rows_per_thread) - 1))
+
+    def staged_rows(self, staging: torch.Tensor) -> "StagedRows":
+        """Queued fills into the rows of `staging` (one pool per staging buffer)."""
+        return StagedRows(self, staging)
 
     def prepare(self, matchers: Sequence, bitmask: torch.Tensor, rows: Sequence[int],
                 tokens: Sequence[int] | None = None) -> "PoolFill":
@@ -100,7 +105,7 @@ class NativeFill:
     def accept(self, matchers: Sequence, tokens: Sequence[int], helpers: int) -> list[int]:
         """matchers[i] accepts tokens[i], on up to `helpers` pool threads beside this one (the GIL
         released); returns the positions whose token the grammar refused (those matchers are
-        unchanged), as `backend.batch_accept` does on one thread."""
+        unchanged)."""
         n = len(matchers)
         handles = _handles(matchers)
         ids = np.asarray(tokens, dtype=np.int32)
@@ -183,3 +188,32 @@ class PoolFill:
         if self._accepted is None or self._accepted.all():
             return []
         return np.flatnonzero(self._accepted == 0).tolist()
+
+
+class StagedRows:
+    """Fills queued on the pool, each into its own row of a staging bitmask, for the budgeted fill:
+    `submit` queues rows, `wait` waits for some of them until a deadline, and `done` / `seconds`
+    say which are in and how long each took. A queued row's matcher belongs to its fill until its
+    row is done; the caller keeps the matcher alive until then."""
+
+    def __init__(self, native: NativeFill, staging: torch.Tensor):
+        _check_bitmask(staging)
+        self._pool = native._pool
+        self._staging = staging
+        self.done = np.zeros(staging.shape[0], dtype=np.int8)
+        self.seconds = np.zeros(staging.shape[0], dtype=np.float64)
+        self._pool.set_staging(native._fill_handle, native._type_index, staging.data_ptr(), staging.shape[0],
+                               staging.shape[1], self.done, self.seconds)
+
+    def submit(self, matchers: Sequence, rows: Sequence[int]) -> None:
+        """Queues matchers[i]'s fill of staging row rows[i], in this order."""
+        slots = np.asarray(rows, dtype=np.int64)
+        self.done[slots] = 0
+        self._pool.submit(_handles(matchers), slots, self._staging.shape[0])
+
+    def wait(self, rows: Sequence[int], timeout_s: float | None) -> np.ndarray:
+        """Waits (the GIL released) until these rows are done or `timeout_s` has passed (None: no
+        limit); returns which are done, a snapshot."""
+        slots = np.asarray(rows, dtype=np.int64)
+        self._pool.wait_rows(slots, -1.0 if timeout_s is None else max(0.0, timeout_s))
+        return self.done[slots] != 0
