@@ -1,4 +1,4 @@
-"""Pinned staging buffers (engine/pinned.py): copies queued back to back without a host sync, each
+"""Pinned staging (engine/pinned.py). PinnedStaging: copies queued back to back without a host sync, each
 from a buffer rewritten two copies later, all land with their own values (a buffer rewritten under
 a pending copy would send the later values)."""
 from __future__ import annotations
@@ -24,3 +24,33 @@ def test_staged_copies_keep_their_values_while_the_stream_is_busy():
     expected = torch.arange(64, device="cuda").view(64, 1, 1).expand(64, 2, 3)
     assert torch.equal(dst[:, :2], expected)
     assert bool((dst[:, 2:] == -1).all())
+
+
+def _block(device):
+    from constrained_spec.engine.pinned import PinnedBlock
+    import numpy as np
+    return PinnedBlock({"rows": ((3,), np.int64), "mask": ((2, 3, 3), np.bool_), "bits": ((4, 5), np.int32)},
+                       torch.device(device))
+
+
+def test_block_fields_are_views_of_one_buffer_on_the_cpu():
+    block = _block("cpu")
+    block.host["rows"][:] = [7, 8, 9]
+    block.host["mask"][1, 2, 0] = True
+    block.host["bits"][3] = -1
+    block.upload()  # nothing to do: the device twin is the host buffer
+    assert block.device["rows"].tolist() == [7, 8, 9]
+    assert bool(block.device["mask"][1, 2, 0]) and int(block.device["mask"].sum()) == 1
+    assert block.device["bits"][3].tolist() == [-1] * 5 and int(block.device["bits"][:3].abs().sum()) == 0
+    assert block.host_tensor["bits"].data_ptr() % 8 == 0  # fields start on 8-byte boundaries
+
+
+@pytest.mark.gpu
+def test_block_upload_of_a_prefix_leaves_the_rest():
+    block = _block("cuda")
+    block.host["rows"][:] = [1, 2, 3]
+    block.host["bits"][:] = 5
+    block.upload("bits", 2 * 5 * 4)  # everything before `bits`, and its first two rows
+    torch.cuda.synchronize()
+    assert block.device["rows"].tolist() == [1, 2, 3]
+    assert block.device["bits"][:2].eq(5).all() and block.device["bits"][2:].eq(0).all()

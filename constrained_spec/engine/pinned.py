@@ -1,4 +1,5 @@
-"""Pinned host staging for the per-step host-to-device copies of the graphed paths.
+"""Pinned host staging for the per-step host-to-device copies of the graphed paths: `PinnedStaging`
+for inputs copied before a graph replays, `PinnedBlock` for inputs a graph copies itself.
 
 A copy with non_blocking=True reads its pinned source when the stream reaches it, so the source must
 not be rewritten before then. `PinnedStaging` keeps two pinned buffers and hands them out in turn;
@@ -37,3 +38,50 @@ class PinnedStaging:
             self._copied[k] = torch.cuda.Event()
         self._copied[k].record()
         self._turn = 1 - k
+
+
+class PinnedBlock:
+    """Host fields packed in one pinned buffer, with a device twin that one copy fills (`upload`).
+    For the inputs a CUDA graph copies itself: the graph captures the copy, so both buffers keep
+    their addresses for good and a single buffer is used, rewritten only once the step that read
+    it has been waited for (the speculative step writes step N+1's inputs after reading step N's
+    results). On the CPU the device twin is the host buffer itself and `upload` does nothing.
+
+    `fields` maps a name to (shape, numpy dtype); each field starts on an 8-byte boundary.
+    `host[name]` is its numpy view, `host_tensor[name]` the same as a torch tensor, `device[name]`
+    its torch view on the device."""
+
+    def __init__(self, fields: dict[str, tuple[tuple[int, ...], type]], device: torch.device):
+        offsets, end = {}, 0
+        for name, (shape, dtype) in fields.items():
+            offsets[name] = end
+            end += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 8) * 8
+        on_cuda = device.type == "cuda"
+        self._host = torch.zeros(max(end, 8), dtype=torch.uint8, pin_memory=on_cuda)
+        self._device = torch.zeros_like(self._host, device=device) if on_cuda else self._host
+        raw = self._host.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        self.host_tensor: dict[str, torch.Tensor] = {}
+        self.device: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in fields.items():
+            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            start, torch_dtype = offsets[name], _TORCH_DTYPES[np.dtype(dtype)]
+            self.host[name] = raw[start:start + n].view(dtype).reshape(shape)
+            self.host_tensor[name] = self._host[start:start + n].view(torch_dtype).view(shape)
+            self.device[name] = self._device[start:start + n].view(torch_dtype).view(shape)
+        self._offsets = offsets
+
+    def upload(self, upto: str | None = None, nbytes: int | None = None) -> None:
+        """Copies the block to the device (non-blocking, capturable); with `upto` and `nbytes`, only
+        up to `nbytes` bytes into field `upto` (a prefix of rows of the last field)."""
+        if self._device is self._host:
+            return
+        end = None if upto is None else self._offsets[upto] + nbytes
+        if end is None:
+            self._device.copy_(self._host, non_blocking=True)
+        else:
+            self._device[:end].copy_(self._host[:end], non_blocking=True)
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool,
+                 np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
+from ..engine.pinned import PinnedBlock
 from ..kernels import mask_logits
 from .tree import HostTrees
 
@@ -45,35 +46,28 @@ class VerifyIO:
         self.pad_row = runner.pad_row
         self.pad_index = runner.pad_row * runner.table.max_context  # flat table index of (pad row, column 0)
 
-        # per-step inputs: int64 fields, then the tree mask as bytes; one copy moves them all
-        n_ints = C * (2 + 3 * N)
-        self._inputs = torch.zeros(8 * n_ints + C * N * N, dtype=torch.uint8, pin_memory=pinned)
-        self._inputs_dev = self._on_device(self._inputs)
-        raw = self._inputs.numpy()
-        ints = raw[:8 * n_ints].view(np.int64)
-        self.rows, self.base, tokens, depth, slots = np.split(ints, np.cumsum([C, C, C * N, C * N]))
-        self.tokens, self.depth, self.slots = (a.reshape(C, N) for a in (tokens, depth, slots))
-        self.tree_mask = raw[8 * n_ints:].view(np.bool_).reshape(C, N, N)
-        dints = self._inputs_dev[:8 * n_ints].view(torch.int64)
-        self._rows, self._base, self._tokens, self._depth, self._slots = torch.split(dints, [C, C, C * N, C * N, C * N])
-        self._tree_mask = self._inputs_dev[8 * n_ints:].view(torch.bool).view(C, N, N)
-
-        # grammar bitmask rows, one per node
+        # per-step inputs, one copy; the bitmask rows (the host fills them while `forward` runs); the
+        # per-node argmax read back; after acceptance: rows and bonus tokens, moved table entries
+        # (flat index, slot)
+        self._inputs = PinnedBlock({"rows": ((C,), np.int64), "base": ((C,), np.int64),
+                                    "tokens": ((C, N), np.int64), "depth": ((C, N), np.int64),
+                                    "slots": ((C, N), np.int64), "tree_mask": ((C, N, N), np.bool_)}, self.device)
+        self.rows, self.base, self.tokens, self.depth, self.slots, self.tree_mask = self._inputs.host.values()
+        self._rows, self._base, tokens, depth, slots, self._tree_mask = self._inputs.device.values()
+        self._tokens, self._depth, self._slots = tokens.view(-1), depth.view(-1), slots.view(-1)
         width_words = runner.bitmask_width
-        self.bitmask_rows = torch.full((C * N, width_words), -1, dtype=torch.int32, pin_memory=pinned)
-        self.bitmask = self.bitmask_rows.numpy().reshape(C, N, width_words)
-        self._bitmask = self._on_device(self.bitmask_rows)
-
-        # the per-node argmax, read back by the host
-        self._target = torch.zeros(C * N, dtype=torch.int64, pin_memory=pinned)
+        self._bitmask_block = PinnedBlock({"bitmask": ((C * N, width_words), np.int32)}, self.device)
+        self._bitmask_block.host["bitmask"].fill(-1)
+        self.bitmask_rows = self._bitmask_block.host_tensor["bitmask"]
+        self.bitmask = self._bitmask_block.host["bitmask"].reshape(C, N, width_words)
+        self._bitmask = self._bitmask_block.device["bitmask"]
+        self._row_bytes = 4 * width_words
+        self._target = torch.zeros(C * N, dtype=torch.int64, pin_memory=pinned)  # device -> host
         self.target = self._target.numpy().reshape(C, N)
-
-        # after acceptance: rows and bonus tokens, moved table entries (flat index, slot)
-        self._commit = torch.zeros(2 * C + 2 * C * N, dtype=torch.int64, pin_memory=pinned)
-        self.commit_rows, self.commit_bonus, self.moved_index, self.moved_slots = np.split(
-            self._commit.numpy(), np.cumsum([C, C, C * N]))
-        self._commit_dev = self._on_device(self._commit)
-        self._c_rows, self._c_bonus, self._c_index, self._c_slots = torch.split(self._commit_dev, [C, C, C * N, C * N])
+        self._commit = PinnedBlock({"rows": ((C,), np.int64), "bonus": ((C,), np.int64),
+                                    "index": ((C * N,), np.int64), "slots": ((C * N,), np.int64)}, self.device)
+        self.commit_rows, self.commit_bonus, self.moved_index, self.moved_slots = self._commit.host.values()
+        self._c_rows, self._c_bonus, self._c_index, self._c_slots = self._commit.device.values()
 
         dev = self.device
         self._node_index = torch.arange(N, dtype=torch.int64, device=dev)
@@ -84,9 +78,6 @@ class VerifyIO:
         self._pad_inputs(0, C)
         none = np.empty(0, np.int64)
         self.set_commit(C, none, none, none, none)
-
-    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
-        return host if self.device.type == "cpu" else torch.zeros_like(host, device=self.device)
 
     # -- host side --------------------------------------------------------------------------------
     def set_inputs(self, size: int, rows: np.ndarray, base: np.ndarray, trees: HostTrees, slots: np.ndarray) -> None:
@@ -124,8 +115,7 @@ class VerifyIO:
         """Logits [bs*N, V] float32. `max_kv` (eager CPU only) narrows the slot table to the longest
         context; graphs and eager CUDA read the full width."""
         r, N = self.r, self.width
-        if self._inputs_dev is not self._inputs:
-            self._inputs_dev.copy_(self._inputs, non_blocking=True)
+        self._inputs.upload()
         n = bs * N
         rows, base = self._rows[:bs], self._base[:bs]
         columns = (base[:, None] + self._node_index).view(-1)  # node i sits at table column base + i
@@ -145,8 +135,8 @@ class VerifyIO:
         the pinned `target`. Returns the (masked) logits for sampled verification."""
         n = bs * self.width
         if masked:
-            if self._bitmask is not self.bitmask_rows:
-                self._bitmask[:n].copy_(self.bitmask_rows[:n], non_blocking=True)
+            if self._bitmask.device.type == "cuda":
+                self._bitmask_block.upload("bitmask", n * self._row_bytes)
                 logits = mask_logits(logits, self._bitmask[:n])  # one Triton launch: capturable
             else:
                 logits = _mask_in_place_cpu(logits, self._bitmask[:n])
@@ -155,8 +145,7 @@ class VerifyIO:
 
     def commit(self, bs: int) -> None:
         r = self.r
-        if self._commit_dev is not self._commit:
-            self._commit_dev.copy_(self._commit, non_blocking=True)
+        self._commit.upload()
         r.last_token.index_copy_(0, self._c_rows[:bs], self._c_bonus[:bs])
         n = bs * self.width
         r.table.device_table.view(-1).index_copy_(0, self._c_index[:n], self._c_slots[:n])
