@@ -1,4 +1,4 @@
-"""Pinned staging (engine/pinned.py). PinnedStaging: copies queued back to back without a host sync, each
+"""Pinned staging (constrained_spec/pinned.py). PinnedStaging: copies queued back to back without a host sync, each
 from a buffer rewritten two copies later, all land with their own values (a buffer rewritten under
 a pending copy would send the later values)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from constrained_spec.engine.pinned import PinnedStaging
+from constrained_spec.pinned import PinnedStaging
 
 
 @pytest.mark.gpu
@@ -27,7 +27,7 @@ def test_staged_copies_keep_their_values_while_the_stream_is_busy():
 
 
 def _block(device):
-    from constrained_spec.engine.pinned import PinnedBlock
+    from constrained_spec.pinned import PinnedBlock
     import numpy as np
     return PinnedBlock({"rows": ((3,), np.int64), "mask": ((2, 3, 3), np.bool_), "bits": ((4, 5), np.int32)},
                        torch.device(device))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
-from .pinned import PinnedStaging
+from ..pinned import PinnedStaging
 from .prefill_graph import PrefillIO
 from ..kernels import mask_logits
 from .sampler import SamplingBatch, sample

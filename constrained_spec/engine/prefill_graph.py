@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
-from .pinned import PinnedStaging
+from ..pinned import PinnedStaging
 
 
 class PrefillIO:
