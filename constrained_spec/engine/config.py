@@ -35,12 +35,15 @@ class EngineConfig:
     # compiled grammars kept across restarts (per tokenizer and options); None: the default folder,
     # $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR or ~/.cache/constrained-spec/grammars; "none": no disk cache
     grammar_cache_dir: str | None = None
-    speculative_algorithm: str | None = None  # "ngram"; None: plain decoding
+    speculative_algorithm: str | None = None  # "ngram" or "eagle"; None: plain decoding
     speculative_num_draft_tokens: int = 8  # draft tree width N, root included
     speculative_max_batch: int = 32  # larger decode batches run plain (speculation loses there)
     speculative_min_accept: float = 0.3  # policy "always": mean accepted drafts below this pause speculation a while
     speculative_policy: str = "measured"  # "measured": per batch size, speculate while its measured tokens/s beat
     #   plain decoding's (grammar and drafting CPU time included); "always": whenever the rules above allow
+    eagle_head: str | None = None  # EAGLE head folder; None: the head shipped for the default model
+    eagle_topk: int = 4  # EAGLE tree: children drafted per node, and nodes expanded per depth
+    eagle_depth: int = 6  # EAGLE tree: deepest draft node (head steps per speculative step)
     ngram_branches: int = 1  # children per draft node: 1 = chain, >1 = tree
     ngram_max_match: int = 8  # longest context suffix the trie matches
     ngram_min_match: int = 1

@@ -115,7 +115,7 @@ class CudaGraphRunner:
             mode=ForwardMode.DECODE, out_slots=out_slots, q_starts=self.q_starts[:bs + 1], q_lens=self.q_lens[:bs],
             kv_lens=kv_lens.to(torch.int32), slot_table=r.table.device_table[rows], max_q_len=1,
             max_kv_len=self.max_context)
-        hidden = r.model(r.last_token[rows], positions, r.kv, meta, r.backend)
+        hidden = r.run_model(r.last_token[rows], positions, meta)
         return r.model.compute_logits(hidden).float()
 
     def _sample(self, bs: int, masked: bool, greedy: bool, bitmask_host) -> torch.Tensor:

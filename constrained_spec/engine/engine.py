@@ -109,7 +109,7 @@ class Engine:
         self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
                                               budget_ms=config.grammar_mask_budget_ms,
                                               max_requests=config.max_running_requests))
-        drafter = make_drafter(config)
+        drafter = setup(lambda: make_drafter(config, self.runner))
         self.spec = setup(lambda: SpeculativeWorker(self, drafter)) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:
             self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)

@@ -82,6 +82,10 @@ class ModelRunner:
                                         pin_memory=device.type == "cuda")
         self.token_counts: torch.Tensor | None = None  # [rows, V], allocated when penalties appear
         self.pinned = device.type == "cuda"
+        # EAGLE: every forward writes the last layer's pre-norm hidden state of each new token here,
+        # at its KV slot, for the draft head (speculative/eagle.py); plain engines skip the write
+        self.features = (torch.zeros(num_slots, self.mcfg.hidden_size, dtype=dtype, device=device)
+                         if config.speculative_algorithm == "eagle" else None)
         self.graphs = self._capture_graphs(config)
         log.info("KV cache: %d token slots (%.2f GiB), attention backend %s", num_slots,
                  num_slots * KVCache.bytes_per_slot(self.mcfg.num_layers, self.mcfg.num_kv_heads,
@@ -196,7 +200,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states of one eager forward: the native CPU step where it applies."""
+        """The final hidden states of one forward (eager, or being captured): the native CPU step
+        where it applies. With `features`, the pre-norm hidden states go to their slots there."""
+        if self.features is not None:
+            hidden, pre_norm = self.model(input_ids, positions, self.kv, meta, self.backend, features=True)
+            self.features.index_copy_(0, meta.out_slots, pre_norm)
+            return hidden
         if self.native_forward is not None and self.native_forward.applies(meta):
             return self.native_forward(input_ids, positions, self.kv, meta)
         return self.model(input_ids, positions, self.kv, meta, self.backend)

@@ -62,5 +62,5 @@ class PrefillIO:
             mode=ForwardMode.EXTEND, out_slots=self._slots, q_starts=self._q_starts.to(torch.int32),
             q_lens=self._n.to(torch.int32), kv_lens=self._kv_len.to(torch.int32),
             slot_table=r.table.device_table[self._row], max_q_len=self.tokens, max_kv_len=r.max_context)
-        hidden = r.model(self._ids, self._positions, r.kv, meta, r.backend)
+        hidden = r.run_model(self._ids, self._positions, meta)
         return r.model.compute_logits(hidden.index_select(0, self._n - 1)).float()

@@ -102,12 +102,17 @@ class CausalLM(nn.Module):
         self.packed_head = None  # the head prepacked for oneDNN (bfloat16 on CPU: models/cpu_linear.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
+                meta: AttentionMetadata, backend: AttentionBackend, features: bool = False):
+        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]; with `features`,
+        (them, the last layer's output before the final norm): what an EAGLE head reads, free
+        since the norm computes it anyway."""
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, kv, meta, backend)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+        if residual is None:
+            return (self.norm(x), x) if features else self.norm(x)
+        normed, pre_norm = self.norm(x, residual)
+        return (normed, pre_norm) if features else normed
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -31,6 +31,9 @@ class DraftBatch:
     """
     request_ids: list[Hashable]
     contexts: list[Sequence[int]] | None = None
+    #: the engine's requests themselves (row, cached length, tokens, matcher), for drafters that
+    #: work on the engine's state (`Drafter.needs_requests`)
+    requests: list | None = None
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -45,6 +48,8 @@ class Drafter(ABC):
     has_next_tokens: bool = False
     #: trailing context tokens `next_tokens` reads (callers pass no more than this)
     context_tokens: int = 8
+    #: whether `propose` reads `DraftBatch.requests` (the EAGLE drafter: KV rows, grammar matchers)
+    needs_requests: bool = False
 
     def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
         """Register a request and its prompt."""

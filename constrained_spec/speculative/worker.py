@@ -74,7 +74,8 @@ class SpecStats:
         return {name: getattr(self, f"{name}_seconds") for name in SPEC_PHASES}
 
 
-def make_drafter(config) -> Drafter | None:
+def make_drafter(config, runner=None) -> Drafter | None:
+    """The configured drafter; `runner` (the engine's model runner) is what an EAGLE head drafts on."""
     algo = config.speculative_algorithm
     if not algo:
         return None
@@ -83,7 +84,16 @@ def make_drafter(config) -> Drafter | None:
         return NgramDrafter(num_draft_tokens=config.speculative_num_draft_tokens, branches=config.ngram_branches,
                             max_ngram=config.ngram_max_match, min_ngram=config.ngram_min_match,
                             capacity=config.ngram_capacity)
-    raise ValueError(f"unknown speculative algorithm {algo!r}; available: ngram")
+    if algo == "eagle":
+        from ..models.eagle import default_head_dir, load_head
+        from .eagle import EagleDrafter
+        if runner is None:
+            raise ValueError("the EAGLE drafter needs the engine's model runner")
+        path = config.eagle_head or default_head_dir(config.model)
+        head = load_head(path, runner.mcfg, runner.dtype, runner.device)
+        return EagleDrafter(runner, head, num_draft_tokens=config.speculative_num_draft_tokens,
+                            topk=config.eagle_topk, depth=config.eagle_depth)
+    raise ValueError(f"unknown speculative algorithm {algo!r}; available: ngram, eagle")
 
 
 class SpeculativeWorker:
@@ -160,7 +170,7 @@ class SpeculativeWorker:
         requests. Call only while no request is running."""
         if self._observed:
             raise RuntimeError("reset_drafter while requests are running")
-        self.drafter = make_drafter(self.engine.config)
+        self.drafter = make_drafter(self.engine.config, self.runner)
         if policy:
             self.policy = self._new_policy()
 
@@ -234,7 +244,9 @@ class SpeculativeWorker:
         guided = self._guided_rows(reqs)
         free = sorted(set(range(B)).difference(guided))
         if free:
-            drafted = self.drafter.propose_arrays(DraftBatch([reqs[b].request_id for b in free]))
+            drafted = self.drafter.propose_arrays(DraftBatch(
+                [reqs[b].request_id for b in free],
+                requests=[reqs[b] for b in free] if self.drafter.needs_requests else None))
             for dst, src in zip((tokens, next_token, next_sibling, num_nodes), drafted):
                 dst[free] = src
         # node 0 is the model's input for the last sampled token: never take it from a drafter
