@@ -71,6 +71,20 @@ def _engine_config_class():
         return EngineConfig
 
 
+def _train_config_class():
+    """TrainConfig without importing the speculative package (and torch), as for EngineConfig."""
+    path = Path(__file__).parent / "speculative" / "eagle_config.py"
+    try:
+        spec = importlib.util.spec_from_file_location("_constrained_spec_eagle_config", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod.TrainConfig
+    except Exception:
+        from .speculative.eagle_config import TrainConfig
+        return TrainConfig
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -128,9 +142,16 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                help="per-step time limit for filling grammar masks: a request whose "
                                                     "mask is not ready by then skips the step (its output does not "
                                                     "change) instead of holding the batch (default: none, wait)")),
-    "speculative_algorithm": ("spec", dict(metavar="NAME", choices=["ngram"],
+    "speculative_algorithm": ("spec", dict(metavar="NAME", choices=["ngram", "eagle"],
                                            help="speculative decoding: ngram (n-gram lookahead over prompts and "
-                                                "outputs); default: off, plain decoding")),
+                                                "outputs) or eagle (a draft head over the model's hidden states: "
+                                                "the shipped one for the default model, or --eagle-head); "
+                                                "default: off, plain decoding")),
+    "eagle_head": ("spec", dict(metavar="DIR", help="EAGLE head folder (from `constrained-spec train-eagle`); "
+                                                    "default: the head shipped for the default model")),
+    "eagle_topk": ("spec", dict(metavar="K", help="EAGLE draft tree: children per node and nodes expanded per "
+                                                  "depth (default: %(default)s)")),
+    "eagle_depth": ("spec", dict(metavar="D", help="EAGLE draft tree: deepest node (default: %(default)s)")),
     "speculative_num_draft_tokens": ("spec", dict(metavar="N", help="nodes per draft tree, the last verified token "
                                                                     "included (default: %(default)s)")),
     "speculative_max_batch": ("spec", dict(metavar="N", help="decode batches larger than this run plainly "
@@ -255,7 +276,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log verbosity on stderr (default: %(default)s)")
     _add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser("train-eagle", help="train an EAGLE draft head for a model",
+                           description="Train an EAGLE draft head for MODEL on answers MODEL generates itself "
+                                       "(JSON-schema tasks and general instructions), and write it to DIR: "
+                                       "model.safetensors, config.json (how it was made), train_log.json and "
+                                       "train_curves.png. Use it with --speculative-algorithm eagle --eagle-head DIR.",
+                           epilog="example:\n  constrained-spec train-eagle --out heads/smollm2 --train-minutes 4",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_train_flags(train)
+    train.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="log verbosity on stderr (default: %(default)s)")
+    train.set_defaults(func=cmd_train_eagle)
     return parser
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `speculative.eagle_config.TrainConfig` field."""
+    for f in dataclasses.fields(_train_config_class()):
+        if f.name == "out":
+            parser.add_argument("--out", required=True, metavar="DIR", help="folder the head is written to")
+            continue
+        default = f.default
+        kind = _auto_type(default, f.type) if default is not None else str
+        parser.add_argument(_flag(f.name), type=kind, default=default,
+                            help=f"(default: {'the default model' if default is None else default})")
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from .speculative.eagle_config import TrainConfig
+    from .speculative.eagle_train import train_eagle
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    out = train_eagle(TrainConfig(**values))
+    print(out)
+    return 0
 
 
 def _version() -> str:

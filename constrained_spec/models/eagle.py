@@ -34,8 +34,12 @@ __all__ = ["EagleHead", "HeadMismatch", "default_head_dir", "load_head", "save_h
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                "head_dim", "qkv_bias")
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
-# the shipped head of each model the registry fetches by name (None = the default model)
-DEFAULT_HEADS = {None: "smollm2-135m-eagle"}
+# the shipped head of each model the registry fetches by name
+DEFAULT_HEADS = {"smollm2-135m": "smollm2-135m-eagle"}
+
+
+# how the files of those models are named (a GGUF, or the folder it is converted to)
+MODEL_FILE_PREFIX = {"smollm2-135m": "smollm2-135m-instruct"}
 
 
 class HeadMismatch(ValueError):
@@ -151,8 +155,13 @@ def load_head(path: str | Path, target_cfg: ModelConfig, dtype: torch.dtype, dev
 
 
 def default_head_dir(model: str | None) -> Path:
-    """The head shipped for `model` (a name the registry resolves; None = the default model)."""
-    name = DEFAULT_HEADS.get(model)
+    """The head shipped for `model`: a registry alias (None = the default model), or a file or folder
+    of the same model (its GGUF, or the folder it was converted to)."""
+    from .registry import lookup_alias
+    spec = lookup_alias(model)
+    alias = spec.alias if spec is not None else next(
+        (a for a in DEFAULT_HEADS if Path(model).name.lower().startswith(MODEL_FILE_PREFIX[a])), None)
+    name = DEFAULT_HEADS.get(alias)
     if name is None:
         raise HeadMismatch(f"no EAGLE head ships for model {model!r}; train one with "
                            f"`constrained-spec train-eagle --model {model} --out DIR` and pass --eagle-head DIR")
