@@ -85,7 +85,7 @@ def _greedy(engine, prompts, grammar=None, n=32):
     return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0), grammar)]
 
 
-@pytest.mark.parametrize("topk,depth", [(1, 4), (3, 4)])
+@pytest.mark.parametrize("topk,depth", [(1, 4), (3, 4), (2, 1)])
 def test_eagle_greedy_is_lossless(engines, tiny_head_dir, topk, depth):
     plain = engines("plain")
     spec = engines(f"eagle{topk}{depth}", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=topk,

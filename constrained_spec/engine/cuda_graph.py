@@ -10,7 +10,8 @@ Graphs exist for
 - the speculative VERIFY step at a fixed tree width, in three parts (forward; bitmask + argmax
   tail; commit of the accepted path), whose buffers and code live in `speculative/verify_step.py`;
 - the EXTEND forward of a single request (prefill), per bucket of new tokens, up to the last
-  token's logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it.
+  token's logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it;
+- the EAGLE DRAFT step, one depth of the draft tree (buffers and code in `speculative/eagle_step.py`).
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
 K/V to the reserved slot 0 and attend to it alone, so they never touch live data. Attention inside
 a graph must not depend on host values that change per step (the triton backend's contract).
@@ -78,9 +79,14 @@ class CudaGraphRunner:
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
     # -- capture ---------------------------------------------------------------------------------
-    def _capture(self, key: tuple, fn) -> torch.Tensor:
+    def _capture(self, key: tuple, fn, before=None) -> torch.Tensor:
+        """`before`: resets state that `fn` advances (run before each warm-up and the capture)."""
         for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
+            if before is not None:
+                before()
             fn()
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -151,6 +157,37 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         log.info("captured verify CUDA graphs (width %d, batch sizes %s) in %.1f s", q_len, sizes,
                  time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def capture_draft(self, drafter, max_batch: int) -> None:
+        """The EAGLE draft step (`speculative/eagle_step.DraftIO.step`, one depth; its depth is a
+        device counter, so one graph serves every depth) per batch size up to `max_batch` and
+        masking. Drafters without device steps have no `io`: nothing to capture. A capture that
+        fails leaves the drafter eager (logged), since drafting is an optimization of its own."""
+        io = getattr(drafter, "io", None)
+        if io is None:
+            return
+        t0 = time.perf_counter()
+        sizes = [b for b in self.batch_sizes if b <= min(max_batch, io.capacity)]
+        try:
+            for bs in reversed(sizes):
+                for masked in (False, True):
+                    self._capture(("draft", bs, masked), lambda bs=bs, m=masked: io.step(bs, m),
+                                  before=lambda: io.t.fill_(1))
+        except Exception:
+            log.exception("capturing the EAGLE draft step failed; it runs eagerly")
+            for key in [k for k in self.graphs if k[0] == "draft"]:
+                del self.graphs[key]
+            return
+        torch.cuda.synchronize()
+        log.info("captured EAGLE draft CUDA graphs (batch sizes %s) in %.1f s", sizes, time.perf_counter() - t0)
+
+    def can_draft(self, batch: int) -> bool:
+        bs = self.padded_size(batch)
+        return bs is not None and ("draft", bs, False) in self.graphs
+
+    def replay_draft(self, bs: int, masked: bool) -> None:
+        self.graphs[("draft", bs, masked)][0].replay()
 
     @torch.inference_mode()
     def capture_prefill(self, max_tokens: int, buckets=DEFAULT_PREFILL_TOKENS) -> None:

@@ -79,3 +79,7 @@ class Drafter(ABC):
 
     def finish(self, request_id: Hashable) -> None:
         """Drop the request's state."""
+
+    def reset(self) -> bool:
+        """Forget every request in place; False when the drafter cannot (the worker makes a new one)."""
+        return False

@@ -288,7 +288,7 @@ def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainCo
                 history["step"].append(step)
                 for k, x in (("loss", loss), ("feature_loss", v), ("dist_loss", p), ("top1", acc)):
                     history[k].append(float(x.detach()))
-                bar.set_postfix(loss=f"{float(loss):.3f}", top1=f"{float(acc):.3f}", lr=f"{lr:.1e}")
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{float(acc):.3f}", lr=f"{lr:.1e}")
             if val_batches and (step % 100 == 0):
                 history["val_step"].append(step)
                 vl, va = _evaluate(head, target, data, val_batches, scale, cfg, autocast)

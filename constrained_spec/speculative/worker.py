@@ -92,7 +92,7 @@ def make_drafter(config, runner=None) -> Drafter | None:
         path = config.eagle_head or default_head_dir(config.model)
         head = load_head(path, runner.mcfg, runner.dtype, runner.device)
         return EagleDrafter(runner, head, num_draft_tokens=config.speculative_num_draft_tokens,
-                            topk=config.eagle_topk, depth=config.eagle_depth)
+                            topk=config.eagle_topk, depth=config.eagle_depth, capacity=config.speculative_max_batch)
     raise ValueError(f"unknown speculative algorithm {algo!r}; available: ngram, eagle")
 
 
@@ -170,7 +170,8 @@ class SpeculativeWorker:
         requests. Call only while no request is running."""
         if self._observed:
             raise RuntimeError("reset_drafter while requests are running")
-        self.drafter = make_drafter(self.engine.config, self.runner)
+        if not self.drafter.reset():  # the EAGLE drafter keeps its head and buffers (graphs read them)
+            self.drafter = make_drafter(self.engine.config, self.runner)
         if policy:
             self.policy = self._new_policy()
 

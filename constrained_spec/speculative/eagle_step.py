@@ -1,0 +1,139 @@
+"""The device side of EAGLE drafting: static buffers and the per-depth draft step, the same code run
+eagerly (CPU, CUDA without graphs) or replayed as a CUDA graph per batch size and masking
+(`CudaGraphRunner.capture_draft`), like `verify_step.py` for the verify step.
+
+Expanding the tree is a decode step of the head for B*K *virtual sequences*, one per frontier node
+(K per request): sequence (b, j) is request b's context followed by node j's ancestors in the tree
+and the node itself. Its slot-table row is request b's row with columns n_b .. n_b + t - 1 replaced
+by the scratch slots of those tree nodes (depth t), so the head's attention is the target's own decode
+attention (triton on CUDA, split over the context, graph-capturable) and needs no tree mask. Scratch
+slots lie past the target pool's slots in the head's one-layer KV cache: K per depth per request.
+
+One step (depth t, a device-side counter, so one graph serves every depth):
+  the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
+  (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
+  the grammar mask (rows copied from pinned host memory, filled by the host before the replay);
+  log-softmax plus the node's path score; top-k children per node; the best K of the K*K children
+  become the next frontier (their tokens, scores, parents' outputs and ancestor slots gathered);
+  children and choices recorded in `out_*` for the host, which reads them once at the end
+  (and, for grammar requests, the frontier before each step: its bitmask rows depend on it).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..attention import AttentionMetadata, ForwardMode
+from ..kernels import mask_logits
+
+
+class DraftIO:
+    """Buffers and device work of the EAGLE draft steps for up to `capacity` requests."""
+
+    def __init__(self, runner, head, kv, topk: int, depth: int, capacity: int):
+        self.r, self.head, self.target, self.kv = runner, head, runner.model, kv
+        self.K, self.D, self.capacity = K, D, C = topk, depth, capacity
+        dev = self.device = runner.device
+        H, W = runner.mcfg.hidden_size, runner.bitmask_width
+        self.max_context = runner.table.max_context
+        pinned = dev.type == "cuda"
+        # per step, from the host: rows, cached lengths (one copy)
+        self._inputs = torch.zeros(2 * C, dtype=torch.int64, pin_memory=pinned)
+        self.rows, self.n = self._inputs.numpy()[:C], self._inputs.numpy()[C:]
+        self._inputs_dev = torch.zeros_like(self._inputs, device=dev) if pinned else self._inputs
+        self._rows, self._n = self._inputs_dev[:C], self._inputs_dev[C:]
+        self._n_rep = torch.zeros(C * K, dtype=torch.int64, device=dev)
+        self.t = torch.ones(1, dtype=torch.int64, device=dev)  # depth of the frontier
+        # the frontier
+        self.front_tok = torch.zeros(C * K, dtype=torch.int64, device=dev)
+        self.front_score = torch.zeros(C * K, dtype=torch.float32, device=dev)
+        self.parent_hidden = torch.zeros(C * K, H, dtype=runner.dtype, device=dev)
+        self.anc = torch.zeros(C * K, D, dtype=torch.int64, device=dev)  # scratch slots of ancestors + itself
+        self.draft_table = torch.zeros(C * K, self.max_context, dtype=torch.int64, device=dev)
+        pool = runner.kv.num_slots
+        self._own_base = (pool + torch.arange(C, device=dev)[:, None] * (K * D)
+                          + torch.arange(K, device=dev)[None, :]).reshape(-1)  # + (t - 1) * K
+        self._columns = torch.arange(D, device=dev)
+        self._q_starts = torch.arange(C * K + 1, dtype=torch.int32, device=dev)
+        self._q_lens = torch.ones(C * K, dtype=torch.int32, device=dev)
+        self._row_of = torch.arange(C, device=dev)[:, None] * K  # flat index of each request's first node
+        # grammar rows of the frontier (host fills, the step copies)
+        self.bitmask_host = torch.full((C * K, W), -1, dtype=torch.int32, pin_memory=pinned)
+        self.bitmask_rows = self.bitmask_host.numpy()
+        self._bitmask = torch.zeros_like(self.bitmask_host, device=dev) if pinned else self.bitmask_host
+        # what the host reads: per depth, the K*K children (tokens, path scores) and the K chosen
+        self.out_tok = torch.zeros(C, D, K * K, dtype=torch.int64, device=dev)
+        self.out_score = torch.full((C, D, K * K), -torch.inf, dtype=torch.float32, device=dev)
+        self.out_best = torch.zeros(C, D, K, dtype=torch.int64, device=dev)
+
+    # -- per request-step, eager --------------------------------------------------------------------
+    def begin(self, bs: int, rows: np.ndarray, n: np.ndarray, root_hidden: torch.Tensor,
+              root_scores: torch.Tensor) -> None:
+        """Depth 1 from the root's scores [B, V] (log-probabilities, grammar-masked): its top-k
+        children are the first frontier. Rows [B, bs) are padding (the spare table row)."""
+        B, K = len(rows), self.K
+        self.rows[:B], self.n[:B] = rows, n
+        self.rows[B:bs], self.n[B:bs] = self.r.pad_row, 1
+        if self._inputs_dev is not self._inputs:
+            self._inputs_dev.copy_(self._inputs, non_blocking=True)
+        score, tok = root_scores.topk(K, -1)
+        self.out_tok[:B, 0, :K] = tok
+        self.out_score[:B, 0] = -torch.inf
+        self.out_score[:B, 0, :K] = score
+        self.out_best[:B, 0] = torch.arange(K, device=self.device)
+        self.front_tok[:B * K] = tok.reshape(-1)
+        self.front_score[:B * K] = score.reshape(-1)
+        self.front_score[B * K:bs * K] = -torch.inf
+        self.parent_hidden[:B * K] = root_hidden.repeat_interleave(K, 0)
+        self._n_rep[:bs * K] = self._n[:bs].repeat_interleave(K)
+        self.draft_table[:bs * K] = self.r.table.device_table[self._rows[:bs]].repeat_interleave(K, 0)
+        self.t.fill_(1)
+
+    # -- one depth (captured per batch size and masking on CUDA) --------------------------------------
+    def step(self, bs: int, masked: bool, max_kv: int | None = None) -> None:
+        K, D = self.K, self.D
+        BK = bs * K
+        t = self.t
+        own = self._own_base[:BK] + (t - 1) * K
+        anc = self.anc[:BK]
+        anc.scatter_(1, (t - 1).expand(BK, 1), own[:, None])
+        n_rep = self._n_rep[:BK]
+        columns = (n_rep[:, None] + self._columns).clamp_(max=self.max_context - 1)
+        self.draft_table[:BK].scatter_(1, columns, anc)
+        table = self.draft_table[:BK] if max_kv is None else self.draft_table[:BK, :max_kv]
+        meta = AttentionMetadata(
+            mode=ForwardMode.DECODE, out_slots=own, q_starts=self._q_starts[:BK + 1], q_lens=self._q_lens[:BK],
+            kv_lens=(n_rep + t).to(torch.int32), slot_table=table, max_q_len=1, max_kv_len=table.shape[1])
+        hidden = self.head(self.target, self.parent_hidden[:BK], self.front_tok[:BK], n_rep + t - 1, self.kv, meta,
+                           self.r.backend)
+        logits = self.head.logits(self.target, hidden)
+        if masked:
+            if self._bitmask is not self.bitmask_host:
+                self._bitmask[:BK].copy_(self.bitmask_host[:BK], non_blocking=True)
+            logits = mask_logits(logits, self._bitmask[:BK])
+        scores = torch.log_softmax(logits, -1)
+        scores = torch.where(scores.isnan(), -torch.inf, scores) + self.front_score[:BK, None]
+        child_s, child_t = scores.topk(K, -1)  # [BK, K]
+        child_s, child_t = child_s.view(bs, K * K), child_t.view(bs, K * K)
+        best_s, best_i = child_s.topk(K, -1)  # the next frontier among each request's K*K children
+        depth = t.view(1, 1, 1).expand(bs, 1, K * K)
+        self.out_tok[:bs].scatter_(1, depth, child_t[:, None])
+        self.out_score[:bs].scatter_(1, depth, child_s[:, None])
+        self.out_best[:bs].scatter_(1, depth[:, :, :K], best_i[:, None])
+        parent = (self._row_of[:bs] + best_i // K).view(-1)  # flat frontier index of each new node's parent
+        self.front_tok[:BK] = child_t.gather(1, best_i).view(-1)
+        self.front_score[:BK] = best_s.view(-1)
+        self.parent_hidden[:BK] = hidden.index_select(0, parent)
+        anc.copy_(anc.index_select(0, parent))
+        t.add_(1)
+
+    def frontier_host(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
+        """The frontier's tokens and path scores [bs, K] on the host (a sync)."""
+        K = self.K
+        return (self.front_tok[:bs * K].view(bs, K).cpu().numpy(), self.front_score[:bs * K].view(bs, K).cpu().numpy())
+
+    def outputs_host(self, B: int, depth: int):
+        """(tokens, scores [B, depth, K*K], chosen [B, depth, K]) on the host: the step's one read-back
+        for requests without a grammar."""
+        return (self.out_tok[:B, :depth].cpu().numpy(), self.out_score[:B, :depth].cpu().numpy(),
+                self.out_best[:B, :depth].cpu().numpy())
