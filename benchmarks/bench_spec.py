@@ -1,4 +1,5 @@
-"""Speculative decoding, one run: plain vs n-gram lookahead (chain, and a tree of 3 branches) on the
+"""Speculative decoding, one run: plain vs n-gram lookahead (chain, and a tree of 3 branches; EAGLE when
+asked for with --engines) on the
 JSON-schema workload (schemas/handwritten) and a repeated-context (RAG-like) workload, at batch 1, 8
 and 32, greedy, so every configuration should emit the same tokens (the table says how many did).
 
@@ -50,7 +51,12 @@ ENGINES = {  # name -> engine options on top of the common ones
     "ngram tree always": dict(speculative_algorithm="ngram", ngram_branches=3, speculative_policy="always"),
     # 16 draft tokens (the default policy): on the CPU 1.86x vs 1.71x at batch 1 (JSON); the GPU decides the default
     "ngram chain 16": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=16),
+    # EAGLE head (--eagle-head, default: the shipped one): EAGLE-2 tree, a top-1 chain, and the tree at every step
+    "eagle": dict(speculative_algorithm="eagle"),
+    "eagle chain": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7),
+    "eagle always": dict(speculative_algorithm="eagle", speculative_policy="always"),
 }
+DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith("eagle")]  # EAGLE needs a head: asked for by name
 
 
 def parse_args():
@@ -68,7 +74,10 @@ def parse_args():
                          "--quick 1; an H100 run at batch 32 lasts ~0.3 s, and the same row measured 0.75x-1.01x "
                          "over four single runs)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help="comma-separated subset of: " + ", ".join(ENGINES) + " (default: the n-gram ones)")
+    ap.add_argument("--eagle-head", default=None, metavar="DIR",
+                    help="EAGLE head folder for the eagle engines (default: the one shipped for the default model)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--name", default=None, help="results file name (default spec_<device>[_<workload>][_quick])")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
@@ -234,7 +243,9 @@ def main():
     unknown = [e for e in chosen if e not in ENGINES] + [w for w in args.workloads.split(",") if w not in WORKLOADS]
     if unknown:
         raise SystemExit(f"unknown engine or workload: {unknown}")
-    engines = {name: Engine(**{**common, **ENGINES[name]}) for name in chosen}
+    head = {"eagle_head": args.eagle_head} if args.eagle_head else {}
+    engines = {name: Engine(**{**common, **ENGINES[name], **(head if name.startswith("eagle") else {})})
+               for name in chosen}
     tokenizer = engines["plain"].tokenizer
     print(f"engines ready in {time.perf_counter() - t_start:.1f} s", flush=True)
     records = []
@@ -255,10 +266,10 @@ def main():
     picked = [w for w in args.workloads.split(",") if w]
     only = "" if set(picked) == set(WORKLOADS) else "_" + "_".join(picked)
     name = args.name or f"spec_{args.device}{only}" + ("_quick" if args.quick else "")
-    title = f"Speculative decoding: plain vs n-gram lookahead ({engines['plain'].model_name}, greedy, {args.device})"
+    title = f"Speculative decoding: plain vs {', '.join(chosen[1:])} ({engines['plain'].model_name}, greedy, {args.device})"
     payload = {"machine": machine(), "args": vars(args), "seconds": time.perf_counter() - t_start, "results": records}
     write_results(name, payload, table(records, title))
-    plot(records, RESULTS / f"{name}.png", f"n-gram speculation ({args.device})")
+    plot(records, RESULTS / f"{name}.png", f"speculative decoding ({args.device})")
     print(f"total {time.perf_counter() - t_start:.1f} s")
 
 

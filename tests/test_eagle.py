@@ -183,3 +183,56 @@ def test_default_head_is_only_for_the_default_model(tiny_llama_dir, smollm2_dir)
     tiny = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu").config
     with pytest.raises(HeadMismatch):  # it does not fit the tiny model
         load_head(default_head_dir(None), tiny, torch.float32, "cpu")
+
+
+def test_features_are_the_targets_pre_norm_hidden_states(engines, tiny_head_dir):
+    """What the drafter reads at a position's slot is the target's last-layer output before the final
+    norm there, whichever forward computed it (prefill, plain decode, verify)."""
+    from constrained_spec.attention import AttentionMetadata, ForwardMode, KVCache
+    spec = engines("eagle34", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
+                   speculative_policy="always", speculative_min_accept=0.0)
+    runner, drafter = spec.runner, spec.spec.drafter
+    checked = []
+    original = drafter._extend
+
+    def spy(reqs):
+        r = reqs[0]
+        n = r.num_cached
+        slots = torch.from_numpy(runner.table.host[r.row, :n].copy())
+        got = runner.features[slots].float()
+        model, cfg = runner.model, runner.mcfg
+        kv = KVCache(cfg.num_layers, n + 1, cfg.num_kv_heads, cfg.head_dim, runner.dtype, "cpu")
+        own = torch.arange(1, n + 1)
+        meta = AttentionMetadata(mode=ForwardMode.EXTEND, out_slots=own, q_starts=torch.tensor([0, n], dtype=torch.int32),
+                                 q_lens=torch.tensor([n], dtype=torch.int32), kv_lens=torch.tensor([n], dtype=torch.int32),
+                                 slot_table=own[None], max_q_len=n, max_kv_len=n)
+        x, residual = model.embed_tokens(torch.tensor(r.all_ids[:n])), None
+        for layer in model.layers:  # the layers by hand: the last one's output plus the residual stream
+            x, residual = layer(x, residual, torch.arange(n), model.rope, kv, meta, runner.backend)
+        want = x + residual
+        checked.append(float((got - want.float()).abs().max() / want.float().abs().max()))
+        return original(reqs)
+    drafter._extend = spy
+    try:
+        _greedy(spec, PROMPTS[:1], n=12)
+    finally:
+        drafter._extend = original
+    assert checked and max(checked) < 1e-3, checked
+
+
+@pytest.mark.gpu
+def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
+    """On CUDA the draft steps replay graphs (one per batch size and masking) and the output is the
+    plain engine's, greedy, with and without a schema."""
+    kw = dict(model=tiny_llama_dir, device="cuda", dtype="float32", max_running_requests=8, kv_cache_slots=1 << 14)
+    plain = Engine(**kw)
+    spec = Engine(**kw, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
+                  speculative_policy="always", speculative_min_accept=0.0)
+    try:
+        assert spec.runner.graphs.can_draft(4) and ("draft", 4, True) in spec.runner.graphs.graphs
+        for g in (None, GrammarSpec.json_schema(SCHEMA)):
+            assert _greedy(spec, PROMPTS, g) == _greedy(plain, PROMPTS, g)
+        assert spec.spec.stats.steps > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()
