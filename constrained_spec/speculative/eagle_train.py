@@ -265,7 +265,7 @@ def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainCo
                "val_loss": []}
     val_batches = data.sample(val_items)[:4] if val_items else []
     planned = cfg.max_steps or 10 ** 9
-    step, t0 = 0, time.perf_counter()
+    step, t0, best = 0, time.perf_counter(), None
     bar = tqdm(total=cfg.max_steps or None, desc="training", unit="step")
     done = False
     while not done:
@@ -290,10 +290,7 @@ def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainCo
                     history[k].append(float(x.detach()))
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{float(acc):.3f}", lr=f"{lr:.1e}")
             if val_batches and (step % 100 == 0):
-                history["val_step"].append(step)
-                vl, va = _evaluate(head, target, data, val_batches, scale, cfg, autocast)
-                history["val_loss"].append(vl)
-                history["val_top1"].append(va)
+                best = _checkpoint(head, target, data, val_batches, scale, cfg, autocast, history, step, best)
             bar.update(1)
             elapsed = time.perf_counter() - t0
             if (cfg.max_steps and step >= cfg.max_steps) or (not cfg.max_steps and elapsed >= budget):
@@ -301,12 +298,23 @@ def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainCo
                 break
     bar.close()
     if val_batches:
-        vl, va = _evaluate(head, target, data, val_batches, scale, cfg, autocast)
-        history["val_step"].append(step)
-        history["val_loss"].append(vl)
-        history["val_top1"].append(va)
+        best = _checkpoint(head, target, data, val_batches, scale, cfg, autocast, history, step, best)
+        head.load_state_dict(best[2])
+        history["best_step"], history["best_val_loss"] = best[0], best[1]
     history["seconds"] = time.perf_counter() - t0
     return history
+
+
+def _checkpoint(head, target, data, val_batches, scale, cfg, autocast, history, step, best):
+    """Evaluates on the held-out answers; returns the best (step, loss, weights) so far: a small data
+    set is soon learned by heart, and the head kept is the one that predicted held-out answers best."""
+    vl, va = _evaluate(head, target, data, val_batches, scale, cfg, autocast)
+    history["val_step"].append(step)
+    history["val_loss"].append(vl)
+    history["val_top1"].append(va)
+    if best is None or vl < best[1]:
+        best = (step, vl, {k: v.detach().clone() for k, v in head.state_dict().items()})
+    return best
 
 
 @torch.no_grad()
@@ -417,7 +425,9 @@ def train_eagle(cfg: TrainConfig) -> Path:
             "feature_rms": scale, "steps": history["step"][-1] if history["step"] else 0,
             "train_seconds": round(history["seconds"], 1), "generate_seconds": round(gen_seconds, 1),
             "final_top1": history["top1"][-1] if history["top1"] else None,
-            "heldout_top1": history["val_top1"][-1] if history["val_top1"] else None,
+            "heldout_top1": (history["val_top1"][history["val_step"].index(history["best_step"])]
+                             if history.get("best_step") is not None else None),
+            "kept_step": history.get("best_step"), "heldout_loss": history.get("best_val_loss"),
             "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     head_dtype = torch.bfloat16 if device.type == "cuda" else next(target.parameters()).dtype
     save_head(head, out, dtype=head_dtype, info=info)
