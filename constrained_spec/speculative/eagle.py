@@ -139,11 +139,11 @@ class EagleDrafter(Drafter):
         paths = None
         for t in range(1, D):
             if grammar:  # the frontier's rows: each node's path accepted into its matcher, then rolled back
-                tok, score = io.frontier_host(B)
+                tok, score, chosen = io.frontier_host(B)
                 if paths is None:
                     paths = [[[int(x)] for x in tok[b]] for b in range(B)]
                 else:
-                    parent = io.out_best[:B, t - 1].cpu().numpy() // K
+                    parent = chosen // K
                     paths = [[paths[b][parent[b, j]] + [int(tok[b, j])] for j in range(K)] for b in range(B)]
                 masks[:bs * K] = -1
                 for b in grammar:

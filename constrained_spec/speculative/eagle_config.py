@@ -16,6 +16,7 @@ class TrainConfig:
     max_tokens: int = 256  # per answer
     gen_batch: int = 128  # requests generated together
     temperature: float = 0.7  # for the repeats of a prompt (its first answer is greedy)
+    gen_minutes: float = 2.5  # no new chunk of prompts is started after this long (0: no limit)
     max_len: int = 1536  # training sequences are cut to this many tokens
     batch_tokens: int = 16384  # tokens per training batch
     train_minutes: float = 4.0  # time budget of the training loop

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
+from ..engine.pinned import PinnedBlock
 from ..kernels import mask_logits
 
 
@@ -36,12 +37,10 @@ class DraftIO:
         dev = self.device = runner.device
         H, W = runner.mcfg.hidden_size, runner.bitmask_width
         self.max_context = runner.table.max_context
-        pinned = dev.type == "cuda"
-        # per step, from the host: rows, cached lengths (one copy)
-        self._inputs = torch.zeros(2 * C, dtype=torch.int64, pin_memory=pinned)
-        self.rows, self.n = self._inputs.numpy()[:C], self._inputs.numpy()[C:]
-        self._inputs_dev = torch.zeros_like(self._inputs, device=dev) if pinned else self._inputs
-        self._rows, self._n = self._inputs_dev[:C], self._inputs_dev[C:]
+        # per step, from the host: table rows and cached lengths (uploaded by `begin`)
+        self._inputs = PinnedBlock({"rows": ((C,), np.int64), "n": ((C,), np.int64)}, dev)
+        self.rows, self.n = self._inputs.host["rows"], self._inputs.host["n"]
+        self._rows, self._n = self._inputs.device["rows"], self._inputs.device["n"]
         self._n_rep = torch.zeros(C * K, dtype=torch.int64, device=dev)
         self.t = torch.ones(1, dtype=torch.int64, device=dev)  # depth of the frontier
         # the frontier
@@ -57,14 +56,20 @@ class DraftIO:
         self._q_starts = torch.arange(C * K + 1, dtype=torch.int32, device=dev)
         self._q_lens = torch.ones(C * K, dtype=torch.int32, device=dev)
         self._row_of = torch.arange(C, device=dev)[:, None] * K  # flat index of each request's first node
-        # grammar rows of the frontier (host fills, the step copies)
-        self.bitmask_host = torch.full((C * K, W), -1, dtype=torch.int32, pin_memory=pinned)
-        self.bitmask_rows = self.bitmask_host.numpy()
-        self._bitmask = torch.zeros_like(self.bitmask_host, device=dev) if pinned else self.bitmask_host
+        # grammar rows of the frontier (the host fills them, the masked step copies them)
+        self._masks = PinnedBlock({"bitmask": ((C * K, W), np.int32)}, dev)
+        self.bitmask_host = self._masks.host_tensor["bitmask"]
+        self._bitmask = self._masks.device["bitmask"]
+        self._row_bytes = W * 4
         # what the host reads: per depth, the K*K children (tokens, path scores) and the K chosen
         self.out_tok = torch.zeros(C, D, K * K, dtype=torch.int64, device=dev)
         self.out_score = torch.full((C, D, K * K), -torch.inf, dtype=torch.float32, device=dev)
         self.out_best = torch.zeros(C, D, K, dtype=torch.int64, device=dev)
+        pinned = dev.type == "cuda"
+        self._f_tok = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
+        self._f_score = torch.zeros(C * K, dtype=torch.float32, pin_memory=pinned)
+        self._f_best = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
+        self._host_t = 0  # the depth whose frontier `frontier_host` reads next
 
     # -- per request-step, eager --------------------------------------------------------------------
     def begin(self, bs: int, rows: np.ndarray, n: np.ndarray, root_hidden: torch.Tensor,
@@ -74,8 +79,7 @@ class DraftIO:
         B, K = len(rows), self.K
         self.rows[:B], self.n[:B] = rows, n
         self.rows[B:bs], self.n[B:bs] = self.r.pad_row, 1
-        if self._inputs_dev is not self._inputs:
-            self._inputs_dev.copy_(self._inputs, non_blocking=True)
+        self._inputs.upload()
         score, tok = root_scores.topk(K, -1)
         self.out_tok[:B, 0, :K] = tok
         self.out_score[:B, 0] = -torch.inf
@@ -88,6 +92,7 @@ class DraftIO:
         self._n_rep[:bs * K] = self._n[:bs].repeat_interleave(K)
         self.draft_table[:bs * K] = self.r.table.device_table[self._rows[:bs]].repeat_interleave(K, 0)
         self.t.fill_(1)
+        self._host_t = 0
 
     # -- one depth (captured per batch size and masking on CUDA) --------------------------------------
     def step(self, bs: int, masked: bool, max_kv: int | None = None) -> None:
@@ -108,8 +113,7 @@ class DraftIO:
                            self.r.backend)
         logits = self.head.logits(self.target, hidden)
         if masked:
-            if self._bitmask is not self.bitmask_host:
-                self._bitmask[:BK].copy_(self.bitmask_host[:BK], non_blocking=True)
+            self._masks.upload("bitmask", BK * self._row_bytes)
             logits = mask_logits(logits, self._bitmask[:BK])
         scores = torch.log_softmax(logits, -1)
         scores = torch.where(scores.isnan(), -torch.inf, scores) + self.front_score[:BK, None]
@@ -127,10 +131,18 @@ class DraftIO:
         anc.copy_(anc.index_select(0, parent))
         t.add_(1)
 
-    def frontier_host(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
-        """The frontier's tokens and path scores [bs, K] on the host (a sync)."""
-        K = self.K
-        return (self.front_tok[:bs * K].view(bs, K).cpu().numpy(), self.front_score[:bs * K].view(bs, K).cpu().numpy())
+    def frontier_host(self, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The frontier's tokens and path scores, and the last step's choices (each new frontier
+        node's index among the children), [B, K] on the host: three copies, one sync."""
+        K, t = self.K, self._host_t
+        for dst, src in ((self._f_tok, self.front_tok[:B * K]), (self._f_score, self.front_score[:B * K]),
+                         (self._f_best, self.out_best[:B, t].reshape(-1))):
+            dst[:B * K].copy_(src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._host_t += 1
+        view = lambda x: x[:B * K].numpy().reshape(B, K)
+        return view(self._f_tok), view(self._f_score), view(self._f_best)
 
     def outputs_host(self, B: int, depth: int):
         """(tokens, scores [B, depth, K*K], chosen [B, depth, K]) on the host: the step's one read-back

@@ -123,14 +123,18 @@ def heldout_prompts(tokenizer, n: int):
     return work
 
 
-def generate_answers(engine, prompts, chunk: int) -> list[tuple[np.ndarray, int]]:
+def generate_answers(engine, prompts, chunk: int, minutes: float = 0.0) -> list[tuple[np.ndarray, int]]:
     """[(prompt + answer ids, prompt length)] for the prompts the engine answered without error.
     Prompts go in `chunk` at a time (several batches: a slow grammar compile holds up only its own
-    request while the others decode)."""
+    request while the others decode); with `minutes` > 0 no chunk starts after that long."""
     from tqdm import tqdm
     seqs = []
+    t0 = time.perf_counter()
     with tqdm(total=len(prompts), desc="generating", unit="answer") as bar:
         for i in range(0, len(prompts), chunk):
+            if minutes and time.perf_counter() - t0 > 60 * minutes:
+                log.warning("generation budget of %.1f min spent: %d of %d prompts answered", minutes, i, len(prompts))
+                break
             wave = prompts[i:i + chunk]
             outs = engine.generate([ids for ids, _, _ in wave], [p for _, _, p in wave], [g for _, g, _ in wave])
             for (ids, _, _), o in zip(wave, outs):
@@ -397,7 +401,7 @@ def train_eagle(cfg: TrainConfig) -> Path:
                                cfg.seed)
     t = time.perf_counter()
     with Engine(loaded=loaded, **engine_kw, max_queued_requests=4 * cfg.gen_batch + 8) as engine:
-        seqs = generate_answers(engine, prompts, 4 * cfg.gen_batch)
+        seqs = generate_answers(engine, prompts, 4 * cfg.gen_batch, cfg.gen_minutes)
     gen_seconds = time.perf_counter() - t
     del engine
     gc.collect()
