@@ -102,7 +102,7 @@ class EagleDrafter(Drafter):
         pos = np.concatenate([np.arange(s, e) for s, e in zip(start, n)])
         owner = np.repeat(np.arange(B), q_lens)
         slots = table[rows[owner], pos]
-        ids = np.concatenate([np.asarray(r.all_ids[s + 1:e + 1], np.int64) for r, s, e in zip(reqs, start, n)])
+        ids = np.concatenate([np.asarray(_tokens(r, s + 1, e + 1), np.int64) for r, s, e in zip(reqs, start, n)])
         q_starts = np.zeros(B + 1, np.int64)
         np.cumsum(q_lens, out=q_starts[1:])
         max_kv = int(n.max())
@@ -161,6 +161,14 @@ class EagleDrafter(Drafter):
             logits = mask_logits(logits, bitmask.to(logits.device, non_blocking=True))
         scores = torch.log_softmax(logits, -1)
         return scores.masked_fill_(scores.isnan(), -torch.inf)  # a row the grammar closes: all -inf
+
+
+def _tokens(req, start: int, stop: int) -> list[int]:
+    """The request's tokens at positions [start, stop), without copying its whole context."""
+    p = len(req.prompt_ids)
+    if start >= p:
+        return req.output_ids[start - p:stop - p]
+    return req.prompt_ids[start:stop] + req.output_ids[:max(stop - p, 0)]
 
 
 def _fill_rows(matcher, paths, live, bitmask: torch.Tensor, first_row: int) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode
-from ..engine.pinned import PinnedBlock
+from ..pinned import PinnedBlock
 from ..kernels import mask_logits
 
 

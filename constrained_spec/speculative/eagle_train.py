@@ -394,6 +394,8 @@ def train_eagle(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=str(device))
+    # from the last layer as loaded (before an engine repacks the model's CPU projections)
+    head = init_head(EagleHead(loaded.config), loaded.model, cfg.seed).to(device=device, dtype=torch.float32)
     engine_kw = dict(device=str(device), max_running_requests=max(cfg.gen_batch, 8), grammar_compile_timeout_s=10.0,
                      **({"kv_cache_slots": 1 << 16} if device.type == "cpu" else {}))
 
@@ -421,7 +423,6 @@ def train_eagle(cfg: TrainConfig) -> Path:
     n_val = max(1, len(items) // 20) if len(items) >= 20 else 0
     val_items, train_items = items[:n_val], items[n_val:]
     data = Batches(seqs, feats, index, cfg.batch_tokens, device, cfg.seed)
-    head = init_head(EagleHead(loaded.config), target, cfg.seed).to(device=device, dtype=torch.float32)
     history = train_head(head, target, data, train_items, val_items, cfg, scale)
 
     info = {"target": loaded.name, "made_by": "constrained-spec train-eagle", "config": asdict(cfg),
