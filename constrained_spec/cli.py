@@ -247,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="completion limit for chat requests that set none (default: the rest of the context)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="log verbosity (default: %(default)s)")
+    srv.add_argument("--single-process", action="store_true",
+                     help="run the engine inside the HTTP server's process, sharing its GIL (the layout before "
+                          "the engine got a process of its own; slower from ~64 clients up, kept for A/B "
+                          "comparison). Default: the engine runs in its own process")
     _add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -349,14 +353,27 @@ def describe_engine(engine) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    from .engine import Engine
     from .server.app import ServerConfig, create_app
     from .server.runner import run_server
 
     config = engine_config_from_args(args)
-    log.info("loading %s on %s ...", config.model or DEFAULT_MODEL_LABEL, config.device)
-    engine = Engine(config)
-    log.info("engine ready: %s", describe_engine(engine))
+    log.info("loading %s on %s%s ...", config.model or DEFAULT_MODEL_LABEL, config.device,
+             " (in this process)" if args.single_process else " in the engine process")
+    if args.single_process:
+        from .engine import Engine
+        engine = Engine(config)
+        log.info("engine ready: %s", describe_engine(engine))
+    else:
+        from .server.engine_process import EngineProcess
+        try:
+            process = EngineProcess(config)
+        except (RuntimeError, TimeoutError) as e:
+            log.error("%s", e)
+            return 1
+        engine = process.connect(owns_process=True)
+        info = process.info
+        log.info("engine ready in process %d: model %s, device %s, dtype %s, KV capacity %d tokens, max context %d",
+                 info.pid, info.model_name, info.device, info.dtype, info.kv_capacity, info.max_context)
     app = create_app(engine, ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
                                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                                           max_pending_requests=args.max_pending_requests,

@@ -96,3 +96,19 @@ class IncrementalDetokenizer:
             if len(parts) >= 256:  # (text is kept for `text` only; a list, so no step copies it all)
                 self._out = ["".join(parts)]
         return out
+
+
+class _NoText:
+    """The detokenizer of a request whose caller detokenizes itself (`add_request(detokenize=False)`):
+    no text, no stop strings."""
+    stop: list[str] = []
+    text = ""
+
+    def add(self, new_ids: list[int]) -> None:
+        return None
+
+    def take(self, final: bool) -> str:
+        return ""
+
+
+NO_TEXT = _NoText()

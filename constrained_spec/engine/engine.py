@@ -40,7 +40,7 @@ from ..sampling_params import SamplingParams
 from ..speculative.grammar_draft import stable_forced_tokens
 from .config import EngineConfig
 from .delivery import LoopDelivery
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, NO_TEXT
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
 from .omp_pool import on_fresh_thread
@@ -120,6 +120,9 @@ class Engine:
         self._compiling: list[Request] = []
         self._by_id: dict[str, Request] = {}
         self._stopped = False
+        # called by the engine thread once per loop iteration, after the outputs of the iteration's
+        # step were emitted, and before it sleeps: the engine process ships a step's outputs then
+        self.step_hook: Callable[[], None] | None = None
         self._launched = None  # the batch whose forward is on the device now
         # tokens on which a matcher can terminate (xgrammar: a matcher terminates only by accepting
         # one of its stop tokens; the engine's matchers do not override them)
@@ -134,9 +137,11 @@ class Engine:
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     grammar: GrammarSpec | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, detokenize: bool = True) -> Request:
         """Queues a request; `on_output` is called with each update from the engine thread (or its
-        step thread, which runs while the engine thread fills grammar masks: never both at once)."""
+        step thread, which runs while the engine thread fills grammar masks: never both at once).
+        `detokenize=False`: updates carry token ids only, no text, and stop strings are the caller's
+        to find (the HTTP front-end process detokenizes, off the engine's process)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self._check_length(ids, params)
@@ -146,7 +151,7 @@ class Engine:
         if request_id:
             req.request_id = request_id
         req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
-        req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if detokenize else NO_TEXT
         if grammar is not None:
             req.grammar_future = self.grammar.compile_async(grammar)
             # an idle engine thread sleeps until woken: a compile finishing must wake it
@@ -210,8 +215,7 @@ class Engine:
                 self.abort(req.request_id)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
 
     def num_queued(self) -> int:
         return len(self._by_id)
@@ -247,6 +251,8 @@ class Engine:
     def _loop(self) -> None:
         inflight: StepResult | None = None
         while not self._stopped:
+            if self.step_hook is not None:
+                self.step_hook()
             try:
                 self._wake.clear()  # before looking for work: a wake-up from here on is not lost
                 self._drain_inbox()
@@ -301,6 +307,8 @@ class Engine:
         return not self.config.disable_overlap and self.device.type == "cuda"
 
     def _idle_wait(self) -> None:
+        if self.step_hook is not None:
+            self.step_hook()
         self._wake.wait(timeout=0.05 if self._compiling else 1.0)
 
     def _drain_inbox(self) -> None:
@@ -589,6 +597,12 @@ class Engine:
     def _fail_running(self, message: str) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, FinishReason.ERROR, error=message)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's token ids from the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _violation(token: int) -> str:

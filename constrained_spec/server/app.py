@@ -1,4 +1,8 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over one Engine.
+"""The OpenAI-compatible HTTP server: FastAPI routes over one engine, either an `EngineClient` (the
+engine in its own process, `engine_process.py`: how `serve` runs) or an in-process `Engine` (the
+single-process server, `serve --single-process`, kept for comparison). Both take `add_request`,
+`abort`, `grammar.compile_async` and `chat_prompt`; the engine's state comes as a snapshot
+(`metrics.engine_snapshot`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. See docs/api.md for the protocol and its extensions.
@@ -28,8 +32,9 @@ from starlette.responses import Response, StreamingResponse
 
 from ..engine.delivery import LoopDelivery
 from .constraints import constraint_param, grammar_error, grammar_spec_for
+from .engine_client import EngineClient, EngineUnavailable
 from .errors import APIError, bad_request, validation_error_to_api
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
 from .tokens import TokenTexts
 
@@ -268,6 +273,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             msg = f"no route {request.method} {request.url.path}"
         return APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None).response()
 
+    @app.exception_handler(EngineUnavailable)
+    async def _engine_unavailable(request: Request, exc: EngineUnavailable):
+        return unavailable().response()
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
@@ -297,6 +306,19 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise
         return spec
 
+    def healthy() -> bool:
+        return getattr(engine, "healthy", True)
+
+    def unavailable() -> APIError:
+        return APIError(503, "the engine is not running; the server cannot generate", code="engine_unavailable",
+                        headers={"Retry-After": str(config.retry_after_s)})
+
+    async def snapshot() -> dict:
+        """The engine's state: asked of the engine process, or read in this one."""
+        if isinstance(engine, EngineClient):
+            return await asyncio.wait_for(asyncio.wrap_future(engine.snapshot_async()), timeout=10)
+        return engine_snapshot(engine)
+
     def busy(message: str) -> APIError:
         return APIError(503, message, code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
 
@@ -324,6 +346,8 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         return max(1, min(requested, room))
 
     def admit(n: int) -> None:
+        if not healthy():
+            raise unavailable()
         if state.pending + n > state.limit:
             raise APIError(503, f"the server is at its limit of {state.limit} pending requests; retry later",
                            code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
@@ -386,10 +410,16 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         comp = sum(f.completion_tokens for f in finals if f is not None)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp}
 
+    def generation_error(out) -> APIError:
+        """What a request that ended in an error answers: 503 if the engine is gone, else 500."""
+        if not healthy():
+            return unavailable()
+        return APIError(500, f"generation failed: {out.error or 'engine error'}", code="engine_error")
+
     def raise_engine_errors(finals) -> None:
         for f in finals:
             if f is not None and _finish_str(f.finish_reason) == "error":
-                raise APIError(500, f"generation failed: {f.error or 'engine error'}", code="engine_error")
+                raise generation_error(f)
 
     def chat_logprobs(chunks: list[tuple[list[int], list[dict]]], top_n: int) -> dict:
         content = []
@@ -425,14 +455,25 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
 
     @app.get("/health")
     async def health():
-        pool = engine.runner.pool
-        return _json_response({"status": "ok", "model": served, "kv_free_slots": pool.num_free,
-                               "kv_capacity": pool.capacity, "pending_requests": state.pending})
+        try:
+            snap = await snapshot() if healthy() else None
+        except (EngineUnavailable, asyncio.TimeoutError):
+            snap = None
+        if snap is None:
+            return _json_response({"status": "unhealthy", "model": served, "error": "the engine is not running",
+                                   "pending_requests": state.pending}, status=503)
+        return _json_response({"status": "ok", "model": served, "kv_free_slots": snap["kv_free"],
+                               "kv_capacity": snap["kv_capacity"], "requests_running": snap["running"],
+                               "requests_waiting": snap["waiting"], "pending_requests": state.pending})
 
     @app.get("/metrics")
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        try:
+            snap = await snapshot() if healthy() else None
+        except (EngineUnavailable, asyncio.TimeoutError):
+            snap = None
+        return Response(metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
         return {"id": served, "object": "model", "created": 0, "owned_by": "constrained-spec",
@@ -519,7 +560,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                     reason = _finish_str(out.finish_reason)
                     if reason == "error":  # the choice ends "error", then the error itself
                         yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "error"}])
-                        err = APIError(500, f"generation failed: {out.error or 'engine error'}", code="engine_error")
+                        err = generation_error(out)
                         yield _sse(err.body())
                         continue
                     yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
@@ -605,8 +646,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 if out.finished:
                     finals[i] = out
                 if reason == "error":
-                    yield _sse(APIError(500, f"generation failed: {out.error or 'engine error'}",
-                                        code="engine_error").body())
+                    yield _sse(generation_error(out).body())
                     continue
                 if out.new_text or out.finished:
                     lp = None

@@ -1,5 +1,6 @@
 """Prometheus metrics for /metrics. Each app gets its own registry (several apps may share one engine
-in one process, as the tests do)."""
+in one process, as the tests do). The engine's part is a snapshot of plain values
+(`engine_snapshot`), taken in the engine's process, so the front-end process renders it alike."""
 from __future__ import annotations
 
 import time
@@ -13,41 +14,59 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
-class _EngineCollector:
-    """Reads the engine's live state at scrape time."""
+def engine_snapshot(engine) -> dict:
+    """The engine's live state in plain values (read at scrape time; the engine process sends it to
+    its front-ends the same way): requests, KV slots, grammar compile and mask counters, and the
+    speculative-decoding statistics."""
+    sched = engine.scheduler
+    pool = engine.runner.pool
+    stats = engine.stats
+    snap = {"running": len(sched.running), "waiting": len(sched.waiting) + len(engine._compiling),
+            "kv_capacity": pool.capacity, "kv_free": pool.num_free,
+            "grammar": engine.grammar.stats,
+            "steps": stats.steps, "grammar_mask_seconds": stats.grammar_mask_seconds,
+            "grammar_end_violations": stats.grammar_end_violations,
+            "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None}
+    st = getattr(engine.spec, "stats", None) if engine.spec is not None else None
+    if st is not None:
+        snap["spec"] = {"steps": st.steps, "verified_requests": st.verified_requests,
+                        "accepted_tokens": st.accepted_tokens, "forced_draft_tokens": st.forced_draft_tokens,
+                        "mean_accepted": float(st.mean_accepted), "phase_seconds": dict(st.phase_seconds()),
+                        "histogram": list(st.histogram)}
+    return snap
 
-    def __init__(self, engine, server_state):
-        self.engine = engine
+
+class _EngineCollector:
+    """Renders the engine snapshot taken for this scrape (`ServerMetrics.render(snapshot)`)."""
+
+    def __init__(self, server_state):
         self.server_state = server_state
+        self.snapshot: dict | None = None
 
     def collect(self):
-        eng = self.engine
-        sched = getattr(eng, "scheduler", None)
-        running = len(getattr(sched, "running", ())) if sched is not None else 0
-        waiting = len(getattr(sched, "waiting", ())) if sched is not None else 0
-        waiting += len(getattr(eng, "_compiling", ()))
+        snap = self.snapshot
+        if snap is None:
+            return
         g = GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests in the running batch")
-        g.add_metric([], running)
+        g.add_metric([], snap["running"])
         yield g
         g = GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued (waiting for KV or a grammar compile)")
-        g.add_metric([], waiting)
+        g.add_metric([], snap["waiting"])
         yield g
         g = GaugeMetricFamily(f"{PREFIX}_http_requests_in_flight", "Generation requests the server has admitted")
         g.add_metric([], self.server_state.pending)
         yield g
-        pool = getattr(getattr(eng, "runner", None), "pool", None)
-        if pool is not None:
-            cap, free = pool.capacity, pool.num_free
-            g = GaugeMetricFamily(f"{PREFIX}_kv_slots_total", "KV-cache token slots")
-            g.add_metric([], cap)
-            yield g
-            g = GaugeMetricFamily(f"{PREFIX}_kv_slots_used", "KV-cache token slots in use")
-            g.add_metric([], cap - free)
-            yield g
-            g = GaugeMetricFamily(f"{PREFIX}_kv_usage_ratio", "Fraction of KV-cache slots in use (0..1)")
-            g.add_metric([], (cap - free) / cap if cap else 0.0)
-            yield g
-        gstats = getattr(getattr(eng, "grammar", None), "stats", None)
+        cap, free = snap["kv_capacity"], snap["kv_free"]
+        g = GaugeMetricFamily(f"{PREFIX}_kv_slots_total", "KV-cache token slots")
+        g.add_metric([], cap)
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_kv_slots_used", "KV-cache token slots in use")
+        g.add_metric([], cap - free)
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_kv_usage_ratio", "Fraction of KV-cache slots in use (0..1)")
+        g.add_metric([], (cap - free) / cap if cap else 0.0)
+        yield g
+        gstats = snap["grammar"]
         if isinstance(gstats, dict):
             c = CounterMetricFamily(f"{PREFIX}_grammar_compile_seconds", "Time spent compiling grammars")
             c.add_metric([], float(gstats.get("compile_seconds_total", 0.0)))
@@ -59,24 +78,22 @@ class _EngineCollector:
             c.add_metric([], float(gstats.get("cache_hits", 0)))
             yield c
             yield from _compile_metrics(gstats)
-        stats = getattr(eng, "stats", None)
-        if stats is not None:
-            c = CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps (prefill and decode)")
-            c.add_metric([], float(stats.steps))
-            yield c
-            c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
-            c.add_metric([], float(stats.grammar_mask_seconds))
-            yield c
-            c = CounterMetricFamily(f"{PREFIX}_grammar_end_violations",
-                                    "Requests that ended where their grammar could not end (an engine bug; "
-                                    "answered as errors)")
-            c.add_metric([], float(stats.grammar_end_violations))
-            yield c
-            c = CounterMetricFamily(f"{PREFIX}_grammar_accept_seconds",
-                                    "Time spent accepting decode steps' tokens into grammar matchers")
-            c.add_metric([], float(stats.grammar_accept_seconds))
-            yield c
-        yield from _spec_metrics(getattr(getattr(eng, "spec", None), "stats", None))
+        c = CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps (prefill and decode)")
+        c.add_metric([], float(snap["steps"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
+        c.add_metric([], float(snap["grammar_mask_seconds"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_grammar_end_violations",
+                                "Requests that ended where their grammar could not end (an engine bug; "
+                                "answered as errors)")
+        c.add_metric([], float(snap["grammar_end_violations"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_grammar_accept_seconds",
+                                "Time spent accepting decode steps' tokens into grammar matchers")
+        c.add_metric([], float(snap["grammar_accept_seconds"]))
+        yield c
+        yield from _spec_metrics(snap["spec"])
 
 
 def _compile_metrics(gstats: dict):
@@ -107,35 +124,35 @@ def _compile_metrics(gstats: dict):
         yield g
 
 
-def _spec_metrics(st):
+def _spec_metrics(st: dict | None):
     """Speculative-decoding acceptance, global: counters plus the accepted-length histogram."""
     if st is None:
         return
     c = CounterMetricFamily(f"{PREFIX}_spec_verify_steps", "Speculative verify steps (batches)")
-    c.add_metric([], float(st.steps))
+    c.add_metric([], float(st["steps"]))
     yield c
     c = CounterMetricFamily(f"{PREFIX}_spec_verified_requests", "Request-steps verified (one per request per step)")
-    c.add_metric([], float(st.verified_requests))
+    c.add_metric([], float(st["verified_requests"]))
     yield c
     c = CounterMetricFamily(f"{PREFIX}_spec_accepted_tokens", "Draft tokens accepted (bonus tokens excluded)")
-    c.add_metric([], float(st.accepted_tokens))
+    c.add_metric([], float(st["accepted_tokens"]))
     yield c
     c = CounterMetricFamily(f"{PREFIX}_spec_forced_draft_tokens", "Grammar-forced tokens put into drafts")
-    c.add_metric([], float(st.forced_draft_tokens))
+    c.add_metric([], float(st["forced_draft_tokens"]))
     yield c
     g = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length", "Tokens emitted per request per verify step")
-    g.add_metric([], float(st.mean_accepted))
+    g.add_metric([], float(st["mean_accepted"]))
     yield g
     c = CounterMetricFamily(f"{PREFIX}_spec_host_seconds", "Host time of speculative steps by phase (draft and "
                             "mask: drafting and grammar-masking the trees)", labels=["phase"])
-    for phase, seconds in st.phase_seconds().items():
+    for phase, seconds in st["phase_seconds"].items():
         c.add_metric([phase], seconds)
     yield c
     g = GaugeMetricFamily(f"{PREFIX}_spec_accepted_length_count", "Request-steps by number of accepted drafts",
                           labels=["accepted"])
-    last = max((i for i, n in enumerate(st.histogram) if n), default=0)
+    last = max((i for i, n in enumerate(st["histogram"]) if n), default=0)
     for i in range(last + 1):
-        g.add_metric([str(i)], float(st.histogram[i]))
+        g.add_metric([str(i)], float(st["histogram"][i]))
     yield g
 
 
@@ -156,7 +173,8 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_request_latency_seconds", "Time from arrival to the last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine, server_state))
+        self.collector = _EngineCollector(server_state)
+        r.register(self.collector)
         self.engine = engine
         self._listening = False
 
@@ -193,5 +211,10 @@ class ServerMetrics:
                 pass
             self._listening = False
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, snapshot: dict | None) -> bytes:
+        """The metrics text, the engine's part from `snapshot` (`engine_snapshot`; None: left out)."""
+        self.collector.snapshot = snapshot
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self.collector.snapshot = None

@@ -1,0 +1,277 @@
+"""The front-end's side of the engine process: an `EngineClient` the HTTP app uses as it uses an
+in-process Engine (`add_request`, `abort`, `grammar.compile_async`, `tokenizer`, `chat_prompt`).
+
+It detokenizes: the engine process sends token ids, and a reader thread here turns each step's
+message into `RequestOutput`s with text, using the same `IncrementalDetokenizer` the engine uses
+in-process, so answers are the same text. Stop strings are found here too; a request that hits one
+ends here and is aborted in the engine (the tokens the engine made meanwhile are dropped).
+
+If the engine process dies, the connection closes: every request in flight ends with an error, the
+client turns unhealthy, and new requests raise `EngineUnavailable` (the app answers 503).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.engine import RequestError, chat_prompt_ids
+from ..engine.request import FinishReason, RequestOutput
+from . import ipc
+
+log = logging.getLogger("constrained_spec.engine_client")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process is not running (it died, or was stopped)."""
+
+
+@dataclass
+class _Pending:
+    """A request in flight, as the front-end sees it (also what the /metrics listeners read)."""
+    key: int
+    request_id: str
+    prompt_ids: list[int]
+    on_output: Callable[[RequestOutput], None]
+    detok: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class _Limits:
+    """The engine's limits the app reads (`engine.config` of an in-process engine)."""
+    max_running_requests: int
+    max_queued_requests: int
+
+
+class _Listeners:
+    """`engine.stats.listeners` of an in-process engine: /metrics hooks its TTFT and latency here."""
+
+    def __init__(self):
+        self.listeners: list = []
+
+
+class _RemoteGrammar:
+    def __init__(self, client: "EngineClient"):
+        self._client = client
+
+    def compile_async(self, spec) -> Future:
+        """Compiles (or finds in the engine's cache) in the engine process: resolves to None, or
+        raises GrammarError / GrammarBusy as an in-process compile would."""
+        return self._client._call("compile", spec)
+
+
+class EngineClient:
+    def __init__(self, info, process=None):
+        self.info = info
+        self._process = process  # the EngineProcess this client stops on shutdown, if it owns it
+        self.model_name = info.model_name
+        self.tokenizer = info.tokenizer
+        self.max_context = info.max_context
+        self.device = info.device
+        self.config = _Limits(info.max_running_requests, info.max_queued_requests)
+        self.grammar = _RemoteGrammar(self)
+        self.stats = _Listeners()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(info.address)
+        self._channel = ipc.Channel(sock)
+        self._keys = itertools.count(1)
+        self._by_key: dict[int, _Pending] = {}
+        self._by_id: dict[str, _Pending] = {}
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count(1)
+        self._lock = threading.Lock()  # the dicts above, between the app's threads and the reader
+        self.healthy = True
+        self.closed = False
+        self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
+        self._reader.start()
+
+    # -- what the app calls ------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+
+    def add_request(self, prompt: list[int], params, grammar=None, on_output=None, request_id: str | None = None,
+                    ) -> _Pending:
+        """Queues a request in the engine; `on_output` is called from this client's reader thread.
+        Raises RequestError for what the engine would refuse up front, EngineUnavailable if it is gone."""
+        self._check_up()
+        ids = list(prompt)
+        self._check_length(ids)
+        with self._lock:
+            if len(self._by_key) >= self.config.max_queued_requests:
+                raise RequestError("the engine's queue is full; retry later", code="queue_full")
+            key = next(self._keys)
+            p = _Pending(key, request_id or f"req-{key}", ids, on_output or (lambda out: None),
+                         IncrementalDetokenizer(self.tokenizer, ids, params.stop))
+            self._by_key[key] = p
+            self._by_id[p.request_id] = p
+        try:
+            self._channel.send(("add", key, p.request_id, ids, params, grammar))
+        except OSError:
+            self._forget(p)
+            self._lost()
+            raise EngineUnavailable("the engine process is not running")
+        return p
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            p = self._by_id.get(request_id)
+        if p is None:
+            return
+        self._forget(p)
+        self._send_quietly(("abort", p.key))
+
+    def snapshot_async(self) -> Future:
+        """The engine's state for /health and /metrics (`metrics.engine_snapshot`)."""
+        return self._call("snapshot", None)
+
+    def shutdown(self) -> None:
+        """Closes this front-end's connection (the engine aborts its requests); stops the engine
+        process too if this client owns it."""
+        if self.closed:
+            return
+        self.closed = True
+        self._channel.close()
+        self._reader.join(5)
+        if self._process is not None:
+            self._process.stop()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_up(self) -> None:
+        if not self.healthy:
+            raise EngineUnavailable("the engine process is not running")
+
+    def _check_length(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context holds {self.max_context}",
+                               param="messages", code="context_length_exceeded")
+        if len(ids) + 1 > self.info.kv_capacity:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the KV cache holds {self.info.kv_capacity}",
+                               param="messages", code="context_length_exceeded")
+
+    def _call(self, name: str, arg) -> Future:
+        future: Future = Future()
+        if not self.healthy:
+            future.set_exception(EngineUnavailable("the engine process is not running"))
+            return future
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        if not self._send_quietly(("call", call_id, name, arg)):
+            with self._lock:
+                self._calls.pop(call_id, None)
+            future.set_exception(EngineUnavailable("the engine process is not running"))
+        return future
+
+    def _send_quietly(self, message: tuple) -> bool:
+        try:
+            self._channel.send(message)
+            return True
+        except OSError:
+            return False
+
+    def _forget(self, p: _Pending) -> None:
+        with self._lock:
+            self._by_key.pop(p.key, None)
+            self._by_id.pop(p.request_id, None)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = self._channel.recv()
+                if msg[0] == "out":
+                    self._on_updates(msg[1])
+                else:
+                    _, call_id, ok, value = msg
+                    with self._lock:
+                        future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(value) if ok else future.set_exception(value)
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("engine client reader failed")
+        finally:
+            self._lost()
+
+    def _on_updates(self, updates: list[tuple]) -> None:
+        by_key = self._by_key
+        for key, ids, finished, reason, error, matched, n_out, lps in updates:
+            p = by_key.get(key)
+            if p is None:  # aborted here, or ended here on a stop string
+                continue
+            if p.first_token_time is None and ids:
+                p.first_token_time = time.monotonic()
+                for fn in self.stats.listeners:
+                    fn("first_token", p)
+            detok = p.detok
+            p.output_ids.extend(ids)
+            feed = ids[:-1] if finished and isinstance(matched, int) else ids  # a stop token is no text
+            if detok.stop:
+                at, stop = self._stop_at(detok, feed)
+                if stop is not None:  # ends here, on the token that completes the stop string
+                    if not finished:
+                        self._send_quietly(("abort", key))
+                    self._forget(p)
+                    cut = len(ids) - at - 1
+                    self._deliver(p, RequestOutput(p.request_id, detok.take(True), ids[:at + 1], True,
+                                                   FinishReason.STOP, None, len(p.prompt_ids), n_out - cut,
+                                                   lps[:at + 1] if lps else lps, stop))
+                    continue
+            elif feed:
+                detok.add(feed)
+            if finished:
+                self._forget(p)
+            out = RequestOutput(p.request_id, detok.take(finished), ids, finished,
+                                None if reason is None else FinishReason(reason), error, len(p.prompt_ids), n_out,
+                                lps, matched)
+            self._deliver(p, out)
+
+    @staticmethod
+    def _stop_at(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[int, str | None]:
+        """Feeds a request with stop strings token by token, as the engine would: the position of
+        the token that completes a stop string, and the stop string (None if no token does)."""
+        for j, tok in enumerate(ids):
+            stop = detok.add([tok])
+            if stop is not None:
+                return j, stop
+        return len(ids), None
+
+    def _deliver(self, p: _Pending, out: RequestOutput) -> None:
+        if out.finished:
+            p.finish_reason = out.finish_reason
+            for fn in self.stats.listeners:
+                fn("finish", p)
+        try:
+            p.on_output(out)
+        except Exception:
+            log.exception("output callback of %s failed", p.request_id)
+
+    def _lost(self) -> None:
+        """The connection is gone: fail everything in flight (unless this client closed it)."""
+        if not self.closed:
+            log.error("lost the engine process: failing %d requests in flight", len(self._by_key))
+        self.healthy = False
+        with self._lock:
+            pending, self._by_key, self._by_id = list(self._by_key.values()), {}, {}
+            calls, self._calls = list(self._calls.values()), {}
+        for future in calls:
+            if not future.done():
+                future.set_exception(EngineUnavailable("the engine process is not running"))
+        for p in pending:
+            self._deliver(p, RequestOutput(p.request_id, p.detok.take(True), [], True, FinishReason.ERROR,
+                                           ENGINE_GONE, len(p.prompt_ids), len(p.output_ids)))
+
+
+ENGINE_GONE = "the engine process stopped"

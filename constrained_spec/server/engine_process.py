@@ -1,0 +1,312 @@
+"""The engine process: the Engine (scheduler, model runner, grammar compiles and matchers, sampler)
+alone in a process, serving front-end processes over Unix-socket connections (`ipc.py`).
+
+Why a process: the HTTP work (parsing, JSON, SSE, the event loop) and the engine loop in one
+process share one GIL, and from 64 clients up the server delivered a third to a half of what the
+engine computes. Here the engine thread keeps its process's GIL to itself but for two helper
+threads per connection that mostly wait in system calls: a reader that queues requests, and a
+sender that pickles and writes each step's updates.
+
+One message per engine step per connection: the requests' `on_output` callbacks append updates
+(token ids only: the front-end detokenizes) to their connection's list, and the engine's
+`step_hook`, called once per loop iteration, hands each non-empty list to that connection's sender.
+
+Lifecycles: a connection that closes (its front-end exited or restarted) aborts its own requests
+only, so their KV slots return to the pool and other connections' requests go on. A request the
+engine refuses, or a call that fails, is answered on its own. The process lives as long as the
+pipe from the process that started it (`EngineProcess`): it stops when that pipe says "stop" or
+closes (the parent died), so no engine is left holding a GPU.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from . import ipc
+
+log = logging.getLogger("constrained_spec.engine_process")
+
+
+@dataclass
+class EngineInfo:
+    """What a front-end needs to know of the engine: sent once when the engine is ready."""
+    address: str  # the Unix socket front-ends connect to
+    pid: int
+    model_name: str
+    tokenizer: Any  # the engine's own tokenizer, pickled: the front-end's is the same
+    max_context: int
+    kv_capacity: int
+    max_running_requests: int
+    max_queued_requests: int
+    device: str
+    dtype: str
+
+
+class _Connection:
+    """One front-end: its requests, their pending updates, and its reader and sender threads."""
+
+    def __init__(self, server: "EngineServer", sock: socket.socket, number: int):
+        self.server = server
+        self.engine = server.engine
+        self.channel = ipc.Channel(sock)
+        self.number = number
+        self.live: dict[int, str] = {}  # key -> engine request id, until finished
+        self.updates: list[tuple] = []  # this step's updates (engine thread, or its step thread)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        threading.Thread(target=self._read_loop, name=f"engine-conn{number}-reader", daemon=True).start()
+        threading.Thread(target=self._send_loop, name=f"engine-conn{number}-sender", daemon=True).start()
+
+    # -- front-end -> engine ---------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = self.channel.recv()
+                try:
+                    self._dispatch(msg)
+                except Exception:
+                    log.exception("connection %d: message %r failed", self.number, msg[:2])
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._close()
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, key, request_id, prompt, params, grammar = msg
+            try:
+                self.live[key] = request_id
+                self.engine.add_request(prompt, params, grammar, self._callback(key), request_id=request_id,
+                                        detokenize=False)
+            except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
+                self.live.pop(key, None)
+                self.outbox.put(("out", [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None)]))
+        elif kind == "abort":
+            request_id = self.live.get(msg[1])
+            if request_id is not None:
+                self.engine.abort(request_id)
+        elif kind == "call":
+            self._call(*msg[1:])
+        else:
+            log.error("connection %d: unknown message %r", self.number, kind)
+
+    def _callback(self, key: int):
+        updates_of = self  # the list is swapped each step: look it up at call time
+
+        def on_output(out) -> None:
+            reason = out.finish_reason
+            updates_of.updates.append((key, out.new_token_ids, out.finished, None if reason is None else reason.value,
+                                       out.error, out.matched_stop, out.completion_tokens, out.logprobs))
+            if out.finished:
+                updates_of.live.pop(key, None)
+        return on_output
+
+    def _call(self, call_id: int, name: str, arg) -> None:
+        def reply(ok: bool, value) -> None:
+            try:
+                self.outbox.put(("reply", call_id, ok, value))
+            except Exception:  # pragma: no cover - the queue takes anything
+                log.exception("reply to call %s failed", name)
+
+        try:
+            if name == "compile":  # normalizing a schema may take a while: not on this reader thread
+                self.server.calls.submit(self._compile, arg, reply)
+            elif name == "snapshot":
+                from .metrics import engine_snapshot
+                reply(True, engine_snapshot(self.engine))
+            else:
+                reply(False, ValueError(f"unknown call {name!r}"))
+        except Exception as e:
+            reply(False, e)
+
+    def _compile(self, spec, reply) -> None:
+        try:
+            future = self.engine.grammar.compile_async(spec)
+        except Exception as e:
+            reply(False, e)
+            return
+        future.add_done_callback(lambda f: reply(True, None) if f.exception() is None else reply(False, f.exception()))
+
+    # -- engine -> front-end ---------------------------------------------------------------------
+    def flush(self) -> None:
+        """The engine thread, once per step: this step's updates in one message."""
+        if self.updates:
+            batch, self.updates = self.updates, []
+            if not self.closed:
+                self.outbox.put(("out", batch))
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self.outbox.get()
+            if msg is None:
+                return
+            try:
+                self.channel.send(msg)
+            except (OSError, ValueError):
+                self._close()
+                return
+            except Exception as e:  # an unpicklable value (an exception from a call): say so instead
+                if msg[0] == "reply":
+                    self.outbox.put(("reply", msg[1], False, RuntimeError(f"{type(e).__name__}: {e}")))
+                else:
+                    log.exception("connection %d: cannot send a step's updates", self.number)
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for request_id in list(self.live.values()):  # the front-end is gone: free its requests' KV
+            self.engine.abort(request_id)
+        self.outbox.put(None)
+        self.channel.close()
+        self.server.forget(self)
+        log.info("front-end connection %d closed; %d of its requests aborted", self.number, len(self.live))
+
+
+class EngineServer:
+    """Accepts front-end connections on a Unix socket and ships each step's updates to them."""
+
+    def __init__(self, engine, address: str):
+        self.engine = engine
+        self.address = address
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(address)
+        self._listener.listen(64)
+        self._connections: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._count = 0
+        self.calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-calls")
+        engine.step_hook = self._flush_all
+        threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._count += 1
+                conn = _Connection(self, sock, self._count)
+                self._connections = self._connections + [conn]  # copy: the engine thread iterates it
+            log.info("front-end connection %d opened", conn.number)
+
+    def _flush_all(self) -> None:
+        for conn in self._connections:
+            conn.flush()
+
+    def forget(self, conn: _Connection) -> None:
+        with self._lock:
+            self._connections = [c for c in self._connections if c is not conn]
+
+    def close(self) -> None:
+        self.calls.shutdown(wait=False)
+        try:
+            self._listener.close()
+        finally:
+            try:
+                os.unlink(self.address)
+            except OSError:
+                pass
+
+
+def _main(config, address: str, lifeline) -> None:
+    """The engine process's body: build the engine, say ready (or why not), serve until told to stop
+    or the parent is gone."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        from ..engine import Engine
+        engine = Engine(config)
+        server = EngineServer(engine, address)
+        runner = engine.runner
+        lifeline.send(("ready", EngineInfo(
+            address=address, pid=os.getpid(), model_name=engine.model_name, tokenizer=engine.tokenizer,
+            max_context=int(engine.max_context), kv_capacity=int(runner.pool.capacity),
+            max_running_requests=config.max_running_requests, max_queued_requests=config.max_queued_requests,
+            device=str(engine.device), dtype=str(getattr(runner, "dtype", "")).replace("torch.", ""))))
+    except BaseException as e:
+        import traceback
+        lifeline.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+    try:
+        while True:
+            try:
+                if lifeline.recv() == "stop":
+                    break
+            except EOFError:  # the parent died
+                log.warning("the process that started the engine is gone; stopping")
+                break
+    finally:
+        server.close()
+        engine.shutdown()
+        lifeline.close()
+
+
+class EngineProcess:
+    """Starts the engine in a process of its own (spawned: the parent may hold threads and must not
+    have touched CUDA) and stops it. `connect()` gives a front-end's `EngineClient`."""
+
+    def __init__(self, config, ready_timeout_s: float = 600.0):
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="constrained-spec-")
+        self.address = os.path.join(self._dir, "engine.sock")
+        self._lifeline, child_end = ctx.Pipe()
+        self.process = ctx.Process(target=_main, args=(config, self.address, child_end),
+                                   name="constrained-spec-engine", daemon=True)
+        self.process.start()
+        child_end.close()
+        self.info: EngineInfo = self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> EngineInfo:
+        deadline = time.monotonic() + timeout_s
+        while not self._lifeline.poll(0.1):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the engine process was not ready within {timeout_s:.0f} s")
+        try:
+            kind, value = self._lifeline.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine process exited during start-up (code {self.process.exitcode})")
+        if kind != "ready":
+            self.process.join(10)
+            raise RuntimeError(f"the engine process failed to start: {value}")
+        return value
+
+    def connect(self, owns_process: bool = False):
+        """A new front-end connection. With `owns_process`, its `shutdown()` stops this process too."""
+        from .engine_client import EngineClient
+        return EngineClient(self.info, process=self if owns_process else None)
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Asks the engine to stop (it finishes its step, frees its threads), then makes sure."""
+        try:
+            self._lifeline.send("stop")
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
+            self.process.kill()
+            self.process.join(5)
+        self._lifeline.close()
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass

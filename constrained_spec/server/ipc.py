@@ -1,0 +1,63 @@
+"""The messages between the HTTP front-end process and the engine process, and their framing.
+
+A connection is a stream socket (a Unix socket; the engine process listens, each front-end
+connects). A message is a 4-byte little-endian length and a pickle of a plain tuple: pickle of
+tuples of ints, strings and lists is C code both ways and needs no schema; the few richer objects
+(SamplingParams, GrammarSpec, a GrammarError) are small dataclasses and exceptions.
+
+Front-end -> engine:
+    ("add", key, request_id, prompt_ids, SamplingParams, GrammarSpec | None)
+    ("abort", key)
+    ("call", call_id, name, arg)          name: "compile" (arg: GrammarSpec) or "snapshot" (arg: None)
+Engine -> front-end:
+    ("out", [Update, ...])                one message per engine step: every update of the step
+    ("reply", call_id, ok, value)         value: the result, or the exception raised
+
+`key` is the front-end's number for a request on its connection. An Update is the tuple
+(key, new_token_ids, finished, finish_reason | None, error | None, matched_stop, completion_tokens,
+logprobs | None): token ids only; the front-end detokenizes and finds stop strings.
+"""
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+from typing import Any
+
+_HEADER = struct.Struct("<I")
+
+# positions in an Update tuple
+KEY, TOKENS, FINISHED, REASON, ERROR, MATCHED, COMPLETION_TOKENS, LOGPROBS = range(8)
+
+
+class Channel:
+    """One end of a connection: `send` from any thread, `recv` from one reader thread."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._reader = sock.makefile("rb", buffering=1 << 20)
+        self._send_lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+    def recv(self) -> Any:
+        """The next message; raises EOFError when the other end has closed."""
+        head = self._reader.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise EOFError("connection closed")
+        (n,) = _HEADER.unpack(head)
+        payload = self._reader.read(n)
+        if len(payload) < n:
+            raise EOFError("connection closed mid-message")
+        return pickle.loads(payload)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
