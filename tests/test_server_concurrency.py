@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import MODEL_ID, chat_body, wait_kv_full
+from server_fixtures import MODEL_ID, chat_body, engine_state, wait_kv_full
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ async def _one(client: httpx.AsyncClient, body: dict, stream: bool):
     return "".join(pieces), finish
 
 
-def test_fifty_concurrent_mixed(server, server_engine):
+def test_fifty_concurrent_mixed(server):
     jobs = []
     for i in range(50):
         kind = i % 4
@@ -106,13 +106,12 @@ def test_fifty_concurrent_mixed(server, server_engine):
     elapsed = time.monotonic() - t0
     for (body, check, stream), (text, finish) in zip(jobs, results):
         check(text, finish)
-    wait_kv_full(server_engine)
+    wait_kv_full(server)
     print(f"50 concurrent requests in {elapsed:.1f} s")
 
 
-def test_disconnect_mid_stream_frees_kv(server, server_engine):
-    wait_kv_full(server_engine)
-    pool = server_engine.runner.pool
+def test_disconnect_mid_stream_frees_kv(server):
+    wait_kv_full(server)
     body = chat_body("Tell me a very long story about the sea.", max_tokens=2000, ignore_eos=True, stream=True)
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -124,22 +123,23 @@ def test_disconnect_mid_stream_frees_kv(server, server_engine):
                     n += 1
                 if n >= 6:
                     break
-            assert pool.num_free < pool.capacity  # it holds KV now
-            assert len(server_engine.scheduler.running) >= 1
+            h = engine_state(server)
+            assert h["kv_free_slots"] < h["kv_capacity"]  # it holds KV now
+            assert h["requests_running"] >= 1
         # leaving the block closes the connection mid-stream
-    wait_kv_full(server_engine, timeout=10)
+    wait_kv_full(server, timeout=10)
 
 
-def test_disconnect_non_streaming_frees_kv(server, server_engine):
-    wait_kv_full(server_engine)
+def test_disconnect_non_streaming_frees_kv(server):
+    wait_kv_full(server)
     body = chat_body("Tell me a very long story about a forest.", max_tokens=2000, ignore_eos=True)
     with httpx.Client(base_url=server.url, timeout=1.5) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/chat/completions", json=body)  # gives up after 1.5 s and closes the connection
-    wait_kv_full(server_engine, timeout=10)
+    wait_kv_full(server, timeout=10)
 
 
-def test_openai_stream_break_frees_kv(openai_client, server_engine):
+def test_openai_stream_break_frees_kv(openai_client, server):
     stream = openai_client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "Write an endless poem."}], max_tokens=2000,
         stream=True, extra_body={"ignore_eos": True})
@@ -147,4 +147,17 @@ def test_openai_stream_break_frees_kv(openai_client, server_engine):
         if i >= 5:
             break
     stream.close()
-    wait_kv_full(server_engine, timeout=10)
+    wait_kv_full(server, timeout=10)
+
+
+def test_single_process_server_disconnect_frees_kv(single_server):
+    wait_kv_full(single_server)
+    body = chat_body("Tell me a very long story about the sea.", max_tokens=2000, ignore_eos=True, stream=True)
+    with httpx.Client(base_url=single_server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break
+            assert engine_state(single_server)["requests_running"] >= 1
+    wait_kv_full(single_server, timeout=10)

@@ -90,14 +90,14 @@ def test_bad_other_constraints(http, extra):
     assert_error(http.post("/v1/chat/completions", json=chat_body(**extra)), 400)
 
 
-def test_prompt_longer_than_context(http, server_engine):
-    long = "word " * (server_engine.max_context + 100)
+def test_prompt_longer_than_context(http, engine_info):
+    long = "word " * (engine_info.max_context + 100)
     assert_error(http.post("/v1/chat/completions", json=chat_body(long)), 400, code="context_length_exceeded")
     assert_error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": long}), 400,
                  code="context_length_exceeded")
 
 
-def test_bad_schema_does_not_disturb_concurrent_good_request(server, server_engine):
+def test_bad_schema_does_not_disturb_concurrent_good_request(server):
     result = {}
 
     def good():
@@ -115,7 +115,7 @@ def test_bad_schema_does_not_disturb_concurrent_good_request(server, server_engi
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
     jsonschema.validate(json.loads(resp.json()["choices"][0]["message"]["content"]), GOOD_SCHEMA)
-    wait_kv_full(server_engine)
+    wait_kv_full(server)
 
 
 def test_auth(secured_server):
@@ -153,7 +153,7 @@ def test_body_size_limit(secured_server):
                             headers={**headers, "content-type": "application/json"}), 413)
 
 
-def test_busy_503_with_retry_after(busy_server, server_engine):
+def test_busy_503_with_retry_after(busy_server):
     with httpx.Client(base_url=busy_server.url, timeout=60) as c:
         body = chat_body("Tell me a long story.", max_tokens=400, stream=True, ignore_eos=True)
         with c.stream("POST", "/v1/chat/completions", json=body) as first:
@@ -165,7 +165,7 @@ def test_busy_503_with_retry_after(busy_server, server_engine):
             assert "retry" in err["message"]
             second = c.post("/v1/chat/completions", json=chat_body())
             assert second.headers.get("retry-after") == "2"
-        wait_kv_full(server_engine)
+        wait_kv_full(busy_server)
         ok = c.post("/v1/chat/completions", json=chat_body(max_tokens=4))
         assert ok.status_code == 200, ok.text
 

@@ -143,13 +143,13 @@ def test_n_and_logprobs(openai_client):
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
 
 
-def test_completions_endpoint(openai_client, server_engine):
+def test_completions_endpoint(openai_client, engine_info):
     r = openai_client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=5,
                                          temperature=0, logprobs=2)
     c = r.choices[0]
     assert c.finish_reason in ("stop", "length") and c.text
     assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == r.usage.completion_tokens
-    ids = server_engine.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    ids = engine_info.tokenizer.encode("The capital of France is", add_special_tokens=False)
     r2 = openai_client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=5, temperature=0)
     assert r2.choices[0].text == c.text
     r3 = openai_client.completions.create(model=MODEL_ID, prompt="Answer yes or no:", max_tokens=4,
@@ -172,3 +172,28 @@ def test_metrics(http):
                  "constrained_spec_grammar_compile_seconds_total", "constrained_spec_grammar_cache_hits_total"):
         assert name in text, name
     assert re.search(r'constrained_spec_http_requests_total\{endpoint="/v1/chat/completions",status="200"\} \d', text)
+
+
+@pytest.mark.parametrize("extra", [
+    {"max_tokens": 24},
+    {"max_tokens": 48, "stop": ["5", "\n\n"], "logprobs": True, "top_logprobs": 2},
+    {"max_tokens": 80, "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+])
+def test_single_process_server_answers_the_same(server, single_server, extra):
+    """`serve --single-process` (the engine detokenizes in its own thread) and the split server (the
+    front-end detokenizes and finds stop strings) give the same greedy answer, streamed or not."""
+    import httpx
+
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Count from 1 to 10 and describe a person."}],
+            "temperature": 0, **extra}
+    answers = []
+    for srv in (server, single_server):
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        answers.append((c["message"]["content"], c["finish_reason"], r.json()["usage"], c["logprobs"]))
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+        assert text == c["message"]["content"]
+    assert answers[0] == answers[1]

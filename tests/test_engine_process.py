@@ -1,0 +1,195 @@
+"""Lifecycles of the split server (engine process + front-ends), on a tiny random model:
+a front-end that goes away loses no other front-end's request and frees its KV; a request the
+engine refuses fails alone; the engine process dying turns /health unhealthy and answers 503
+instead of hanging clients; shutdown stops the engine process. (A client disconnect aborting its
+request is tested against the SmolLM2 split server in test_server_concurrency.py.)"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from constrained_spec.engine import EngineConfig
+from constrained_spec.server.app import ServerConfig, create_app
+from constrained_spec.server.engine_process import EngineProcess
+from constrained_spec.server.runner import start_server_thread
+
+MODEL = "tiny"
+
+
+def _config(model_dir: str, **kw) -> EngineConfig:
+    return EngineConfig(model=model_dir, device="cpu", dtype="float32", max_running_requests=8,
+                        grammar_cache_dir="none", **kw)
+
+
+def _front_end(process: EngineProcess, owns: bool = False):
+    client = process.connect(owns_process=owns)
+    handle = start_server_thread(create_app(client, ServerConfig(served_model_name=MODEL), owns_engine=owns))
+    return client, handle
+
+
+def _body(max_tokens: int, **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, **kw}
+
+
+def _health(url: str) -> httpx.Response:
+    return httpx.get(url + "/health", timeout=30)
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _idle(url: str) -> bool:
+    h = _health(url).json()
+    return h["kv_free_slots"] == h["kv_capacity"] and not h["requests_running"] and not h["requests_waiting"]
+
+
+class _Stream(threading.Thread):
+    """A streamed request read to its end in a thread: its events, its end, or the error raised."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.events: list[dict] = []
+        self.first = threading.Event()
+        self.error: Exception | None = None
+        self.done_marker = False
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json={**self.body, "stream": True},
+                              timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done_marker = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+                        if len(self.events) >= 3:
+                            self.first.set()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+
+@pytest.fixture(scope="module")
+def shared_process(tiny_llama_dir):
+    """One engine process for two front-ends; its queue holds 2 requests (the refusal test)."""
+    process = EngineProcess(_config(tiny_llama_dir, max_queued_requests=2))
+    yield process
+    process.stop()
+
+
+def test_front_end_restart_loses_no_other_request(shared_process):
+    client_a, server_a = _front_end(shared_process)
+    client_b, server_b = _front_end(shared_process)
+    try:
+        doomed = _Stream(server_a.url, _body(480))
+        doomed.first.wait(60)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(server_b.url + "/v1/chat/completions", json=_body(48), timeout=120)))
+        t.start()
+        _wait(lambda: _health(server_b.url).json()["requests_running"] == 2, 30, "both requests running")
+        client_a.shutdown()  # front-end A is gone (its process died or restarts): its connection closes
+        t.join(120)
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 48
+        _wait(lambda: _idle(server_b.url), 15, "A's request not aborted: its KV is still held")
+        doomed.join(30)
+        assert doomed.events[-1]["error"]["code"] == "engine_unavailable"  # A's own stream ends in an error
+        # a new front-end takes A's place
+        client_a2, server_a2 = _front_end(shared_process)
+        try:
+            r = httpx.post(server_a2.url + "/v1/chat/completions", json=_body(8), timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        finally:
+            server_a2.stop()
+            client_a2.shutdown()
+    finally:
+        server_a.stop()
+        server_b.stop()
+        client_b.shutdown()
+
+
+def test_a_request_the_engine_refuses_fails_alone(shared_process):
+    """Two front-ends share the engine's queue of 2: A fills it, B's request is refused by the engine
+    itself; that request alone fails, A's finish, and B keeps serving."""
+    client_a, server_a = _front_end(shared_process)
+    client_b, server_b = _front_end(shared_process)
+    try:
+        streams = [_Stream(server_a.url, _body(64)) for _ in range(2)]
+        for s in streams:
+            s.first.wait(60)
+        r = httpx.post(server_b.url + "/v1/chat/completions", json=_body(8), timeout=60)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == "engine_error" and "queue is full" in r.json()["error"]["message"]
+        for s in streams:
+            s.join(120)
+            assert s.error is None and s.done_marker, s.error
+            assert s.events[-1]["choices"][0]["finish_reason"] == "length"
+        _wait(lambda: _idle(server_b.url), 15, "KV not free")
+        r = httpx.post(server_b.url + "/v1/chat/completions", json=_body(4), timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        for s, c in ((server_a, client_a), (server_b, client_b)):
+            s.stop()
+            c.shutdown()
+
+
+def test_engine_process_death_is_reported(tiny_llama_dir):
+    process = EngineProcess(_config(tiny_llama_dir))
+    client, server = _front_end(process, owns=True)
+    try:
+        stream = _Stream(server.url, _body(480))
+        stream.first.wait(60)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(server.url + "/v1/chat/completions", json=_body(480), timeout=60)))
+        t.start()
+        _wait(lambda: _health(server.url).json().get("requests_running") == 2, 30, "both requests running")
+        t0 = time.monotonic()
+        os.kill(process.info.pid, signal.SIGKILL)
+        t.join(30)
+        stream.join(30)
+        assert time.monotonic() - t0 < 10, "clients were left hanging"
+        r = result["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        assert stream.error is None, stream.error
+        assert stream.events[-1]["error"]["code"] == "engine_unavailable", stream.events[-1]
+        h = _health(server.url)
+        assert h.status_code == 503 and h.json()["status"] == "unhealthy"
+        r = httpx.post(server.url + "/v1/chat/completions", json=_body(4), timeout=30)
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200  # the front-end still answers
+    finally:
+        server.stop()
+        client.shutdown()
+
+
+def test_shutdown_stops_the_engine_process(tiny_llama_dir):
+    process = EngineProcess(_config(tiny_llama_dir))
+    client, server = _front_end(process, owns=True)
+    stream = _Stream(server.url, _body(480))
+    stream.first.wait(60)
+    t0 = time.monotonic()
+    server.stop(timeout=30)  # uvicorn drains for up to 5 s, then cancels; the app's shutdown stops the engine
+    _wait(lambda: not process.alive(), 30, "the engine process outlived the server")
+    stream.join(30)
+    assert not stream.is_alive(), "the client was left hanging"
+    assert time.monotonic() - t0 < 30
+    assert client.closed and not client.healthy
