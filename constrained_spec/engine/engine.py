@@ -251,9 +251,9 @@ class Engine:
     def _loop(self) -> None:
         inflight: StepResult | None = None
         while not self._stopped:
-            if self.step_hook is not None:
-                self.step_hook()
             try:
+                if self.step_hook is not None:
+                    self.step_hook()
                 self._wake.clear()  # before looking for work: a wake-up from here on is not lost
                 self._drain_inbox()
                 self._check_compiles()
