@@ -156,8 +156,10 @@ def test_single_process_server_disconnect_frees_kv(single_server):
     with httpx.Client(base_url=single_server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            for i, _ in enumerate(r.iter_lines()):
+            lines = r.iter_lines()  # kept: dropping the iterator would close the connection
+            for i, _ in enumerate(lines):
                 if i >= 6:
                     break
-            assert engine_state(single_server)["requests_running"] >= 1
+            h = engine_state(single_server)
+            assert h["requests_running"] >= 1, h
     wait_kv_full(single_server, timeout=10)

@@ -1,0 +1,539 @@
+"""Serving benchmark: real HTTP clients against `constrained-spec serve`, beside the in-process engine
+on the same requests.
+
+    python benchmarks/bench_serving.py --device cuda                         # the H100 acceptance set
+    python benchmarks/bench_serving.py --device cpu --clients 1,4 --rates 2 --max-tokens 16 --rounds 1
+
+Each server (the split server, `serve`, and the single-process one, `serve --single-process`) is
+started as a subprocess on a free 127.0.0.1 port and driven by client processes (httpx, asyncio),
+so the clients' own Python work does not limit what is measured. Two modes:
+
+* max concurrency C: C clients, each sending its next request when its last one ends (`--clients`);
+  the in-process Engine runs the same requests with C in flight, so served / engine is one ratio
+  from one run;
+* request rate: Poisson arrivals at the given rates (`--rates`, requests/s), unbounded concurrency.
+
+Workloads: `plain` (a story, `ignore_eos`, `--max-tokens` tokens), `json` (one schema), `schemas`
+(the 30 schemas of schemas/handwritten, each with its own prompt); greedy. Every request is sent
+non-streamed and streamed (`--stream`). Reported: TTFT, TPOT (time per output token after the
+first), ITL (inter-token latency: time between streamed chunks), end-to-end latency (p50/p90/p99),
+requests/s and output tokens/s. Non-streamed, TTFT is the end-to-end latency.
+
+Writes benchmarks/results/bench_serving.{json,md,png} (no PNG without matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HANDWRITTEN = ROOT / "schemas" / "handwritten" / "handwritten.jsonl"
+MODEL_ID = "bench"
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                   "email": {"type": "string"}, "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                   "active": {"type": "boolean"}},
+    "required": ["name", "age", "email", "skills", "active"], "additionalProperties": False,
+}
+TOPICS = ["a chef in Lyon", "a retired pilot", "a data engineer", "a marine biologist", "a jazz pianist",
+          "a farmer in Kenya", "a chess coach", "a nurse in Oslo", "a game designer", "a beekeeper"]
+
+
+# -- workloads ----------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One request: its chat message, and the constraint (a JSON schema or none)."""
+    content: str
+    schema: dict | None
+    ignore_eos: bool
+
+    def body(self, max_tokens: int, stream: bool) -> dict:
+        b = {"model": MODEL_ID, "messages": [{"role": "user", "content": self.content}], "max_tokens": max_tokens,
+             "temperature": 0, "stream": stream}
+        if stream:
+            b["stream_options"] = {"include_usage": True}
+        if self.ignore_eos:
+            b["ignore_eos"] = True
+        if self.schema is not None:
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": self.schema}}
+        return b
+
+
+def make_jobs(workload: str, n: int) -> list[Job]:
+    if workload == "plain":
+        return [Job(f"Write a short story about {TOPICS[i % len(TOPICS)]}.", None, True) for i in range(n)]
+    if workload == "json":
+        return [Job(f"Give a JSON profile of {TOPICS[i % len(TOPICS)]} with name, age, email, skills and active.",
+                    PERSON_SCHEMA, False) for i in range(n)]
+    if workload == "schemas":
+        cases = [json.loads(line) for line in HANDWRITTEN.read_text().splitlines() if line.strip()]
+        return [Job(cases[i % len(cases)]["prompt"] + " Answer in JSON.", cases[i % len(cases)]["schema"], False)
+                for i in range(n)]
+    raise SystemExit(f"unknown workload {workload!r} (plain, json, schemas)")
+
+
+# -- the clients (run in worker processes) -----------------------------------------------------------
+
+async def _one(client, body: dict, stream: bool) -> dict:
+    """Sends one request; returns its timings (seconds from its start) and output token count."""
+    t0 = time.perf_counter()
+    rec = {"ok": False, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None}
+    try:
+        if not stream:
+            r = await client.post("/v1/chat/completions", json=body)
+            rec["e2e"] = rec["ttft"] = time.perf_counter() - t0
+            if r.status_code != 200:
+                rec["error"] = f"{r.status_code}: {r.text[:200]}"
+                return rec
+            rec["tokens"] = r.json()["usage"]["completion_tokens"]
+            rec["ok"] = True
+            return rec
+        last = None
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                rec["error"] = f"{r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = str(chunk["error"])[:200]
+                    return rec
+                if chunk.get("usage"):
+                    rec["tokens"] = chunk["usage"]["completion_tokens"]
+                if any(c["delta"].get("content") for c in chunk.get("choices", ())):
+                    now = time.perf_counter()
+                    if last is None:
+                        rec["ttft"] = now - t0
+                    else:
+                        rec["itl"].append(now - last)
+                    last = now
+        rec["e2e"] = time.perf_counter() - t0
+        rec["ok"] = rec["ttft"] is not None
+    except Exception as e:  # noqa: BLE001 - reported per request
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | None, rate: float | None,
+                 start_at: float, seed: int) -> tuple[list[dict], float, float]:
+    import httpx
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        while time.time() < start_at:  # the workers start together
+            await asyncio.sleep(min(0.01, max(start_at - time.time(), 0)))
+        t0 = time.perf_counter()
+        if concurrency is not None:
+            queue = list(reversed(bodies))
+            out: list[dict] = []
+
+            async def user():
+                while queue:
+                    out.append(await _one(client, queue.pop(), stream))
+            await asyncio.gather(*(user() for _ in range(concurrency)))
+        else:
+            rng = random.Random(seed)
+            tasks = []
+            for body in bodies:
+                tasks.append(asyncio.ensure_future(_one(client, body, stream)))
+                await asyncio.sleep(rng.expovariate(rate))
+            out = list(await asyncio.gather(*tasks))
+        return out, t0, time.perf_counter()
+
+
+def _worker(args) -> tuple[list[dict], float, float]:
+    """A client process: its share of the clients (or of the arrival rate), with its own event loop.
+    Returns its records and its first start / last end on the wall clock (`time.time`)."""
+    url, bodies, stream, concurrency, rate, start_at, seed = args
+    wall0 = time.time() - time.perf_counter()
+    recs, t0, t1 = asyncio.run(_drive(url, bodies, stream, concurrency, rate, start_at, seed))
+    return recs, wall0 + t0, wall0 + t1
+
+
+def run_clients(pool, workers: int, url: str, bodies: list[dict], stream: bool, concurrency: int | None,
+                rate: float | None) -> dict:
+    """Drives one configuration from `workers` client processes; returns its summary."""
+    workers = max(1, min(workers, concurrency or workers, len(bodies)))
+    shares = [bodies[i::workers] for i in range(workers)]
+    conc = None if concurrency is None else [concurrency // workers + (i < concurrency % workers)
+                                             for i in range(workers)]
+    start_at = time.time() + 0.5
+    jobs = [(url, shares[i], stream, None if conc is None else conc[i], None if rate is None else rate / workers,
+             start_at, i) for i in range(workers)]
+    results = pool.map(_worker, jobs)
+    recs = [r for rs, _, _ in results for r in rs]
+    duration = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)
+    return summarize(recs, duration)
+
+
+# -- statistics ---------------------------------------------------------------------------------------
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(xs)
+
+    def q(p):
+        return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+    return {"mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+def summarize(recs: list[dict], duration: float) -> dict:
+    ok = [r for r in recs if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and r["e2e"] > r["ttft"]]
+    errors = [r["error"] for r in recs if not r["ok"]]
+    return {"requests": len(recs), "ok": len(ok), "errors": len(errors), "first_errors": errors[:3],
+            "duration_s": duration, "req_s": len(ok) / duration if duration else 0.0,
+            "out_tok_s": tokens / duration if duration else 0.0, "out_tokens": tokens,
+            "ttft": percentiles([r["ttft"] for r in ok]), "tpot": percentiles(tpot),
+            "itl": percentiles([x for r in ok for x in r["itl"]]), "e2e": percentiles([r["e2e"] for r in ok])}
+
+
+# -- the in-process engine on the same requests --------------------------------------------------------
+
+def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: int) -> dict:
+    """The jobs through `Engine.add_request` with `concurrency` in flight (a new one as one ends),
+    as the HTTP clients send them: the engine's throughput on the same requests."""
+    from constrained_spec import SamplingParams
+    from constrained_spec.grammar import GrammarSpec
+
+    prepared = []
+    for job in jobs:
+        prompt = engine.chat_prompt([{"role": "user", "content": job.content}])
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=job.ignore_eos)
+        grammar = GrammarSpec.json_schema(job.schema) if job.schema is not None else None
+        prepared.append((prompt, params, grammar))
+    done = threading.Semaphore(0)
+    recs: list[dict] = []
+
+    def submit(i: int) -> None:
+        t0 = time.perf_counter()
+        rec = {"ok": True, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None}
+
+        def on_output(out):
+            if rec["ttft"] is None and out.new_token_ids:
+                rec["ttft"] = time.perf_counter() - t0
+            if out.finished:
+                rec["e2e"] = time.perf_counter() - t0
+                rec["tokens"] = out.completion_tokens
+                rec["ok"] = out.finish_reason.value in ("stop", "length") and rec["ttft"] is not None
+                rec["error"] = out.error
+                recs.append(rec)
+                done.release()
+        prompt, params, grammar = prepared[i]
+        engine.add_request(prompt, params, grammar, on_output)
+
+    t0 = time.perf_counter()
+    nxt = 0
+    for _ in range(min(concurrency, len(prepared))):
+        submit(nxt)
+        nxt += 1
+    for _ in range(len(prepared)):
+        done.acquire()
+        if nxt < len(prepared):
+            submit(nxt)
+            nxt += 1
+    return summarize(recs, time.perf_counter() - t0)
+
+
+# -- servers ------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`constrained-spec serve` as a subprocess on a free port, until `stop()`."""
+
+    def __init__(self, model: str, device: str, extra: list[str], log_path: Path, ready_timeout_s: float = 900):
+        import httpx
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "constrained_spec.cli", "serve", "--model", model, "--device", device,
+               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_ID,
+               "--log-level", "warning", *extra]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); log {log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > ready_timeout_s:
+                self.stop()
+                raise TimeoutError(f"server not ready in {ready_timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        self.ready_s = time.perf_counter() - t0
+
+    def log_tail(self, n: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+# -- reporting ----------------------------------------------------------------------------------------
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
+
+
+def _tok(x) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def _ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}"
+
+
+def report(payload: dict) -> str:
+    runs, engine = payload["runs"], payload["engine"]
+
+    def find(server, workload, stream, mode, value):
+        for r in runs:
+            if (r["server"], r["workload"], r["stream"], r["mode"], r["value"]) == (server, workload, stream, mode,
+                                                                                   value):
+                return r
+        return None
+
+    def eng(workload, clients):
+        for r in engine:
+            if (r["workload"], r["clients"]) == (workload, clients):
+                return r
+        return None
+
+    servers = payload["servers"]
+    lines = [f"# Serving benchmark", "",
+             f"Model {payload['model_name']} on {payload['device']} ({payload['machine'].get('gpu') or payload['machine'].get('cpu', '')}), "
+             f"greedy, up to {payload['max_tokens']} output tokens a request (`plain` ignores EOS), "
+             f"{payload['rounds']} requests per client per configuration; command: `{payload['command']}`.", "",
+             "## Max concurrency: served vs the in-process engine on the same requests", "",
+             "tok/s is output tokens per second over the run; served / engine compares each server with the "
+             "in-process engine at the same concurrency; TTFT / ITL / E2E in ms.", ""]
+    head = ["workload", "stream", "clients", "engine tok/s"]
+    for s in servers:
+        head += [f"{s} tok/s", f"{s} / engine", f"{s} TTFT p50", f"{s} TTFT p99", f"{s} TPOT p50",
+                 f"{s} ITL p99", f"{s} E2E p99", f"{s} errors"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w in payload["workloads"]:
+        for stream in payload["streams"]:
+            for c in payload["clients"]:
+                e = eng(w, c)
+                row = [w, "yes" if stream else "no", str(c), _tok(e and e["out_tok_s"])]
+                for s in servers:
+                    r = find(s, w, stream, "clients", c)
+                    if r is None:
+                        row += ["-"] * 8
+                        continue
+                    row += [_tok(r["out_tok_s"]), _ratio(r["out_tok_s"], e and e["out_tok_s"]), _ms(r["ttft"]["p50"]),
+                            _ms(r["ttft"]["p99"]), _ms(r["tpot"]["p50"]), _ms(r["itl"]["p99"]), _ms(r["e2e"]["p99"]),
+                            str(r["errors"])]
+                lines.append("| " + " | ".join(row) + " |")
+    if True in payload["streams"] and False in payload["streams"]:
+        lines += ["", "## Streamed / non-streamed output tok/s", "",
+                  "| workload | clients | " + " | ".join(servers) + " |", "|" + "---|" * (2 + len(servers))]
+        for w in payload["workloads"]:
+            for c in payload["clients"]:
+                cells = []
+                for s in servers:
+                    a, b = find(s, w, True, "clients", c), find(s, w, False, "clients", c)
+                    cells.append(_ratio(a and a["out_tok_s"], b and b["out_tok_s"]))
+                lines.append(f"| {w} | {c} | " + " | ".join(cells) + " |")
+    if payload["rates"]:
+        lines += ["", f"## Request rate (Poisson arrivals; {payload['rate_workload']}, not streamed)", "",
+                  "| server | rate req/s | served req/s | tok/s | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | errors |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for s in servers:
+            for rate in payload["rates"]:
+                r = find(s, payload["rate_workload"], False, "rate", rate)
+                if r is not None:
+                    lines.append(f"| {s} | {rate:g} | {r['req_s']:.1f} | {_tok(r['out_tok_s'])} | {_ms(r['ttft']['p50'])} "
+                                 f"| {_ms(r['ttft']['p99'])} | {_ms(r['e2e']['p50'])} | {_ms(r['e2e']['p99'])} "
+                                 f"| {r['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    rates = payload["rates"]
+    if not rates:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s in payload["servers"]:
+        rs = [r for r in payload["runs"] if r["server"] == s and r["mode"] == "rate"
+              and r["workload"] == payload["rate_workload"]]
+        rs.sort(key=lambda r: r["value"])
+        xs = [r["value"] for r in rs]
+        ax1.plot(xs, [r["out_tok_s"] for r in rs], marker="o", label=s)
+        ax2.plot(xs, [1000 * (r["e2e"]["p99"] or 0) for r in rs], marker="o", label=f"{s} E2E p99")
+        ax2.plot(xs, [1000 * (r["ttft"]["p99"] or 0) for r in rs], marker="x", linestyle="--", label=f"{s} TTFT p99")
+    ax1.set_xlabel("request rate (req/s)")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput")
+    ax2.set_xlabel("request rate (req/s)")
+    ax2.set_ylabel("ms")
+    ax2.set_title("p99 latency")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"bench_serving: {payload['rate_workload']} on {payload['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct, $SMOLLM2_GGUF if set)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workloads", default="plain,json", help="comma list of plain, json, schemas")
+    ap.add_argument("--clients", default="1,64,128", help="max-concurrency levels")
+    ap.add_argument("--stream", default="both", choices=["no", "yes", "both"])
+    ap.add_argument("--rates", default="32,64,128,256", help="Poisson request rates (req/s); empty: none")
+    ap.add_argument("--rate-workload", default="json")
+    ap.add_argument("--rate-seconds", type=float, default=3.0, help="requests per rate: rate x this (at least 16)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="requests per client in max-concurrency mode "
+                                                          "(at least 8 requests a configuration)")
+    ap.add_argument("--servers", default="split,single", help="split (`serve`), single (`serve --single-process`)")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
+    ap.add_argument("--server-args", default="", help="more `serve` flags for both servers")
+    ap.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
+                    help="client processes (default: a quarter of the cores, 1 to 8)")
+    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+
+    from constrained_spec.models import resolve_model_path
+    model = resolve_model_path(args.model)
+    workloads = [w for w in args.workloads.split(",") if w]
+    clients = _ints(args.clients)
+    streams = {"no": [False], "yes": [True], "both": [False, True]}[args.stream]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    servers = [s for s in args.servers.split(",") if s]
+    results_dir = Path(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import machine
+
+    def n_requests(c: int) -> int:
+        return max(8, args.rounds * c)
+
+    payload = {"model": model, "device": args.device, "machine": machine(), "max_tokens": args.max_tokens,
+               "rounds": args.rounds, "workloads": workloads, "clients": clients, "streams": streams,
+               "rates": rates, "rate_workload": args.rate_workload, "servers": servers,
+               "command": "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "runs": [], "engine": [], "server_ready_s": {}}
+
+    if not args.no_engine:
+        from constrained_spec.engine import Engine
+        t0 = time.perf_counter()
+        engine = Engine(model=model, device=args.device)
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        payload["model_name"] = engine.model_name
+        try:
+            for w in workloads:
+                engine_closed_loop(engine, make_jobs(w, max(clients)), 16, max(clients))  # warm-up
+                for c in clients:
+                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
+                    payload["engine"].append({"workload": w, "clients": c, **r})
+                    print(f"[engine] {w} c={c}: {r['out_tok_s']:,.0f} tok/s, {r['req_s']:.1f} req/s", flush=True)
+        finally:
+            engine.shutdown()
+            del engine
+            try:
+                import torch
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except ImportError:
+                pass
+
+    pool = mp.get_context("spawn").Pool(args.client_procs)
+    try:
+        for name in servers:
+            extra = args.server_args.split() + (["--single-process"] if name == "single" else [])
+            server = Server(model, args.device, extra, Path(tempfile.gettempdir()) / f"bench_serving_{name}.log")
+            payload["server_ready_s"][name] = server.ready_s
+            print(f"[{name}] ready in {server.ready_s:.1f} s at {server.url}", flush=True)
+            try:
+                for w in sorted(set(workloads) | ({args.rate_workload} if rates else set())):
+                    warm = [j.body(16, False) for j in make_jobs(w, max(clients))]
+                    run_clients(pool, args.client_procs, server.url, warm, False, max(clients), None)
+                for w in workloads:
+                    for stream in streams:
+                        for c in clients:
+                            bodies = [j.body(args.max_tokens, stream) for j in make_jobs(w, n_requests(c))]
+                            r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
+                            payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
+                                                    "value": c, **r})
+                            print(f"[{name}] {w} stream={stream} c={c}: {r['out_tok_s']:,.0f} tok/s, "
+                                  f"TTFT p99 {_ms(r['ttft']['p99'])} ms, errors {r['errors']} {r['first_errors']}",
+                                  flush=True)
+                for rate in rates:
+                    n = max(16, int(rate * args.rate_seconds))
+                    bodies = [j.body(args.max_tokens, False) for j in make_jobs(args.rate_workload, n)]
+                    r = run_clients(pool, args.client_procs, server.url, bodies, False, None, rate)
+                    payload["runs"].append({"server": name, "workload": args.rate_workload, "stream": False,
+                                            "mode": "rate", "value": rate, **r})
+                    print(f"[{name}] rate {rate:g}: {r['req_s']:.1f} req/s, {r['out_tok_s']:,.0f} tok/s, "
+                          f"E2E p99 {_ms(r['e2e']['p99'])} ms, errors {r['errors']}", flush=True)
+            finally:
+                server.stop()
+    finally:
+        pool.close()
+        pool.join()
+
+    payload.setdefault("model_name", os.path.basename(model))
+    md = report(payload)
+    (results_dir / "bench_serving.json").write_text(json.dumps(payload, indent=2))
+    (results_dir / "bench_serving.md").write_text(md)
+    plot(payload, results_dir / "bench_serving.png")
+    print(md)
+    failed = sum(r["errors"] for r in payload["runs"]) + sum(r["errors"] for r in payload["engine"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
