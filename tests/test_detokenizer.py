@@ -110,3 +110,19 @@ def test_same_updates_as_the_reference(tokenizer, stop):
             if got is not None:
                 break
             i += n
+
+
+@pytest.mark.parametrize("text", ["Héllo wörld — ünïcode ✓ 日本語 🙂🙂 {\"a\": [1, 2.5e-3]}\n\ttabs", "🙂日本語"])
+def test_whole_answer_in_one_piece_matches_token_by_token(tokenizer, text):
+    """The engine process's front-end decodes a non-streamed answer once, at its end: the same text
+    as token by token, for every length the answer may have been cut at (mid-character too)."""
+    from constrained_spec.server.engine_client import _add_whole
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        step = IncrementalDetokenizer(tokenizer, [1, 2, 3], [])
+        for i in ids[:cut]:
+            step.add([i])
+        whole = IncrementalDetokenizer(tokenizer, [1, 2, 3], [])
+        _add_whole(whole, ids[:cut])
+        assert whole.take(final=True) == step.take(final=True), cut

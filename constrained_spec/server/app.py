@@ -156,8 +156,10 @@ def _finish_str(reason) -> str | None:
 class _Generation:
     """n engine requests whose updates arrive, tagged with their choice index, on one asyncio queue."""
 
-    def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str):
+    def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str, stream: bool):
         delivery = LoopDelivery.for_loop(asyncio.get_running_loop())
+        # the engine process's client sends a non-streamed request's output in one piece at its end
+        options = {"stream": stream} if isinstance(engine, EngineClient) else {}
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -172,7 +174,7 @@ class _Generation:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                engine.add_request(prompt, params, grammar, make_cb(i), request_id=rid)
+                engine.add_request(prompt, params, grammar, make_cb(i), request_id=rid, **options)
                 self.request_ids.append(rid)
         except BaseException:
             self.abort()
@@ -184,6 +186,19 @@ class _Generation:
             if out.finished:
                 self.done[i] = True
             yield i, out
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, Any]]]:
+        """The updates in hand each time the stream is ready for more: one write for all of them
+        (when the event loop falls behind, a write carries several steps' events)."""
+        queue = self.queue
+        while not all(self.done):
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            for i, out in items:
+                if out.finished:
+                    self.done[i] = True
+            yield items
 
     def abort(self) -> None:
         if self.closed:
@@ -356,9 +371,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     def release(n: int) -> None:
         state.pending -= n
 
-    def start(prompts, params_list, grammar, base_id) -> _Generation:
+    def start(prompts, params_list, grammar, base_id, stream: bool) -> _Generation:
         try:
-            return _Generation(engine, prompts, params_list, grammar, base_id)
+            return _Generation(engine, prompts, params_list, grammar, base_id, stream)
         except Exception as e:
             code = getattr(e, "code", None)
             if e.__class__.__name__ == "RequestError":
@@ -508,7 +523,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         admitted = True
         try:
             cid = new_id("chatcmpl")
-            gen = start([prompt] * req.n, params_list, grammar, cid)
+            gen = start([prompt] * req.n, params_list, grammar, cid, req.stream)
             model = served
             if req.stream:
                 admitted = False  # the stream releases it
@@ -545,25 +560,26 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 d["usage"] = usage_
             return _sse(d)
 
+        def events(i: int, out) -> list[bytes]:
+            ev = []
+            if out.new_text or (req.logprobs and out.logprobs):
+                c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
+                     "logprobs": chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
+                     if req.logprobs else None}
+                ev.append(chunk([c]))
+            if out.finished:
+                finals[i] = out
+                reason = _finish_str(out.finish_reason)
+                ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+                if reason == "error":  # the choice ends "error", then the error itself
+                    ev.append(_sse(generation_error(out).body()))
+            return ev
+
         try:
-            for i in range(req.n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            async for i, out in gen:
-                if out.new_text or (req.logprobs and out.logprobs):
-                    c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
-                         "logprobs": chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
-                         if req.logprobs else None}
-                    yield chunk([c])
-                if out.finished:
-                    finals[i] = out
-                    reason = _finish_str(out.finish_reason)
-                    if reason == "error":  # the choice ends "error", then the error itself
-                        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "error"}])
-                        err = generation_error(out)
-                        yield _sse(err.body())
-                        continue
-                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
+            yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]) for i in range(req.n))
+            async for items in gen.batches():
+                yield b"".join(e for i, out in items for e in events(i, out))
             if include_usage:
                 yield chunk([], usage(prompt_len, finals))
             yield _DONE
@@ -605,7 +621,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         admitted = True
         try:
             cid = new_id("cmpl")
-            gen = start(all_prompts, params_list, grammar, cid)
+            gen = start(all_prompts, params_list, grammar, cid, req.stream)
             prompt_tokens = sum(len(p) for p in prompts)
             if req.stream:
                 admitted = False
@@ -640,20 +656,23 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 d["usage"] = usage_
             return _sse(d)
 
+        def events(i: int, out) -> list[bytes]:
+            reason = _finish_str(out.finish_reason) if out.finished else None
+            if out.finished:
+                finals[i] = out
+            if reason == "error":
+                return [_sse(generation_error(out).body())]
+            if not (out.new_text or out.finished):
+                return []
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n, offsets[i])
+            offsets[i] += len(out.new_text)
+            return [chunk([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])]
+
         try:
-            async for i, out in gen:
-                reason = _finish_str(out.finish_reason) if out.finished else None
-                if out.finished:
-                    finals[i] = out
-                if reason == "error":
-                    yield _sse(generation_error(out).body())
-                    continue
-                if out.new_text or out.finished:
-                    lp = None
-                    if req.logprobs is not None:
-                        lp = completion_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n, offsets[i])
-                    offsets[i] += len(out.new_text)
-                    yield chunk([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])
+            async for items in gen.batches():
+                yield b"".join(e for i, out in items for e in events(i, out))
             if include_usage:
                 yield chunk([], usage(prompt_tokens, finals))
             yield _DONE

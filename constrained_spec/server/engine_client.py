@@ -44,6 +44,10 @@ class _Pending:
     first_token_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # a non-streamed request without stop strings gets one update, at its end, and is detokenized
+    # once then: nothing per step but keeping its tokens
+    whole: bool = False
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -100,9 +104,11 @@ class EngineClient:
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
 
     def add_request(self, prompt: list[int], params, grammar=None, on_output=None, request_id: str | None = None,
-                    ) -> _Pending:
-        """Queues a request in the engine; `on_output` is called from this client's reader thread.
-        Raises RequestError for what the engine would refuse up front, EngineUnavailable if it is gone."""
+                    stream: bool = True) -> _Pending:
+        """Queues a request in the engine; `on_output` is called from this client's reader thread,
+        once per engine step that made tokens for it, or (`stream=False`) possibly only once, at the
+        end, with everything. Raises RequestError for what the engine would refuse up front,
+        EngineUnavailable if it is gone."""
         self._check_up()
         ids = list(prompt)
         self._check_length(ids)
@@ -111,7 +117,7 @@ class EngineClient:
                 raise RequestError("the engine's queue is full; retry later", code="queue_full")
             key = next(self._keys)
             p = _Pending(key, request_id or f"req-{key}", ids, on_output or (lambda out: None),
-                         IncrementalDetokenizer(self.tokenizer, ids, params.stop))
+                         IncrementalDetokenizer(self.tokenizer, ids, params.stop), whole=not stream and not params.stop)
             self._by_key[key] = p
             self._by_id[p.request_id] = p
         try:
@@ -217,6 +223,12 @@ class EngineClient:
                     fn("first_token", p)
             detok = p.detok
             p.output_ids.extend(ids)
+            if p.whole:
+                if lps:
+                    p.logprobs.extend(lps)
+                if not finished:
+                    continue
+                ids, lps = p.output_ids, p.logprobs or None
             feed = ids[:-1] if finished and isinstance(matched, int) else ids  # a stop token is no text
             if detok.stop:
                 at, stop = self._stop_at(detok, feed)
@@ -229,6 +241,8 @@ class EngineClient:
                                                    FinishReason.STOP, None, len(p.prompt_ids), n_out - cut,
                                                    lps[:at + 1] if lps else lps, stop))
                     continue
+            elif p.whole:
+                _add_whole(detok, feed)
             elif feed:
                 detok.add(feed)
             if finished:
@@ -275,3 +289,16 @@ class EngineClient:
 
 
 ENGINE_GONE = "the engine process stopped"
+
+
+def _add_whole(detok: IncrementalDetokenizer, ids: list[int]) -> None:
+    """A whole answer into its detokenizer in one decode, with the text a token-by-token feed gives:
+    the detokenizer keeps back text that ends in a cut character (U+FFFD), so the tokens of a
+    character the answer ends inside of (it hit max_tokens there) go in one by one after the rest."""
+    k = len(ids)
+    while k > 0 and len(ids) - k < 4 and detok._decode(ids[max(k - 8, 0):k]).endswith("\ufffd"):
+        k -= 1
+    if k:
+        detok.add(ids[:k])
+    for tok in ids[k:]:
+        detok.add([tok])
