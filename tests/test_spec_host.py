@@ -370,10 +370,10 @@ def test_policy_does_not_keep_re_measuring_plain_on_scattered_acceptance():
 
 def test_spec_metrics_export_acceptance_and_host_phases():
     from constrained_spec.speculative.worker import SPEC_PHASES, SpecStats
-    from constrained_spec.server.metrics import _spec_metrics
+    from constrained_spec.server.metrics import _spec_metrics, spec_snapshot
     st = SpecStats(steps=4, verified_requests=8, accepted_tokens=12, draft_seconds=0.002, mask_seconds=0.001)
     st.histogram[1], st.histogram[2] = 4, 4
-    fams = {f.name: f for f in _spec_metrics(st)}
+    fams = {f.name: f for f in _spec_metrics(spec_snapshot(st))}
     assert fams["constrained_spec_spec_mean_accepted_length"].samples[0].value == pytest.approx(2.5)
     host = {s.labels["phase"]: s.value for s in fams["constrained_spec_spec_host_seconds"].samples}
     assert set(host) == set(SPEC_PHASES) and host["draft"] == 0.002 and host["mask"] == 0.001

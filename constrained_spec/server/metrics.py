@@ -29,11 +29,16 @@ def engine_snapshot(engine) -> dict:
             "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None}
     st = getattr(engine.spec, "stats", None) if engine.spec is not None else None
     if st is not None:
-        snap["spec"] = {"steps": st.steps, "verified_requests": st.verified_requests,
-                        "accepted_tokens": st.accepted_tokens, "forced_draft_tokens": st.forced_draft_tokens,
-                        "mean_accepted": float(st.mean_accepted), "phase_seconds": dict(st.phase_seconds()),
-                        "histogram": list(st.histogram)}
+        snap["spec"] = spec_snapshot(st)
     return snap
+
+
+def spec_snapshot(st) -> dict:
+    """A drafter's `SpecStats` in plain values (what crosses the process boundary)."""
+    return {"steps": st.steps, "verified_requests": st.verified_requests,
+            "accepted_tokens": st.accepted_tokens, "forced_draft_tokens": st.forced_draft_tokens,
+            "mean_accepted": float(st.mean_accepted), "phase_seconds": dict(st.phase_seconds()),
+            "histogram": list(st.histogram)}
 
 
 class _EngineCollector:
