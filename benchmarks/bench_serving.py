@@ -467,29 +467,6 @@ def main(argv=None) -> int:
                "command": "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "runs": [], "engine": [], "server_ready_s": {}}
 
-    if not args.no_engine:
-        from constrained_spec.engine import Engine
-        t0 = time.perf_counter()
-        engine = Engine(model=model, device=args.device)
-        print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-        payload["model_name"] = engine.model_name
-        try:
-            for w in workloads:
-                engine_closed_loop(engine, make_jobs(w, max(clients)), 16, max(clients))  # warm-up
-                for c in clients:
-                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
-                    payload["engine"].append({"workload": w, "clients": c, **r})
-                    print(f"[engine] {w} c={c}: {r['out_tok_s']:,.0f} tok/s, {r['req_s']:.1f} req/s", flush=True)
-        finally:
-            engine.shutdown()
-            del engine
-            try:
-                import torch
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            except ImportError:
-                pass
-
     pool = mp.get_context("spawn").Pool(args.client_procs)
     try:
         for name in servers:
@@ -524,6 +501,26 @@ def main(argv=None) -> int:
     finally:
         pool.close()
         pool.join()
+
+    # the in-process engine last: the servers' engines had the GPU to themselves
+    if not args.no_engine:
+        from constrained_spec.cli import build_parser, engine_config_from_args
+        from constrained_spec.engine import Engine
+        t0 = time.perf_counter()  # the servers' engine options, parsed as `serve` parses them
+        serve_args = build_parser().parse_args(["serve", "--model", model, "--device", args.device,
+                                                *args.server_args.split()])
+        engine = Engine(engine_config_from_args(serve_args))
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        payload["model_name"] = engine.model_name
+        try:
+            for w in workloads:
+                engine_closed_loop(engine, make_jobs(w, max(clients)), 16, max(clients))  # warm-up
+                for c in clients:
+                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
+                    payload["engine"].append({"workload": w, "clients": c, **r})
+                    print(f"[engine] {w} c={c}: {r['out_tok_s']:,.0f} tok/s, {r['req_s']:.1f} req/s", flush=True)
+        finally:
+            engine.shutdown()
 
     payload.setdefault("model_name", os.path.basename(model))
     md = report(payload)
