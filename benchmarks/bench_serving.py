@@ -90,10 +90,24 @@ def make_jobs(workload: str, n: int) -> list[Job]:
 
 # -- the clients (run in worker processes) -----------------------------------------------------------
 
+def answer_is_valid(schema: dict | None, text: str, finish_reason: str | None) -> bool:
+    """Every answer is checked: a schema-constrained answer that ended on "stop" must parse and
+    validate (one cut by max_tokens cannot be complete, and is not counted invalid)."""
+    if schema is None or finish_reason != "stop":
+        return True
+    import jsonschema
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 async def _one(client, body: dict, stream: bool) -> dict:
     """Sends one request; returns its timings (seconds from its start) and output token count."""
     t0 = time.perf_counter()
-    rec = {"ok": False, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None}
+    rec = {"ok": False, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None, "invalid": False}
+    schema = body.get("response_format", {}).get("json_schema", {}).get("schema")
     try:
         if not stream:
             r = await client.post("/v1/chat/completions", json=body)
@@ -101,10 +115,13 @@ async def _one(client, body: dict, stream: bool) -> dict:
             if r.status_code != 200:
                 rec["error"] = f"{r.status_code}: {r.text[:200]}"
                 return rec
-            rec["tokens"] = r.json()["usage"]["completion_tokens"]
+            data = r.json()
+            rec["tokens"] = data["usage"]["completion_tokens"]
+            choice = data["choices"][0]
+            rec["invalid"] = not answer_is_valid(schema, choice["message"]["content"], choice["finish_reason"])
             rec["ok"] = True
             return rec
-        last = None
+        last, text, finish = None, [], None
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 rec["error"] = f"{r.status_code}: {(await r.aread())[:200]!r}"
@@ -118,6 +135,9 @@ async def _one(client, body: dict, stream: bool) -> dict:
                     return rec
                 if chunk.get("usage"):
                     rec["tokens"] = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices", ()):
+                    text.append(c["delta"].get("content") or "")
+                    finish = c.get("finish_reason") or finish
                 if any(c["delta"].get("content") for c in chunk.get("choices", ())):
                     now = time.perf_counter()
                     if last is None:
@@ -127,6 +147,7 @@ async def _one(client, body: dict, stream: bool) -> dict:
                     last = now
         rec["e2e"] = time.perf_counter() - t0
         rec["ok"] = rec["ttft"] is not None
+        rec["invalid"] = rec["ok"] and not answer_is_valid(schema, "".join(text), finish)
     except Exception as e:  # noqa: BLE001 - reported per request
         rec["error"] = f"{type(e).__name__}: {e}"
     return rec
@@ -201,6 +222,7 @@ def summarize(recs: list[dict], duration: float) -> dict:
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and r["e2e"] > r["ttft"]]
     errors = [r["error"] for r in recs if not r["ok"]]
     return {"requests": len(recs), "ok": len(ok), "errors": len(errors), "first_errors": errors[:3],
+            "invalid": sum(1 for r in ok if r.get("invalid")),
             "duration_s": duration, "req_s": len(ok) / duration if duration else 0.0,
             "out_tok_s": tokens / duration if duration else 0.0, "out_tokens": tokens,
             "ttft": percentiles([r["ttft"] for r in ok]), "tpot": percentiles(tpot),
@@ -345,7 +367,7 @@ def report(payload: dict) -> str:
     head = ["workload", "stream", "clients", "engine tok/s"]
     for s in servers:
         head += [f"{s} tok/s", f"{s} / engine", f"{s} TTFT p50", f"{s} TTFT p99", f"{s} TPOT p50",
-                 f"{s} ITL p99", f"{s} E2E p99", f"{s} errors"]
+                 f"{s} ITL p99", f"{s} E2E p99", f"{s} errors / invalid"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w in payload["workloads"]:
         for stream in payload["streams"]:
@@ -359,7 +381,7 @@ def report(payload: dict) -> str:
                         continue
                     row += [_tok(r["out_tok_s"]), _ratio(r["out_tok_s"], e and e["out_tok_s"]), _ms(r["ttft"]["p50"]),
                             _ms(r["ttft"]["p99"]), _ms(r["tpot"]["p50"]), _ms(r["itl"]["p99"]), _ms(r["e2e"]["p99"]),
-                            str(r["errors"])]
+                            f"{r['errors']} / {r['invalid']}"]
                 lines.append("| " + " | ".join(row) + " |")
     if True in payload["streams"] and False in payload["streams"]:
         lines += ["", "## Streamed / non-streamed output tok/s", "",
@@ -373,7 +395,7 @@ def report(payload: dict) -> str:
                 lines.append(f"| {w} | {c} | " + " | ".join(cells) + " |")
     if payload["rates"]:
         lines += ["", f"## Request rate (Poisson arrivals; {payload['rate_workload']}, not streamed)", "",
-                  "| server | rate req/s | served req/s | tok/s | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | errors |",
+                  "| server | rate req/s | served req/s | tok/s | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | errors / invalid |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for s in servers:
             for rate in payload["rates"]:
@@ -381,7 +403,7 @@ def report(payload: dict) -> str:
                 if r is not None:
                     lines.append(f"| {s} | {rate:g} | {r['req_s']:.1f} | {_tok(r['out_tok_s'])} | {_ms(r['ttft']['p50'])} "
                                  f"| {_ms(r['ttft']['p99'])} | {_ms(r['e2e']['p50'])} | {_ms(r['e2e']['p99'])} "
-                                 f"| {r['errors']} |")
+                                 f"| {r['errors']} / {r['invalid']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -486,7 +508,7 @@ def main(argv=None) -> int:
                             payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
                                                     "value": c, **r})
                             print(f"[{name}] {w} stream={stream} c={c}: {r['out_tok_s']:,.0f} tok/s, "
-                                  f"TTFT p99 {_ms(r['ttft']['p99'])} ms, errors {r['errors']} {r['first_errors']}",
+                                  f"TTFT p99 {_ms(r['ttft']['p99'])} ms, invalid {r['invalid']}, errors {r['errors']} {r['first_errors']}",
                                   flush=True)
                 for rate in rates:
                     n = max(16, int(rate * args.rate_seconds))
@@ -528,7 +550,7 @@ def main(argv=None) -> int:
     (results_dir / "bench_serving.md").write_text(md)
     plot(payload, results_dir / "bench_serving.png")
     print(md)
-    failed = sum(r["errors"] for r in payload["runs"]) + sum(r["errors"] for r in payload["engine"])
+    failed = sum(r["errors"] + r["invalid"] for r in payload["runs"]) + sum(r["errors"] for r in payload["engine"])
     return 1 if failed else 0
 
 

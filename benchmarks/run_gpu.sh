@@ -9,6 +9,7 @@
 #   tests      the GPU test suite (pytest -m gpu)
 #   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
 #   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
+#   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*
 #   attention  bench_attention.py: Triton vs torch attention, one layer -> attention.*
 #   kernels    bench_kernels.py: decode forward by kernel set, mask kernel (prints only)
 #   mask       bench_mask_latency.py on CUDA -> mask_latency_cuda.*; bench_mask_fill.py -> mask_fill.*
@@ -25,6 +26,7 @@ stage_spec() {
   "$PYTHON" benchmarks/bench_spec.py --workloads json
   "$PYTHON" benchmarks/bench_spec.py --workloads rag
 }
+stage_serving() { "$PYTHON" benchmarks/bench_serving.py --device cuda --workloads plain,json,schemas; }
 stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
 stage_kernels() { "$PYTHON" benchmarks/bench_kernels.py 1 8 32 64 128; }
 stage_mask() {
@@ -34,7 +36,7 @@ stage_mask() {
 stage_all() { stage_tests; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"

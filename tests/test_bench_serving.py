@@ -26,7 +26,7 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
     runs = data["runs"]
     assert len(runs) == 2 * (3 * 2 + 1)  # servers x (workloads x streamed/not + the rate)
     for run in runs + data["engine"]:
-        assert run["errors"] == 0 and run["ok"] == run["requests"] >= 8, run
+        assert run["errors"] == 0 and run.get("invalid", 0) == 0 and run["ok"] == run["requests"] >= 8, run
         assert run["out_tok_s"] > 0 and run["ttft"]["p99"] is not None
     assert {run["server"] for run in runs} == {"split", "single"}
     assert any(run["stream"] and run["itl"]["p50"] is not None for run in runs)
