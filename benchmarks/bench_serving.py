@@ -4,7 +4,8 @@ on the same requests.
     python benchmarks/bench_serving.py --device cuda                         # the H100 acceptance set
     python benchmarks/bench_serving.py --device cpu --clients 1,4 --rates 2 --max-tokens 16 --rounds 1
 
-Each server (the split server, `serve`, and the single-process one, `serve --single-process`) is
+Each server (the split server, `serve`, with its default front-end count or N of them, `split-N`,
+and the single-process one, `serve --single-process`) is
 started as a subprocess on a free 127.0.0.1 port and driven by client processes (httpx, asyncio),
 so the clients' own Python work does not limit what is measured. Two modes:
 
@@ -278,6 +279,17 @@ def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: in
 
 # -- servers ------------------------------------------------------------------------------------------
 
+def server_flags(name: str) -> list[str]:
+    """`serve` flags of a server layout: split (the default), split-N (N front-ends), single."""
+    if name == "split":
+        return []
+    if name == "single":
+        return ["--single-process"]
+    if name.startswith("split-") and name[6:].isdigit():
+        return ["--frontends", name[6:]]
+    raise SystemExit(f"unknown server {name!r} (split, split-N, single)")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -460,7 +472,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="requests per client in max-concurrency mode "
                                                           "(at least 8 requests a configuration)")
-    ap.add_argument("--servers", default="split,single", help="split (`serve`), single (`serve --single-process`)")
+    ap.add_argument("--servers", default="split,single",
+                    help="split (`serve`), split-N (`serve --frontends N`), single (`serve --single-process`)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
     ap.add_argument("--server-args", default="", help="more `serve` flags for both servers")
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
@@ -492,7 +505,7 @@ def main(argv=None) -> int:
     pool = mp.get_context("spawn").Pool(args.client_procs)
     try:
         for name in servers:
-            extra = args.server_args.split() + (["--single-process"] if name == "single" else [])
+            extra = args.server_args.split() + server_flags(name)
             server = Server(model, args.device, extra, Path(tempfile.gettempdir()) / f"bench_serving_{name}.log")
             payload["server_ready_s"][name] = server.ready_s
             print(f"[{name}] ready in {server.ready_s:.1f} s at {server.url}", flush=True)

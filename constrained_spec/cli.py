@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -251,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the engine inside the HTTP server's process, sharing its GIL (the layout before "
                           "the engine got a process of its own; slower from ~64 clients up, kept for A/B "
                           "comparison). Default: the engine runs in its own process")
+    srv.add_argument("--frontends", type=int, default=None, metavar="N",
+                     help="HTTP front-end processes sharing the port, each connected to the engine process: "
+                          "they parse, tokenize and stream for their clients in parallel (default: one per four "
+                          "cores, 1 to 4; ignored with --single-process)")
     _add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -353,6 +358,10 @@ def describe_engine(engine) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    from .server.frontends import default_frontends, remove_metrics_dir, use_shared_metrics
+    metrics_dir = None
+    if not args.single_process and (args.frontends or default_frontends()) > 1:
+        metrics_dir = use_shared_metrics()  # before prometheus_client is imported (by the app)
     from .server.app import ServerConfig, create_app
     from .server.runner import run_server
 
@@ -374,10 +383,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         info = process.info
         log.info("engine ready in process %d: model %s, device %s, dtype %s, KV capacity %d tokens, max context %d",
                  info.pid, info.model_name, info.device, info.dtype, info.kv_capacity, info.max_context)
-    app = create_app(engine, ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
-                                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                                          max_pending_requests=args.max_pending_requests,
-                                          default_max_tokens=args.default_max_tokens), owns_engine=True)
+    n_frontends = 1 if args.single_process else (args.frontends or default_frontends())
+    pending = args.max_pending_requests
+    if pending is not None and n_frontends > 1:  # the limit is the server's: each front-end holds its share
+        pending = -(-pending // n_frontends)
+    server_config = ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
+                                 max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_pending_requests=pending,
+                                 default_max_tokens=args.default_max_tokens, frontends=n_frontends)
+    # with other front-ends, the engine stops after them (below), not with this app
+    app = create_app(engine, server_config, owns_engine=n_frontends == 1)
     host_shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host_shown}:{args.port}"
     served = args.served_model_name or engine.model_name
@@ -387,13 +401,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("API key required on /v1/*: send 'Authorization: Bearer <key>'")
     elif args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    # uvicorn re-raises the SIGTERM it handled once it has drained: exit through the `finally` below
+    # (front-ends, then the engine) rather than die of it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sock = others = None
+    if n_frontends > 1:
+        from .server.frontends import FrontendProcesses, bind_socket
+        sock = bind_socket(args.host, args.port)
+        others = FrontendProcesses(n_frontends, info, server_config, sock, args.log_level)
+        log.info("%d front-end processes share the port (this one and pids %s)", n_frontends,
+                 ", ".join(map(str, others.pids())))
     try:
-        run_server(app, host=args.host, port=args.port, log_level=args.log_level)
+        run_server(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     finally:
+        if others is not None:
+            others.stop()
         try:
             engine.shutdown()
         except Exception:
             pass
+        if metrics_dir is not None:
+            remove_metrics_dir(metrics_dir)
     return 0
 
 

@@ -193,3 +193,75 @@ def test_shutdown_stops_the_engine_process(tiny_llama_dir):
     assert not stream.is_alive(), "the client was left hanging"
     assert time.monotonic() - t0 < 30
     assert client.closed and not client.healthy
+
+
+def test_serve_with_two_front_ends(tiny_llama_dir, tmp_path):
+    """`serve --frontends 2`: both front-end processes answer on one port, /metrics counts every
+    front-end's requests, a front-end killed is started again while the other serves on, and
+    SIGTERM stops everything (no process left behind)."""
+    import re
+    import subprocess
+    import sys
+
+    from constrained_spec.server.runner import free_port
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log_file:
+        serve = subprocess.Popen([sys.executable, "-m", "constrained_spec.cli", "serve", "--model", tiny_llama_dir,
+                                  "--device", "cpu", "--dtype", "float32", "--grammar-cache-dir", "none",
+                                  "--served-model-name", MODEL, "--port", str(port), "--frontends", "2"],
+                                 stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert serve.poll() is None, log_path.read_text()
+            try:
+                return _health(url).status_code == 200
+            except httpx.HTTPError:
+                return False
+        _wait(up, 180, "serve did not come up")
+        log = log_path.read_text()
+        engine_pid = int(re.search(r"engine ready in process (\d+)", log).group(1))
+        other_pid = int(re.search(r"front-end processes share the port \(this one and pids (\d+)\)", log).group(1))
+
+        def ask(n: int) -> list[int]:
+            codes: list[int] = []
+
+            def one():  # a client of its own: a connection of its own, to whichever front-end accepts it
+                codes.append(httpx.post(url + "/v1/chat/completions", json=_body(4), timeout=60).status_code)
+            threads = [threading.Thread(target=one) for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+            return codes
+
+        assert ask(8) == [200] * 8
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        served = re.search(r'http_requests_total\{endpoint="/v1/chat/completions",status="200"\} (\S+)', metrics)
+        assert served and float(served.group(1)) == 8.0, metrics[:2000]
+
+        os.kill(other_pid, signal.SIGKILL)
+        assert ask(4) == [200] * 4  # the other front-end serves on
+        _wait(lambda: len(re.findall(r"front-end 1 serving", log_path.read_text())) >= 2, 90,
+              "the killed front-end was not started again")
+        assert ask(4) == [200] * 4
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            code = serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            raise
+    assert code == 0, log_path.read_text()[-3000:]
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+    _wait(lambda: gone(engine_pid), 30, "the engine process outlived serve")
+    restarted = re.findall(r"front-end 1 serving \(pid (\d+)\)", log_path.read_text())
+    _wait(lambda: all(gone(int(p)) for p in restarted), 30, "a front-end outlived serve")

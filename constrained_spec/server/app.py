@@ -52,6 +52,7 @@ class ServerConfig:
     max_pending_requests: int | None = None  # admitted generation requests (n counts n); None: engine running+queued
     retry_after_s: int = 1  # Retry-After on 503
     default_max_tokens: int | None = None  # chat requests without max_tokens; None: up to the context limit
+    frontends: int = 1  # front-end processes over the engine: each admits its share of the default limit
 
 
 class _ServerState:
@@ -249,6 +250,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     limit = config.max_pending_requests
     if limit is None:
         limit = (getattr(ecfg, "max_running_requests", 128) or 128) + (getattr(ecfg, "max_queued_requests", 1024) or 0)
+        limit = -(-limit // max(1, config.frontends))
     state = _ServerState(limit)
     metrics = ServerMetrics(engine, state)
     served = config.served_model_name or engine.model_name
@@ -367,9 +369,11 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise APIError(503, f"the server is at its limit of {state.limit} pending requests; retry later",
                            code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
         state.pending += n
+        metrics.in_flight.set(state.pending)
 
     def release(n: int) -> None:
         state.pending -= n
+        metrics.in_flight.set(state.pending)
 
     def start(prompts, params_list, grammar, base_id, stream: bool) -> _Generation:
         try:

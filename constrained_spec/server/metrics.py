@@ -1,11 +1,15 @@
 """Prometheus metrics for /metrics. Each app gets its own registry (several apps may share one engine
 in one process, as the tests do). The engine's part is a snapshot of plain values
-(`engine_snapshot`), taken in the engine's process, so the front-end process renders it alike."""
+(`engine_snapshot`), taken in the engine's process, so the front-end process renders it alike.
+With several front-end processes (`frontends.py`), their counters live in prometheus_client's
+multiprocess files and any front-end's /metrics renders all of them."""
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "constrained_spec"
@@ -57,9 +61,6 @@ class _EngineCollector:
         yield g
         g = GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued (waiting for KV or a grammar compile)")
         g.add_metric([], snap["waiting"])
-        yield g
-        g = GaugeMetricFamily(f"{PREFIX}_http_requests_in_flight", "Generation requests the server has admitted")
-        g.add_metric([], self.server_state.pending)
         yield g
         cap, free = snap["kv_capacity"], snap["kv_free"]
         g = GaugeMetricFamily(f"{PREFIX}_kv_slots_total", "KV-cache token slots")
@@ -178,8 +179,15 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_request_latency_seconds", "Time from arrival to the last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # livesum: with several front-end processes, /metrics sums the live ones
+        self.in_flight = Gauge(f"{PREFIX}_http_requests_in_flight", "Generation requests the server has admitted",
+                               multiprocess_mode="livesum", registry=r)
         self.collector = _EngineCollector(server_state)
-        r.register(self.collector)
+        self.shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR") is not None
+        if self.shared:  # the front-ends' own metrics from every process's files, the engine's from the snapshot
+            self.registry = CollectorRegistry(auto_describe=False)
+            multiprocess.MultiProcessCollector(self.registry)
+        self.registry.register(self.collector)
         self.engine = engine
         self._listening = False
 

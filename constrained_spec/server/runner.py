@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import uvicorn
 
 
-def _uvicorn_config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                           timeout_graceful_shutdown=5, timeout_keep_alive=30, lifespan="on", log_config=None)
 
 
-def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serves `app` in the foreground until Ctrl-C / SIGTERM."""
-    uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", sock=None) -> None:
+    """Serves `app` in the foreground until Ctrl-C / SIGTERM (on `sock`, a bound socket, if given)."""
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run(sockets=None if sock is None else [sock])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,7 +46,7 @@ def start_server_thread(app, host: str = "127.0.0.1", port: int | None = None, l
                         ready_timeout: float = 30.0) -> ServerHandle:
     """Starts uvicorn in a daemon thread on `port` (a free one by default) and waits until it listens."""
     port = port or free_port(host)
-    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + ready_timeout

@@ -1,0 +1,163 @@
+"""Several HTTP front-end processes over one engine process (`serve --frontends N`).
+
+A front-end's work is per request (HTTP parsing, validation, the chat template, tokenizing,
+answers and SSE events) and grows with the clients, while the engine's is per step. One Python
+process does that work for every client on one core; from ~100 concurrent clients, or streamed
+answers at tens of thousands of events a second, it is the server's limit. So the `serve` process
+binds the listening socket and runs front-end 0 itself, and N-1 more processes (spawned) serve the
+same socket: the kernel hands each new connection to whichever process accepts it first. Each
+front-end is one `EngineClient` connection to the engine process, whose requests are its own.
+
+Lifecycles: a front-end lives as long as the pipe from the `serve` process; when that closes or
+says "stop", it stops serving (its connection closes and the engine aborts what it had in flight).
+A front-end that dies is restarted in its place; its clients' requests fail, no other's do.
+
+Metrics: prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set before any
+front-end imports prometheus_client), so /metrics from any front-end counts every front-end's
+requests.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+
+log = logging.getLogger("constrained_spec.frontends")
+
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def default_frontends() -> int:
+    """One front-end per four cores, 1 to 4: the engine process and its helper threads keep the rest."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket every front-end accepts on (IPv6 when the host is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def use_shared_metrics() -> str:
+    """Makes /metrics count every front-end: a fresh directory for prometheus_client's multiprocess
+    files, in the environment the front-ends inherit. Call before prometheus_client is imported."""
+    path = tempfile.mkdtemp(prefix="constrained-spec-metrics-")
+    os.environ[METRICS_DIR_ENV] = path
+    return path
+
+
+def _frontend_main(number: int, info, server_config, sock: socket.socket, log_level: str, lifeline) -> None:
+    """A front-end process: one connection to the engine, the app, uvicorn on the shared socket."""
+    from ..cli import _setup_logging
+    _setup_logging(log_level)
+    import uvicorn
+
+    from .app import create_app
+    from .engine_client import EngineClient
+    from .runner import uvicorn_config
+
+    try:
+        client = EngineClient(info)
+    except OSError as e:
+        log.error("front-end %d cannot reach the engine process: %s", number, e)
+        raise SystemExit(1)
+    app = create_app(client, server_config, owns_engine=True)  # owns its connection, not the engine process
+    server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
+    lifeline.send("ready")
+
+    def watch_lifeline() -> None:
+        try:
+            lifeline.recv()  # "stop", or EOFError: the serve process is gone
+        except (EOFError, OSError):
+            pass
+        server.should_exit = True
+    threading.Thread(target=watch_lifeline, name="frontend-lifeline", daemon=True).start()
+    log.info("front-end %d serving (pid %d)", number, os.getpid())
+    server.run(sockets=[sock])
+
+
+class FrontendProcesses:
+    """Front-ends 1..N-1 (the serve process is front-end 0), restarted if one dies."""
+
+    def __init__(self, count: int, info, server_config, sock: socket.socket, log_level: str,
+                 ready_timeout_s: float = 120.0):
+        self._ctx = mp.get_context("spawn")
+        self._args = (info, server_config, sock, log_level)
+        self._procs: dict[int, tuple] = {}
+        self._stopping = threading.Event()
+        for number in range(1, count):
+            self._start(number)
+        deadline = time.monotonic() + ready_timeout_s
+        for number, (proc, pipe) in self._procs.items():  # started together, awaited in turn
+            if not self._await_ready(proc, pipe, deadline):
+                log.error("front-end %d did not start (code %s); serving without it", number, proc.exitcode)
+        self._watcher = threading.Thread(target=self._watch, name="frontend-watcher", daemon=True)
+        self._watcher.start()
+
+    def _start(self, number: int) -> None:
+        ours, theirs = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_frontend_main, args=(number, *self._args, theirs),
+                                 name=f"constrained-spec-frontend-{number}", daemon=True)
+        proc.start()
+        theirs.close()
+        self._procs[number] = (proc, ours)
+
+    @staticmethod
+    def _await_ready(proc, pipe, deadline: float) -> bool:
+        while time.monotonic() < deadline and proc.is_alive():
+            if pipe.poll(0.1):
+                try:
+                    return pipe.recv() == "ready"
+                except EOFError:
+                    return False
+        return False
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(1.0):
+            for number, (proc, pipe) in list(self._procs.items()):
+                if not proc.is_alive() and not self._stopping.is_set():
+                    log.error("front-end %d exited (code %s); starting it again", number, proc.exitcode)
+                    _forget_metrics_of(proc.pid)
+                    pipe.close()
+                    self._start(number)
+                    self._stopping.wait(5.0)  # at most one restart in 5 s, whatever goes on failing
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc, _ in self._procs.values()]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Asks every front-end to finish (uvicorn's graceful shutdown), then makes sure."""
+        self._stopping.set()
+        for proc, pipe in self._procs.values():
+            try:
+                pipe.send("stop")
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc, pipe in self._procs.values():
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            _forget_metrics_of(proc.pid)
+            pipe.close()
+        self._procs.clear()
+
+
+def _forget_metrics_of(pid: int) -> None:
+    """A dead front-end's live gauges (requests in flight) stop counting."""
+    if os.environ.get(METRICS_DIR_ENV):
+        from prometheus_client import multiprocess
+        multiprocess.mark_process_dead(pid)
+
+
+def remove_metrics_dir(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
