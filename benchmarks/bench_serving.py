@@ -262,7 +262,8 @@ def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: in
                 recs.append(rec)
                 done.release()
         prompt, params, grammar = prepared[i]
-        engine.add_request(prompt, params, grammar, on_output)
+        # token ids only, as the engine process runs requests for the server (its front-ends detokenize)
+        engine.add_request(prompt, params, grammar, on_output, detokenize=False)
 
     t0 = time.perf_counter()
     nxt = 0
