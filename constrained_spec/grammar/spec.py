@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Union
+from dataclasses import replace
+from typing import Optional, Union
 
 from .errors import GrammarError
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+# grammar backends a request may name (grammar/backend.py): "auto" picks one per grammar
+BACKENDS = ("xgrammar", "llguidance", "auto")
 
 
 @dataclass(frozen=True)
@@ -16,11 +19,13 @@ class GrammarSpec:
 
     ``strict`` only matters for json_schema (OpenAI ``strict``: objects without
     ``additionalProperties`` are closed, arrays with ``prefixItems`` and no ``items`` are closed).
+    ``backend`` is one of BACKENDS, or None for the server's default.
     """
 
     kind: str
     value: str
     strict: bool = True
+    backend: Optional[str] = None
 
     @property
     def key(self) -> tuple:
@@ -63,6 +68,12 @@ class GrammarSpec:
         ):
             raise GrammarError("choice must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(list(options), separators=(",", ":"), ensure_ascii=False))
+
+    def with_backend(self, backend: Optional[str]) -> "GrammarSpec":
+        """The same grammar, compiled by `backend` (one of BACKENDS; None: the server's default)."""
+        if backend is not None and backend not in BACKENDS:
+            raise GrammarError(f"grammar backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        return replace(self, backend=backend)
 
     def schema(self):
         """The parsed schema (json_schema kind only)."""

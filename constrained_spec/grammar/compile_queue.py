@@ -1,0 +1,286 @@
+"""The compile queue: grammars compile on worker threads, once per key, within a time limit.
+
+Compiles are queued (FIFO) to `workers` threads. The timeout counts a grammar's own compile time,
+from the moment a worker starts it: time in the queue is latency, never a refusal. Neither backend
+can cancel a compile, so one that overruns keeps its thread (and its result is cached when it
+ends) while a spare thread takes its place. A full queue is `GrammarBusy` (the server answers 503),
+never a grammar error. Results (compiled grammars and refusals) are kept in an LRU keyed by the
+caller's key, which names the backend.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .errors import GrammarBusy, GrammarError
+from .spec import GrammarSpec
+
+log = logging.getLogger("constrained_spec.grammar")
+
+
+@dataclass
+class CompiledGrammar:
+    spec: GrammarSpec
+    backend: str  # "xgrammar" or "llguidance"
+    grammar: Any  # xgrammar.CompiledGrammar, or the llguidance template LLMatcher
+    compile_seconds: float
+    prepared: Optional[str] = None  # the rewritten JSON schema handed to xgrammar (json kinds)
+    memory_bytes: int = 0
+    from_disk: bool = False  # loaded from the disk cache (compile_seconds is then the load's)
+
+
+class Latency:
+    """Seconds observed: Prometheus buckets for /metrics, recent samples for exact percentiles."""
+
+    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+    def __init__(self, recent: int = 4096):
+        self.counts = [0] * (len(self.BUCKETS) + 1)  # the last is +Inf
+        self.sum = 0.0
+        self.recent: deque = deque(maxlen=recent)
+
+    def observe(self, s: float) -> None:
+        self.counts[bisect.bisect_left(self.BUCKETS, s)] += 1
+        self.sum += s
+        self.recent.append(s)
+
+    def snapshot(self) -> dict:
+        r = sorted(self.recent)
+        q = (lambda p: r[min(len(r) - 1, int(p * len(r)))] if r else 0.0)
+        return {"buckets": list(zip(self.BUCKETS + (math.inf,), itertools.accumulate(self.counts))),
+                "sum": self.sum, "count": sum(self.counts), "p50": q(0.5), "p99": q(0.99),
+                "max": r[-1] if r else 0.0}
+
+
+class _Job:
+    """One compile, shared by every request whose grammar has `key`."""
+    __slots__ = ("key", "spec", "build", "persist", "done", "queued", "started", "overran", "waiters")
+
+    def __init__(self, key, spec: GrammarSpec, build: Callable[[], CompiledGrammar],
+                 persist: Optional[Callable[[CompiledGrammar], None]]):
+        self.key, self.spec, self.build, self.persist = key, spec, build, persist
+        self.done: Future = Future()
+        self.queued = time.monotonic()
+        self.started: Optional[float] = None
+        self.overran = False
+        self.waiters: list = []  # (Future, timeout_s) of the requests waiting on it
+
+
+class CompileQueue:
+    def __init__(self, workers: int, timeout_s: float = 30.0, cache_size: int = 512, max_queue: int = 4096):
+        self.workers = max(1, int(workers))
+        self.timeout_s = float(timeout_s)
+        self._cache: "OrderedDict[Any, Any]" = OrderedDict()  # key -> CompiledGrammar | GrammarError
+        self.cache_size = cache_size
+        self._jobs: dict = {}  # key -> _Job, queued or compiling
+        self._queue: deque = deque()
+        self._max_queue = max_queue
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # workers wait here for a job
+        self._tick = threading.Condition(self._lock)  # the watchdog waits here for a deadline
+        self._running: set = set()  # jobs a worker is compiling
+        self._closed = False
+        self._threads = 0
+        self._saving = 0  # compiled grammars being persisted
+        self._stats = {"compile_count": 0, "cache_hits": 0, "cache_misses": 0,
+                       "compile_seconds_total": 0.0, "compile_seconds_max": 0.0,
+                       "compile_errors": 0, "compile_timeouts": 0, "spare_threads_started": 0}
+        self._compile_latency = Latency()
+        self._queue_wait = Latency()
+        for _ in range(self.workers):
+            self._spawn()
+        threading.Thread(target=self._watchdog, name="grammar-compile-watchdog", daemon=True).start()
+
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            d = dict(self._stats)
+            d["cache_size"] = len(self._cache)
+            d["inflight"] = len(self._jobs)
+            d["queue_depth"] = len(self._queue)
+            d["compiling"] = len(self._running)
+            d["disk_saving"] = self._saving
+            d["compile_workers"] = self.workers
+            d["compile_latency"] = self._compile_latency.snapshot()
+            d["queue_wait"] = self._queue_wait.snapshot()
+        return d
+
+    def observe_compile(self, seconds: float) -> None:
+        """A compile (not a load from disk) took this long."""
+        with self._lock:
+            self._stats["compile_count"] += 1
+            self._stats["compile_seconds_total"] += seconds
+            self._stats["compile_seconds_max"] = max(self._stats["compile_seconds_max"], seconds)
+            self._compile_latency.observe(seconds)
+
+    def count_error(self) -> None:
+        with self._lock:
+            self._stats["compile_errors"] += 1
+
+    def submit(self, key, spec: GrammarSpec, build: Callable[[], CompiledGrammar],
+               persist: Optional[Callable[[CompiledGrammar], None]] = None,
+               timeout_s: Optional[float] = None) -> Future:
+        """Future[CompiledGrammar] for `key` (built by `build()` on a worker unless cached or
+        compiling already); fails with the GrammarError `build` raises, or when the compile runs
+        longer than timeout_s. `persist(compiled)` runs on the worker after the result is out.
+        Raises GrammarBusy when the queue is full."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        out: Future = Future()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self._stats["cache_hits"] += 1
+            else:
+                job = self._jobs.get(key)
+                if job is None:
+                    if len(self._queue) >= self._max_queue:
+                        raise GrammarBusy(f"{len(self._queue)} grammars are waiting to compile; retry later")
+                    self._stats["cache_misses"] += 1
+                    job = self._jobs[key] = _Job(key, spec, build, persist)
+                    self._queue.append(job)
+                    self._work.notify()
+        if hit is not None:
+            if isinstance(hit, GrammarError):
+                out.set_exception(hit)
+            else:
+                out.set_result(_for(hit, spec))
+            return out
+
+        def relay(f: Future) -> None:
+            exc = f.exception()
+            try:
+                if exc is not None:
+                    out.set_exception(exc)
+                else:
+                    out.set_result(_for(f.result(), spec))
+            except InvalidStateError:  # timed out first
+                pass
+
+        if timeout_s and timeout_s > 0:
+            with self._lock:
+                job.waiters.append((out, timeout_s))
+                if job.started is not None:
+                    self._tick.notify()
+        job.done.add_done_callback(relay)
+        return out
+
+    def close(self) -> None:
+        """Stops the workers once their compiles end; queued compiles fail."""
+        with self._lock:
+            self._closed = True
+            queued, self._queue = list(self._queue), deque()
+            for job in queued:
+                del self._jobs[job.key]
+            self._work.notify_all()
+            self._tick.notify_all()
+        for job in queued:
+            job.done.set_exception(GrammarError("the grammar backend was closed"))
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        self._threads += 1
+        threading.Thread(target=self._worker, name="grammar-compile", daemon=True).start()
+
+    def _worker(self) -> None:
+        while True:
+            with self._work:
+                while not self._queue and not self._closed:
+                    self._work.wait()
+                if self._closed:
+                    self._threads -= 1
+                    return
+                job = self._queue.popleft()
+                job.started = time.monotonic()
+                self._queue_wait.observe(job.started - job.queued)
+                self._running.add(job)
+                self._tick.notify()
+            try:
+                value = job.build()
+            except GrammarError as e:
+                value = e
+            except Exception as e:  # noqa: BLE001 (a bug here must not kill the worker)
+                log.exception("grammar compile failed")
+                value = GrammarError(f"{job.spec.kind} failed to compile: {e}")
+            with self._lock:
+                self._store(job.key, value)
+                del self._jobs[job.key]
+                self._running.discard(job)
+                # the thread of an overrun was replaced by a spare: one of them goes
+                retire = job.overran and self._threads > self.workers
+                if retire:
+                    self._threads -= 1
+            if isinstance(value, GrammarError):
+                job.done.set_exception(value)
+            else:
+                job.done.set_result(value)
+                if job.persist is not None:
+                    with self._lock:
+                        self._saving += 1
+                    try:
+                        job.persist(value)
+                    finally:
+                        with self._lock:
+                            self._saving -= 1
+            if retire:
+                return
+
+    def _store(self, key, value) -> None:  # under the lock
+        self._cache[key] = value
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    def _overran(self, job: _Job) -> None:
+        with self._lock:
+            if job.overran or job.done.done():
+                return
+            job.overran = True
+            self._stats["compile_timeouts"] += 1
+            if self._threads < 2 * self.workers and not self._closed:
+                self._stats["spare_threads_started"] += 1
+                self._spawn()
+        log.warning("grammar compile still running after its %gs timeout (%s)", self.timeout_s, job.spec.kind)
+
+    def _watchdog(self) -> None:
+        """Fails the requests whose grammar has compiled longer than their timeout."""
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    now, expired, wake = time.monotonic(), [], None
+                    for job in self._running:
+                        job.waiters = [w for w in job.waiters if not w[0].done()]
+                        for out, timeout_s in job.waiters:
+                            deadline = job.started + timeout_s
+                            if deadline <= now:
+                                expired.append((job, out, timeout_s))
+                            else:
+                                wake = deadline if wake is None else min(wake, deadline)
+                    if expired:
+                        break
+                    self._tick.wait(None if wake is None else wake - now)
+            for job, out, timeout_s in expired:
+                self._overran(job)
+                try:
+                    out.set_exception(GrammarError(f"compile exceeded {timeout_s:g}s: this grammar is too "
+                                                   "large or complex to compile in time"))
+                except InvalidStateError:  # the compile ended meanwhile
+                    pass
+
+
+def _for(compiled: CompiledGrammar, spec: GrammarSpec) -> CompiledGrammar:
+    """The shared compile, naming the requester's spec."""
+    if compiled.spec == spec:
+        return compiled
+    import dataclasses
+    return dataclasses.replace(compiled, spec=spec)
