@@ -35,7 +35,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         times = {}
         for phase in ("cold", "warm"):
-            b = GrammarBackend(tok, 49152, max_whitespace_cnt=16, cache_dir=d)
+            b = GrammarBackend(tok, 49152, max_whitespace_cnt=16, cache_dir=d, default_backend="xgrammar")
             for i, s in specs:
                 t0 = time.perf_counter()
                 c = b.compile(s, timeout_s=600)

@@ -14,7 +14,7 @@ from constrained_spec.grammar import GrammarBackend, GrammarSpec
 def backend(smollm2_dir):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    b = GrammarBackend(tok, 49152, max_whitespace_cnt=16)
+    b = GrammarBackend(tok, 49152, max_whitespace_cnt=16, default_backend="xgrammar")
     yield SimpleNamespace(grammar=b, tokenizer=tok)
     b.close()
 

@@ -12,6 +12,7 @@ import pytest
 
 from constrained_spec.grammar import GrammarBackend, GrammarBusy, GrammarError, GrammarSpec
 from constrained_spec.grammar import backend as backend_mod
+from constrained_spec.grammar import xgrammar_backend
 from server_fixtures import server, server_engine  # noqa: F401 (fixtures)
 
 VOCAB = 49152
@@ -50,7 +51,7 @@ def accepts(backend, tok, compiled, text) -> bool:
 def test_timeout_counts_compile_time_only(tok):
     # one worker; three compiles of 0.6 s each: the third waits 1.2 s in the queue, past its 1 s timeout
     specs = [regex(i) for i in range(3)]
-    b = SlowBackend(tok, VOCAB, compile_workers=1, compile_timeout_s=1.0, slow={s.value: 0.6 for s in specs})
+    b = SlowBackend(tok, VOCAB, default_backend="xgrammar", compile_workers=1, compile_timeout_s=1.0, slow={s.value: 0.6 for s in specs})
     try:
         futures = [b.compile_async(s) for s in specs]
         assert b.stats["queue_depth"] >= 1
@@ -67,7 +68,7 @@ def test_timeout_counts_compile_time_only(tok):
 
 def test_overrunning_compile_blocks_no_one(tok):
     slow, fast = regex("slow"), regex("fast")
-    b = SlowBackend(tok, VOCAB, compile_workers=1, compile_timeout_s=0.3, slow={slow.value: 2.0})
+    b = SlowBackend(tok, VOCAB, default_backend="xgrammar", compile_workers=1, compile_timeout_s=0.3, slow={slow.value: 2.0})
     try:
         t0 = time.monotonic()
         f_slow = b.compile_async(slow)
@@ -87,14 +88,14 @@ def test_overrunning_compile_blocks_no_one(tok):
             time.sleep(0.05)
         assert b.compile(slow).spec == slow
         assert b.stats["compile_count"] == 2
-        assert b._threads == 1  # the replaced thread retired
+        assert b.queue._threads == 1  # the replaced thread retired
     finally:
         b.close()
 
 
 def test_full_queue_is_busy_not_a_grammar_error(tok):
     specs = [regex(i) for i in range(3)]
-    b = SlowBackend(tok, VOCAB, compile_workers=1, max_queue=1, slow={s.value: 0.5 for s in specs})
+    b = SlowBackend(tok, VOCAB, default_backend="xgrammar", compile_workers=1, max_queue=1, slow={s.value: 0.5 for s in specs})
     try:
         b.compile_async(specs[0])
         time.sleep(0.1)  # the worker has it
@@ -107,7 +108,7 @@ def test_full_queue_is_busy_not_a_grammar_error(tok):
 
 
 def test_normalized_schema_shares_a_compile(tok, monkeypatch):
-    b = GrammarBackend(tok, VOCAB)
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar")
     try:
         a = b.compile(GrammarSpec.json_schema(PERSON))
         annotated = {"required": ["name", "age"], "title": "Person", "description": "someone",
@@ -115,7 +116,7 @@ def test_normalized_schema_shares_a_compile(tok, monkeypatch):
                                     "age": {"type": "integer", "examples": [3]}},
                      "type": "object"}
         c = b.compile(GrammarSpec.json_schema(annotated))
-        assert c.xgr_compiled is a.xgr_compiled and c.spec.value != a.spec.value
+        assert c.grammar is a.grammar and c.spec.value != a.spec.value
         assert b.stats["compile_count"] == 1 and b.stats["cache_hits"] == 1
         assert accepts(b, tok, c, '{"name": "Ann", "age": 3}')
         # property order is kept: xgrammar emits properties in declaration order
@@ -124,9 +125,9 @@ def test_normalized_schema_shares_a_compile(tok, monkeypatch):
         assert b.stats["compile_count"] == 2
         # a repeat of the same text does not normalize it again
         calls = []
-        real = backend_mod.prepare_schema
-        monkeypatch.setattr(backend_mod, "prepare_schema", lambda *a: calls.append(1) or real(*a))
-        assert b.compile(GrammarSpec.json_schema(annotated)).xgr_compiled is a.xgr_compiled
+        real = xgrammar_backend.prepare_schema
+        monkeypatch.setattr(xgrammar_backend, "prepare_schema", lambda *a: calls.append(1) or real(*a))
+        assert b.compile(GrammarSpec.json_schema(annotated)).grammar is a.grammar
         assert calls == []
     finally:
         b.close()
@@ -163,7 +164,7 @@ def _wait_writes(b, n):
 
 def test_disk_cache_warm_restart(tok, tmp_path):
     specs = _dev_schemas(3)
-    cold = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    cold = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0)
     try:
         for s, _ in specs:
             cold.compile(s)
@@ -173,7 +174,7 @@ def test_disk_cache_warm_restart(tok, tmp_path):
         cold.close()
     (folder,) = os.listdir(tmp_path)  # one fingerprint
     assert len([n for n in os.listdir(tmp_path / folder) if n.endswith(".json.z")]) == len(specs)
-    warm = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    warm = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0)
     try:
         for s, valid in specs:
             c = warm.compile(s)
@@ -186,7 +187,7 @@ def test_disk_cache_warm_restart(tok, tmp_path):
     finally:
         warm.close()
     # other compile options are another fingerprint: nothing shared
-    other = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0, max_whitespace_cnt=4)
+    other = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0, max_whitespace_cnt=4)
     try:
         assert not other.compile(specs[0][0]).from_disk
         assert len(os.listdir(tmp_path)) == 2
@@ -197,20 +198,20 @@ def test_disk_cache_warm_restart(tok, tmp_path):
 def test_damaged_cache_files_are_recompiled(tok, tmp_path):
     import zlib
     spec_a, spec_b = GrammarSpec.json_schema(PERSON), regex("disk")
-    b = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0)
     try:
         b.compile(spec_a), b.compile(spec_b)
         _wait_writes(b, 2)
-        disk = b.disk
-        file_a = os.path.join(disk.dir, disk.name(b._front[spec_a.key]))
-        file_b = os.path.join(disk.dir, disk.name(b._front[spec_b.key]))
+        disk = b.xgrammar.disk
+        file_a = os.path.join(disk.dir, b.xgrammar.disk_name(b._front[spec_a.key][0]))
+        file_b = os.path.join(disk.dir, b.xgrammar.disk_name(b._front[spec_b.key][0]))
     finally:
         b.close()
     with open(file_a, "wb") as f:  # not zlib: caught by the checksum
         f.write(b"\x00garbage")
     with open(file_b, "wb") as f:  # intact zlib, text xgrammar refuses
         f.write(zlib.compress(b'{"not": "a compiled grammar"}'))
-    b = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0)
     try:
         a = b.compile(spec_a)
         assert not a.from_disk and accepts(b, tok, a, '{"name": "A", "age": 1}')
@@ -220,7 +221,7 @@ def test_damaged_cache_files_are_recompiled(tok, tmp_path):
         assert st["compile_count"] == 2 and st["disk_errors"] == 1
     finally:
         b.close()
-    b = GrammarBackend(tok, VOCAB, cache_dir=str(tmp_path), persist_min_s=0)
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0)
     try:
         assert b.compile(spec_a).from_disk and b.compile(spec_b).from_disk  # rewritten whole
     finally:
@@ -254,5 +255,5 @@ def test_compile_metrics_in_prometheus_text(server, server_engine):  # noqa: F81
         assert name in text, name
     count = [ln for ln in text.splitlines() if ln.startswith("constrained_spec_grammar_compile_duration_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 1
-    assert server_engine.grammar.disk is None or str(server_engine.grammar.disk.dir).startswith(
+    assert server_engine.grammar.xgrammar.disk is None or str(server_engine.grammar.xgrammar.disk.dir).startswith(
         os.environ["CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR"])

@@ -48,7 +48,7 @@ def _validator(schema):
 def run_conformance(tokenizer, limit=None, nonstrict_every=None):
     from constrained_spec.grammar import GrammarBackend, GrammarError, GrammarSpec
 
-    backend = GrammarBackend(tokenizer, vocab_size=len(tokenizer), max_threads=2,
+    backend = GrammarBackend(tokenizer, vocab_size=len(tokenizer), max_threads=2, default_backend="xgrammar",
                              compile_timeout_s=MAX_COMPILE_S)
     eos = backend.tokenizer_info.stop_token_ids[0]
     rows = [json.loads(l) for l in open(DATA)]

@@ -26,7 +26,7 @@ STOP = 2  # <|im_end|>, the grammar's stop token
 
 @pytest.fixture(scope="module")
 def backend(tokenizer):
-    b = GrammarBackend(tokenizer, VOCAB)
+    b = GrammarBackend(tokenizer, VOCAB, default_backend="xgrammar")
     yield b
     b.close()
 

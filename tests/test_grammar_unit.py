@@ -23,7 +23,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def backend(tokenizer):
-    b = GrammarBackend(tokenizer, vocab_size=len(tokenizer) + 64, compile_timeout_s=30.0)
+    b = GrammarBackend(tokenizer, vocab_size=len(tokenizer) + 64, compile_timeout_s=30.0, default_backend="xgrammar")
     yield b
     b.close()
 
@@ -199,7 +199,7 @@ def test_cache_hits(backend):
 
 
 def test_compile_async_and_timeout(tokenizer):
-    b = GrammarBackend(tokenizer, vocab_size=len(tokenizer), compile_timeout_s=30.0)
+    b = GrammarBackend(tokenizer, vocab_size=len(tokenizer), compile_timeout_s=30.0, default_backend="xgrammar")
     try:
         fut = b.compile_async(GrammarSpec.regex("[a-z]+"))
         assert fut.result(timeout=30).spec.kind == "regex"

@@ -42,7 +42,7 @@ SWEEP = os.environ.get("CONSTRAINED_SPEC_GRAMMAR_SWEEP") == "1"
 
 @pytest.fixture(scope="module")
 def walker(tokenizer):
-    b = GrammarBackend(tokenizer, VOCAB)
+    b = GrammarBackend(tokenizer, VOCAB, default_backend="xgrammar")
     yield Walker(b, tokenizer)
     b.close()
 

@@ -104,7 +104,8 @@ class Engine:
         self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, compile_workers=config.grammar_threads,
                                       compile_timeout_s=config.grammar_compile_timeout_s,
                                       max_whitespace_cnt=config.grammar_max_whitespace,
-                                      cache_dir=resolve_cache_dir(config.grammar_cache_dir))
+                                      cache_dir=resolve_cache_dir(config.grammar_cache_dir),
+                                      default_backend=config.grammar_backend)
         self.scheduler = Scheduler(self.runner, config)
         self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
                                               budget_ms=config.grammar_mask_budget_ms,
@@ -124,9 +125,9 @@ class Engine:
         # step were emitted, and before it sleeps: the engine process ships a step's outputs then
         self.step_hook: Callable[[], None] | None = None
         self._launched = None  # the batch whose forward is on the device now
-        # tokens on which a matcher can terminate (xgrammar: a matcher terminates only by accepting
-        # one of its stop tokens; the engine's matchers do not override them)
-        self._grammar_stop_ids = frozenset(self.grammar.tokenizer_info.stop_token_ids)
+        # tokens on which a matcher can terminate (either backend: a matcher terminates only by
+        # accepting one of its stop tokens; the engine's matchers do not override them)
+        self._grammar_stop_ids = self.grammar.stop_token_ids
         # tokens that may end a request whatever its parameters (EOS, or the end of its grammar)
         self._stop_ids = self._grammar_stop_ids | frozenset(self.eos_token_ids)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)

@@ -7,6 +7,11 @@ the step before's token accepts and runs while the engine thread streams (`start
 `StartedFill.finish`). From `start` until `finish` returns, the rows' matchers and bitmask rows
 belong to the job; no other thread may call them (not even `is_terminated`).
 
+Rows of llguidance matchers (`grammar/llguidance_backend.py`) are llguidance's: its own GIL-free
+parallel fill (`LLGuidanceFill`, one call per step beside the pool's job for the xgrammar rows), its
+accepts on the engine thread (a refused token leaves an llguidance matcher as it was only through
+its Python wrapper). With a budget they are filled within the step, never late.
+
 With a budget (`grammar_mask_budget_ms`) every row is queued on the pool on its own, into a staging
 row, and the engine thread waits until all rows are in or the budget is spent. Requests whose rows
 are missing are *late*: they sit this step out (their sample is void and the step is repeated for
@@ -24,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..grammar.llguidance_backend import NAME as LLGUIDANCE, LLGuidanceFill
 from ..grammar.native_fill import NativeFill
 from .request import Status
 
@@ -109,6 +115,13 @@ class MaskFiller:
         self._staged = self._native.staged_rows(self._staging) if self.budget_s is not None else None
         self._outstanding: set[_Job] = set()  # budgeted fills whose row has not been used yet
         self._started: StartedFill | None = None
+        self._llg_threads = max(1, threads)
+        self._llg: LLGuidanceFill | None = None  # built with the first llguidance row
+
+    def _llguidance(self) -> LLGuidanceFill:
+        if self._llg is None:
+            self._llg = LLGuidanceFill(self._llg_threads)
+        return self._llg
 
     # -- the step --------------------------------------------------------------------------------
     def start(self, reqs: Sequence, accept_reqs: Sequence = (), accept_tokens: Sequence[int] = ()
@@ -132,11 +145,30 @@ class MaskFiller:
         bitmask = self._bitmask[:len(reqs)]
         if len(live) < len(reqs):
             _allow_all(bitmask, sorted(set(range(len(reqs))).difference(live)))
-        self._started = self._start_on_pool(reqs, live, accept_reqs, accept_tokens, bitmask)
+        llg_rows = [i for i in live if reqs[i].matcher.backend == LLGUIDANCE]
+        if not llg_rows and not any(r.matcher.backend == LLGUIDANCE for r in accept_reqs):
+            self._started = StartedFill(reqs, self._start_on_pool(reqs, live, accept_reqs, accept_tokens, bitmask))
+            return self._started
+        # llguidance rows: their accepts here, their fill in `finish` (llguidance's own call)
+        live = [i for i in live if reqs[i].matcher.backend != LLGUIDANCE]
+        pairs = list(zip(accept_reqs, accept_tokens))
+        refused = [(r, t) for r, t in pairs if r.matcher.backend == LLGUIDANCE and not r.matcher.accept_token(t)]
+        rest = [(r, t) for r, t in pairs if r.matcher.backend != LLGUIDANCE]
+        pool_finish = (self._start_on_pool(reqs, live, [r for r, _ in rest], [t for _, t in rest], bitmask)
+                       if live or rest else list)
+        llg = self._llguidance()
+
+        def finish() -> list:
+            try:
+                llg.fill([reqs[i].matcher for i in llg_rows], bitmask, llg_rows)
+            finally:
+                out = pool_finish()
+            return out + refused
+        self._started = StartedFill(reqs, finish)
         return self._started
 
     def _start_on_pool(self, reqs: Sequence, live: list[int], accept_reqs: Sequence, accept_tokens: Sequence[int],
-                       bitmask) -> StartedFill:
+                       bitmask) -> Callable[[], list]:
         """One job on the pool: each live row's request accepts its token (if it has one among the
         accepts), then fills its row; the accepting requests without a row only accept."""
         entries = reqs if len(live) == len(reqs) else [reqs[i] for i in live]
@@ -157,7 +189,7 @@ class MaskFiller:
         def finish() -> list:
             running.finish()
             return [(entries[j], tokens[j]) for j in running.refused()]
-        return StartedFill(reqs, finish)
+        return finish
 
     def cancel(self) -> None:
         """Drops a started fill (the step it was for will not sample: an engine step failed), once it
@@ -207,14 +239,35 @@ class MaskFiller:
 
     def accept(self, matchers: Sequence, tokens: Sequence[int]) -> list[int]:
         """matchers[i] accepts tokens[i] on the pool (a thread per ACCEPT_ROWS_PER_THREAD rows);
-        returns the positions whose token was refused (those matchers are unchanged)."""
-        return self._native.accept(matchers, tokens, self._native.helpers_for(len(matchers), ACCEPT_ROWS_PER_THREAD))
+        returns the positions whose token was refused (those matchers are unchanged). llguidance
+        matchers accept here."""
+        llg = [j for j, m in enumerate(matchers) if m.backend == LLGUIDANCE]
+        if not llg:
+            return self._native.accept(matchers, tokens,
+                                       self._native.helpers_for(len(matchers), ACCEPT_ROWS_PER_THREAD))
+        refused = [j for j in llg if not matchers[j].accept_token(tokens[j])]
+        pool = [j for j, m in enumerate(matchers) if m.backend != LLGUIDANCE]
+        if pool:
+            refused += [pool[j] for j in self._native.accept(
+                [matchers[j] for j in pool], [tokens[j] for j in pool],
+                self._native.helpers_for(len(pool), ACCEPT_ROWS_PER_THREAD))]
+        return sorted(refused)
 
     # -- a speculative step's draft chains -------------------------------------------------------
     def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
                     first_rows: Sequence[int], stop_ids: frozenset) -> None:
         """A speculative step's rows for grammar-guided draft chains, a chain per pool thread at a
-        time (a thread per CHAINS_PER_THREAD chains). Raises if a chain token was refused."""
+        time (a thread per CHAINS_PER_THREAD chains); llguidance's chains in one llguidance call.
+        Raises if a chain token was refused."""
+        llg = [j for j, m in enumerate(matchers) if m.backend == LLGUIDANCE]
+        if llg:
+            self._llguidance().fill_chains([matchers[j] for j in llg], [chains[j] for j in llg], bitmask,
+                                           [first_rows[j] for j in llg])
+            pool = [j for j, m in enumerate(matchers) if m.backend != LLGUIDANCE]
+            matchers, chains, first_rows = ([matchers[j] for j in pool], [chains[j] for j in pool],
+                                            [first_rows[j] for j in pool])
+        if not matchers:
+            return
         helpers = self._native.helpers_for(len(chains), CHAINS_PER_THREAD)
         self._native.chains_call(matchers, chains, bitmask, first_rows, stop_ids, helpers)()
 
@@ -224,6 +277,10 @@ class MaskFiller:
         live = [i for i, r in enumerate(reqs) if _needs_row(r)]
         if len(live) < len(reqs):
             _allow_all(bitmask, [i for i, r in enumerate(reqs) if not _needs_row(r)])
+        llg = [i for i in live if reqs[i].matcher.backend == LLGUIDANCE]
+        if llg:
+            self._llguidance().fill([reqs[i].matcher for i in llg], bitmask, llg)
+            live = [i for i in live if reqs[i].matcher.backend != LLGUIDANCE]
         if live:
             self._native.prepare([reqs[i].matcher for i in live], bitmask, live).run(
                 self._native.helpers_for(len(live), NATIVE_ROWS_PER_THREAD))
@@ -234,8 +291,12 @@ class MaskFiller:
         placed: list[tuple[int, _Job]] = []  # (position, job) for every row a matcher fills
         late: list[int] = []
         fresh: list[_Job] = []
+        llg: list[int] = []  # filled within the step, after the gather
         for i, r in enumerate(reqs):
             if not _needs_row(r):
+                continue
+            if r.matcher.backend == LLGUIDANCE:
+                llg.append(i)
                 continue
             job = r.mask_job
             if job is None:
@@ -256,6 +317,8 @@ class MaskFiller:
             else:
                 late.append(i)
         torch.index_select(self._staging, 0, torch.tensor(sources), out=bitmask)
+        if llg:
+            self._llguidance().fill([reqs[i].matcher for i in llg], bitmask, llg)
         for (_, job), ok in zip(placed, done):
             if ok:
                 self._release(job)

@@ -333,8 +333,12 @@ class LLGuidanceFill:
             if m._m.validate_tokens(drafts) != len(drafts):
                 raise RuntimeError(REFUSED_DRAFT)
         entries = [m.chain_entry(c, r) for m, c, r in zip(matchers, chains, first_rows)]
-        self._executor.unsafe_compute_mask_ptr_with_draft_token(entries, bitmask.data_ptr(), bitmask.shape[1] * 4,
-                                                                bitmask.shape[0])
+        chained = [e for e in entries if e[2]]  # llguidance takes no empty draft: those are plain rows
+        args = (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        if len(chained) < len(entries):
+            self._executor.unsafe_compute_mask_ptr([e[:2] for e in entries if not e[2]], *args)
+        if chained:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(chained, *args)
 
 
 def _check(bitmask: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .backend import REFUSED_DRAFT
+from .matcher import REFUSED_DRAFT
 
 _METHODS = frozenset({"fill_next_token_bitmask", "accept_token", "rollback"})
 

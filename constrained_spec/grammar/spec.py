@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from .errors import GrammarError

@@ -227,11 +227,15 @@ class XGrammarCompiler:
             raise GrammarError(f"{spec.kind} failed to compile: {msg}") from None
         raise GrammarError(f"unknown grammar kind '{spec.kind}'")
 
+    def disk_name(self, key) -> str:
+        """The cache file of a compile key (`normalize`); named as before the key named its backend."""
+        return self.disk.name(key[1:])
+
     def load(self, spec: GrammarSpec, prepared: Optional[str], key) -> Optional[CompiledGrammar]:
         """The compiled grammar from the disk cache, or None."""
         if self.disk is None or key is None:
             return None
-        name = self.disk.name(key[1:])
+        name = self.disk_name(key)
         text = self.disk.get(name)
         if text is None:
             return None
@@ -270,7 +274,7 @@ class XGrammarCompiler:
             text = compiled.grammar.serialize_json()
             if self.persist_min_s and len(text) > compiled.compile_seconds * 30e6:
                 return
-            self.disk.put(self.disk.name(key[1:]), text)
+            self.disk.put(self.disk_name(key), text)
         except Exception as e:  # noqa: BLE001
             log.warning("grammar cache: cannot save a compiled grammar: %s", e)
             self.disk_stats["disk_errors"] += 1

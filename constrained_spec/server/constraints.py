@@ -39,8 +39,20 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
 
 
 def grammar_spec_for(req: _GenerationRequest):
-    """The GrammarSpec this request asks for, or None. Raises APIError(400) on conflicting or empty
-    constraints; schema/grammar *content* errors surface later from compilation (see `grammar_error`)."""
+    """The GrammarSpec this request asks for, or None, with the grammar backend it names
+    (`grammar_backend`). Raises APIError(400) on conflicting or empty constraints and on an unknown
+    backend; schema/grammar *content* errors surface later from compilation (see `grammar_error`)."""
+    from ..grammar.spec import BACKENDS  # deferred: keeps the protocol importable without xgrammar
+
+    backend = req.grammar_backend
+    if backend is not None and backend not in BACKENDS:
+        raise bad_request(f"'grammar_backend' must be one of {', '.join(BACKENDS)}; got {backend!r}",
+                          param="grammar_backend", code="invalid_value")
+    spec = _spec_for(req)
+    return spec if spec is None or backend is None else spec.with_backend(backend)
+
+
+def _spec_for(req: _GenerationRequest):
     found = constraint_fields(req)
     if not found:
         return None

@@ -105,6 +105,7 @@ class _GenerationRequest(_Lenient):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
+    grammar_backend: str | None = None  # xgrammar | llguidance | auto; None: the server's --grammar-backend
     # extensions: sampling
     top_k: int | None = None
     min_p: float | None = None
