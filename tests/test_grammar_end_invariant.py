@@ -19,10 +19,11 @@ from constrained_spec.sampling_params import SamplingParams
 GRAMMAR = GrammarSpec.regex("[a-z]{40}")
 
 
-@pytest.fixture(scope="module")
-def broken_eos_engine(tiny_llama_dir):
-    """An engine whose EOS set holds every token the grammar allows first."""
-    engine = Engine(EngineConfig(model=tiny_llama_dir, device="cpu", dtype=torch.float32, max_running_requests=8))
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def broken_eos_engine(tiny_llama_dir, request):
+    """An engine whose EOS set holds every token the grammar allows first (under either backend)."""
+    engine = Engine(EngineConfig(model=tiny_llama_dir, device="cpu", dtype=torch.float32, max_running_requests=8,
+                                 grammar_backend=request.param))
     matcher = engine.grammar.matcher(engine.grammar.compile(GRAMMAR))
     bitmask = engine.grammar.allocate_bitmask(1)
     matcher.fill_bitmask(bitmask, 0)

@@ -53,6 +53,7 @@ def test_malformed_json_body(http, content):
     (chat_body(max_tokens=0), "max_tokens"),
     (chat_body(top_logprobs=50, logprobs=True), "top_logprobs"),
     (chat_body(response_format={"type": "yaml"}), None),
+    (chat_body(regex="[a-z]+", grammar_backend="outlines"), "grammar_backend"),
     (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), None),
 ])
 def test_invalid_fields(http, body, param):

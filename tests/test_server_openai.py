@@ -41,11 +41,16 @@ def test_models_health(openai_client, http):
     assert h["status"] == "ok" and h["kv_capacity"] > 0
 
 
-def test_json_schema_output_validates(openai_client):
+@pytest.mark.parametrize("grammar_backend", [None, "xgrammar", "llguidance"])
+def test_json_schema_output_validates(openai_client, server_engine, grammar_backend):
     r = openai_client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=80,
         temperature=0, response_format={"type": "json_schema",
-                                        "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+                                        "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        extra_body={} if grammar_backend is None else {"grammar_backend": grammar_backend})
+    # the compile the request asked for (the server's default: auto) is in the cache
+    keys = [k for k in server_engine.grammar.queue._cache if k[1] == "json_schema"]
+    assert any(k[0] == (grammar_backend or "auto") for k in keys), keys
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), PERSON)

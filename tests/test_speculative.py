@@ -85,6 +85,18 @@ def test_ngram_speculation_is_lossless(engines, reference_32, branches):
     assert_pool_full(spec)
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("branches", [1, 3])
+def test_speculation_is_lossless_under_each_backend(engines, reference, backend, branches):
+    ps, _ = reference
+    grammar = GrammarSpec.json_schema(SCHEMA).with_backend(backend)
+    spec = spec_engine(engines, branches)
+    accepted = spec.spec.stats.accepted_tokens
+    assert greedy(spec, ps, grammar) == greedy(engines("plain"), ps, grammar)
+    assert spec.spec.stats.accepted_tokens > accepted
+    assert_pool_full(spec)
+
+
 class OracleDrafter(Drafter):
     """Knows the greedy continuation: drafts root -> {wrong, right -> {wrong, right -> ...}}, so
     the accepted path always takes second siblings (indices 2, 4, 6, ...) and must be compacted."""

@@ -1,0 +1,240 @@
+"""The llguidance backend and the choice between backends (CPU, SmolLM2 tokenizer, no model): special
+tokens are never text, stop tokens behave as xgrammar's (accepted, terminating, rolled back), the
+draft-tree walk and the chain fill give the rows of sequential fills and leave the matcher as it was,
+and `auto` serves a schema with llguidance, falls back to the normalizer and xgrammar where
+llguidance refuses, and refuses (naming the keyword) only when neither enforces it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from constrained_spec.grammar import GrammarBackend, GrammarError, GrammarSpec
+from constrained_spec.grammar.llguidance_backend import LLGuidanceFill, close_objects, refusal_keyword
+from constrained_spec.grammar.xgrammar_backend import special_token_ids
+
+VOCAB = 49152
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    b = GrammarBackend(tokenizer, VOCAB, max_whitespace_cnt=16)
+    yield b
+    b.close()
+
+
+def llg(spec: GrammarSpec) -> GrammarSpec:
+    return spec.with_backend("llguidance")
+
+
+def allowed(bitmask: torch.Tensor, row: int) -> set:
+    words = bitmask[row].numpy().view(np.uint32)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits[:VOCAB]).tolist())
+
+
+def ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_special_tokens_are_never_text(backend, tokenizer):
+    specials = special_token_ids(tokenizer)
+    assert specials and backend.stop_token_ids <= specials
+    for spec in (GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}}}),
+                 GrammarSpec.regex(r"[\s\S]{0,40}"), GrammarSpec.json_object()):
+        m = backend.matcher(backend.compile(llg(spec)))
+        assert m.backend == "llguidance"
+        prefix = '{"s": "ab' if spec.kind != "regex" else "ab"
+        assert m.accept_tokens(ids(tokenizer, prefix)) == len(ids(tokenizer, prefix))
+        bm = backend.allocate_bitmask(1)
+        m.fill_bitmask(bm, 0)
+        legal = allowed(bm, 0)
+        assert len(legal) > 1000  # inside a string: most of the vocabulary
+        inside = legal & specials
+        # a regex that may end here allows its stop tokens, and nothing else special
+        assert inside <= (backend.stop_token_ids if spec.kind == "regex" else set()), inside
+        for t in specials - backend.stop_token_ids:
+            assert not m.accept_token(t)
+    # the xgrammar view of the same vocabulary agrees
+    assert set(backend.tokenizer_info.special_token_ids) >= specials - backend.stop_token_ids
+
+
+def test_stop_token_terminates_and_rolls_back(backend, tokenizer):
+    stop = min(backend.stop_token_ids)
+    m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(PERSON))))
+    text = ids(tokenizer, '{"name": "Ann", "age": 7}')
+    assert m.accept_tokens(text) == len(text)
+    assert m.can_terminate() and not m.is_terminated()
+    bm = backend.allocate_bitmask(2)
+    m.fill_bitmask(bm, 0)
+    assert allowed(bm, 0) == backend.stop_token_ids  # the object is closed: only its end
+    assert m.accept_token(stop) and m.is_terminated()
+    assert not m.accept_token(stop) and m.jump_forward_string() == ""
+    m.rollback(1)
+    assert not m.is_terminated() and m.can_terminate()
+    m.fill_bitmask(bm, 1)
+    assert torch.equal(bm[0], bm[1])  # where it was before the stop token
+    m.rollback(1)  # the closing brace
+    assert not m.can_terminate() and m.accept_token(text[-1])
+    # a grammar that may go on: the stop token is consumed by llguidance itself
+    r = backend.matcher(backend.compile(llg(GrammarSpec.regex("a+"))))
+    assert r.accept_tokens(ids(tokenizer, "aa")) and r.accept_token(stop) and r.is_terminated()
+    r.rollback(1)
+    assert not r.is_terminated() and r.accept_tokens(ids(tokenizer, "a")) == 1
+
+
+def test_refused_token_leaves_the_matcher_alone(backend, tokenizer):
+    m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(PERSON))))
+    assert m.accept_tokens(ids(tokenizer, '{"name": "A", "age": ')) > 0
+    assert not m.accept_token(ids(tokenizer, "x")[0])  # an error state in llguidance itself
+    assert m.accept_tokens(ids(tokenizer, "12}")) == len(ids(tokenizer, "12}"))
+    assert m.can_terminate()
+
+
+def test_jump_forward_and_fork(backend, tokenizer):
+    m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema({**PERSON, "additionalProperties": False}))))
+    assert m.jump_forward_string() == "{"
+    m.accept_tokens(ids(tokenizer, '{"'))
+    assert m.jump_forward_string().startswith('name"')
+    forced = m.jump_forward_tokens(tokenizer)
+    fork = m.fork()
+    assert forced and fork.accept_tokens(forced) == len(forced)
+    assert m.jump_forward_string().startswith('name"')  # the original did not move
+
+
+def _tree(tokenizer):
+    """A tree over `{"name": "Al` with legal and illegal branches: (next_token, next_sibling, tokens)."""
+    a, b = ids(tokenizer, '{"'), ids(tokenizer, 'name": "Al')
+    bad_key, bad_char = ids(tokenizer, "]")[0], ids(tokenizer, "\n")[0]  # no such key; raw in a string
+    # node 0 = '{"' (already accepted); chain of b under it, an illegal sibling at depth 2 and at the end
+    tokens = [a[-1]] + b[:2] + [bad_key] + b[2:] + [bad_char]
+    n = len(tokens)
+    nxt, sib = [-1] * n, [-1] * n
+    nxt[0], nxt[1] = 1, 2
+    sib[2] = 3  # ']' beside b[1]
+    prev = 2
+    for i in range(4, n - 1):
+        nxt[prev] = i
+        prev = i
+    sib[n - 2] = n - 1  # ']' beside the last token of b
+    return a, nxt, sib, tokens
+
+
+def test_tree_walk_gives_sequential_rows(backend, tokenizer):
+    from constrained_spec.grammar import legal_draft_nodes
+    compiled = backend.compile(llg(GrammarSpec.json_schema(PERSON)))
+    a, nxt, sib, tokens = _tree(tokenizer)
+    m = backend.matcher(compiled)
+    assert m.accept_tokens(a) == len(a)
+    before = backend.allocate_bitmask(1)
+    m.fill_bitmask(before, 0)
+    rows = backend.allocate_bitmask(len(tokens))
+    m.traverse_draft_tree(torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows)
+    legal = legal_draft_nodes(rows, nxt, sib, tokens)
+    assert legal[:3] == [True, True, True] and not legal[3] and not legal[-1] and all(legal[4:-1])
+    after = backend.allocate_bitmask(1)
+    m.fill_bitmask(after, 0)
+    assert torch.equal(before, after)  # the walk left the matcher where it was
+    # each legal node's row is the row of a matcher that accepted its path
+    parent = {c: p for p in range(len(tokens)) for c in _children(nxt, sib, p)}
+    for node in range(len(tokens)):
+        if not legal[node]:
+            continue
+        path, i = [], node
+        while i:
+            path.append(tokens[i])
+            i = parent[i]
+        seq = backend.matcher(compiled)
+        seq.accept_tokens(a + path[::-1])
+        one = backend.allocate_bitmask(1)
+        seq.fill_bitmask(one, 0)
+        assert torch.equal(one[0], rows[node]), node
+
+
+def _children(nxt, sib, p):
+    c = nxt[p]
+    while c != -1:
+        yield c
+        c = sib[c]
+
+
+def test_chain_fill_gives_sequential_rows(backend, tokenizer):
+    stop = min(backend.stop_token_ids)
+    specs = [GrammarSpec.json_schema(PERSON), GrammarSpec.regex("[0-9]{1,3}"), GrammarSpec.choice(["yes", "no"])]
+    texts = ['{"name": "Bo", "age": 4', "12", "yes"]
+    matchers, chains = [], []
+    for spec, text in zip(specs, texts):
+        m = backend.matcher(backend.compile(llg(spec)))
+        t = ids(tokenizer, text)
+        assert m.accept_token(t[0])
+        matchers.append(m)
+        chains.append(t + ([stop] if spec.kind == "choice" else []))  # a chain that ends the grammar
+    chains.append([chains[0][0]])  # a root alone: one row, no drafts
+    matchers.append(backend.matcher(backend.compile(llg(specs[0]))))
+    matchers[-1].accept_token(chains[0][0])
+    first = [0, 20, 40, 60]
+    rows = backend.allocate_bitmask(80)
+    rows.zero_()
+    LLGuidanceFill(2).fill_chains(matchers, chains, rows, first)
+    for m, chain, f in zip(matchers, chains, first):
+        seq = m.fork()
+        for d in range(len(chain)):
+            if d:
+                assert seq.accept_token(chain[d])
+            if d == len(chain) - 1 and d and chain[d] == stop:
+                assert not rows[f + d].any()  # the row after a stop token is left alone
+                continue
+            one = backend.allocate_bitmask(1)
+            seq.fill_bitmask(one, 0)
+            assert torch.equal(one[0], rows[f + d]), (chain, d)
+        # the matcher is where it was (after the chain's root)
+        assert m.accept_tokens(chain[1:]) == len(chain) - 1
+
+
+def test_auto_prefers_llguidance_and_falls_back(backend):
+    served = backend.compile(GrammarSpec.json_schema(PERSON).with_backend("auto"))
+    assert served.backend == "llguidance"
+    # an unknown format: llguidance refuses it, the normalizer reads it as an annotation
+    custom = GrammarSpec.json_schema({"type": "string", "format": "my-own"})
+    assert backend.compile(custom.with_backend("auto")).backend == "xgrammar"
+    with pytest.raises(GrammarError) as e:
+        backend.compile(custom.with_backend("llguidance"))
+    assert e.value.keyword == "format"
+    # refused by both: the normalizer's refusal names the keyword
+    with pytest.raises(GrammarError) as e:
+        backend.compile(GrammarSpec.json_schema({"type": "object", "not": {"required": ["a"]}}).with_backend("auto"))
+    assert e.value.keyword == "not"
+    # EBNF is xgrammar's dialect
+    assert backend.compile(GrammarSpec.ebnf('root ::= "a" | "b"').with_backend("auto")).backend == "xgrammar"
+    assert backend.compile(GrammarSpec.regex("[a-z]+")).backend == "llguidance"
+    assert backend.compile(GrammarSpec.regex("[a-z]+").with_backend("xgrammar")).backend == "xgrammar"
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(GrammarError, match="grammar backend"):
+        GrammarSpec.regex("a").with_backend("outlines")
+
+
+def test_strict_closes_objects_where_xgrammar_does(backend, tokenizer):
+    def accepts(spec, text):
+        m = backend.matcher(backend.compile(spec))
+        t = ids(tokenizer, text)
+        return m.accept_tokens(t) == len(t) and m.can_terminate()
+    extra = '{"name": "A", "age": 1, "x": 2}'
+    for strict, expected in ((True, False), (False, True)):
+        for name in ("llguidance", "xgrammar"):
+            spec = GrammarSpec.json_schema(PERSON, strict=strict).with_backend(name)
+            assert accepts(spec, extra) is expected, (name, strict)
+    # an object without properties stays open under strict, as in xgrammar
+    assert accepts(llg(GrammarSpec.json_schema({"type": "object"})), '{"x": 1}')
+    # allOf branches are not closed (that would reject the other branch's properties)
+    both = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    assert close_objects(both) == both
+    assert accepts(llg(GrammarSpec.json_schema({"type": "object", **both})), '{"a": 1, "b": 2}')
+
+
+def test_refusal_keyword():
+    assert refusal_keyword('Unimplemented keys: ["not"]') == "not"
+    assert refusal_keyword("Unknown format: foo") == "format"
