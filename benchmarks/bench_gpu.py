@@ -1,7 +1,7 @@
 """GPU throughput, one command, one run: the engine with its Triton attention, CUDA graphs and overlap.
 
-SmolLM2-135M bf16 (real weights) at batch 1..128, plain vs JSON schema, with CUDA graphs and
-overlap toggled on one engine; transformers.generate + xgrammar (default and static cache) as the
+SmolLM2-135M bf16 (real weights) at batch 1..128, plain vs JSON schema under each grammar backend
+(`--grammar-backends`: xgrammar, llguidance), with CUDA graphs and overlap toggled on one engine; transformers.generate + xgrammar (default and static cache) as the
 baseline; random-weight Llama-3-8B shapes at batch 1 against the weight-streaming floor.
 Writes benchmarks/results/gpu.{json,md,png}.
 """
@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for our engine, e.g. grammar_mask_threads=1 (repeatable; A/B runs)")
     ap.add_argument("--name", default=None, help="results file name (default gpu)")
+    ap.add_argument("--grammar-backends", default="xgrammar,llguidance",
+                    help="backends the JSON workload runs under, one table row each (default: %(default)s)")
     args = ap.parse_args()
     opts = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)}
     from constrained_spec import SamplingParams
@@ -113,42 +115,49 @@ def main():
     engine = Engine(model=path, device=args.device, **opts)
     startup = time.perf_counter() - t0
     tok = engine.tokenizer
-    spec = GrammarSpec.json_schema(PERSON_SCHEMA)
+    backends = args.grammar_backends.split(",")
+    specs = {b: GrammarSpec.json_schema(PERSON_SCHEMA).with_backend(b) for b in backends}
+    spec = specs[backends[0]]  # the 8B shapes' JSON runs
     graphs = engine.runner.graphs
     modes = {"graphs+overlap": (graphs, False), "graphs, no overlap": (graphs, True), "no graphs, overlap": (None, False)}
     records = []
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0)
     for bs in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(tok, bs, json_task=True)  # same prompts: only the constraint differs
-        json_lengths = None
-        # "plain, json lengths": each request unconstrained for as many tokens as its JSON answer took,
-        # so the batch drains exactly as in the JSON run and the two differ only by the grammar work
-        for kind in ("json", "plain", "plain, json lengths"):
-            grammar = spec if kind == "json" else None
-            if kind == "json":
+        json_lengths = {}
+        # "plain, json lengths": each request unconstrained for as many tokens as its JSON answer took
+        # (under that backend), so the batch drains exactly as in the JSON run and the two differ only
+        # by the grammar work
+        for kind in ("plain",) + tuple(f"json/{b}" for b in backends) + tuple(f"plain, json lengths/{b}" for b in backends):
+            backend = kind.split("/")[1] if "/" in kind else None
+            grammar = specs[backend] if kind.startswith("json") else None
+            if kind.startswith("json"):
                 params = greedy
             elif kind == "plain":
                 params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             else:
-                params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in json_lengths]
+                params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in json_lengths[backend]]
             for mode, (g, no_overlap) in modes.items():
-                if kind == "plain, json lengths" and mode != "graphs+overlap":
+                if (kind.startswith("plain, json lengths") and mode != "graphs+overlap") or \
+                        (kind.startswith("json") and mode == "no graphs, overlap"):
                     continue
                 engine.runner.graphs, engine.config.disable_overlap = g, no_overlap
                 measure(engine, prompts, SamplingParams(max_tokens=8, temperature=0), grammar)  # warm-up
                 r = measure(engine, prompts, params, grammar)
-                if kind == "json" and json_lengths is None:
-                    json_lengths = r["lengths"]
+                if kind.startswith("json") and backend not in json_lengths:
+                    json_lengths[backend] = r["lengths"]
                 records.append(dict(model="SmolLM2-135M", batch=bs, workload=kind, mode=mode, repeat=0, **r))
                 print(records[-1], flush=True)
         engine.runner.graphs, engine.config.disable_overlap = graphs, False
         for rep in range(1, args.repeats):  # the ratio's two workloads again, alternating
-            for kind in ("json", "plain, json lengths"):
-                params = greedy if kind == "json" else [
-                    SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in json_lengths]
-                r = measure(engine, prompts, params, spec if kind == "json" else None)
-                records.append(dict(model="SmolLM2-135M", batch=bs, workload=kind, mode="graphs+overlap", repeat=rep, **r))
-                print(records[-1], flush=True)
+            for backend in backends:
+                for kind in (f"json/{backend}", f"plain, json lengths/{backend}"):
+                    params = greedy if kind.startswith("json") else [
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in json_lengths[backend]]
+                    r = measure(engine, prompts, params, specs[backend] if kind.startswith("json") else None)
+                    records.append(dict(model="SmolLM2-135M", batch=bs, workload=kind, mode="graphs+overlap",
+                                        repeat=rep, **r))
+                    print(records[-1], flush=True)
     engine.runner.graphs, engine.config.disable_overlap = graphs, False
     engine.shutdown()
 
@@ -182,15 +191,16 @@ def main():
         return found[(len(found) - 1) // 2]
     rows = []
     for bs in sorted({r["batch"] for r in records}):
-        p, j = find(bs, "plain", "graphs+overlap"), find(bs, "json", "graphs+overlap")
-        pj = find(bs, "plain, json lengths", "graphs+overlap")
-        jn, pg = find(bs, "json", "graphs, no overlap"), find(bs, "plain", "no graphs, overlap")
-        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(runs(bs, "json", "graphs+overlap"),
-                                                          runs(bs, "plain, json lengths", "graphs+overlap"))]
-        rows.append([bs, round(p["tok_s"]), round(pj["tok_s"]), round(j["tok_s"]), round(j["tok_s"] / pj["tok_s"], 3),
-                     f"{min(pairs):.2f}-{max(pairs):.2f}",
-                     round(p["step_ms"], 3), round(j["step_ms"], 3), round(jn["step_ms"], 3),
-                     round(jn["mask_ms_per_step"], 3), round(j["mask_ms_per_step"], 3), round(pg["step_ms"], 3)])
+        p, pg = find(bs, "plain", "graphs+overlap"), find(bs, "plain", "no graphs, overlap")
+        for backend in backends:
+            j, jn = find(bs, f"json/{backend}", "graphs+overlap"), find(bs, f"json/{backend}", "graphs, no overlap")
+            pj = find(bs, f"plain, json lengths/{backend}", "graphs+overlap")
+            pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(runs(bs, f"json/{backend}", "graphs+overlap"),
+                                                              runs(bs, f"plain, json lengths/{backend}", "graphs+overlap"))]
+            rows.append([bs, backend, round(p["tok_s"]), round(pj["tok_s"]), round(j["tok_s"]),
+                         round(j["tok_s"] / pj["tok_s"], 3), f"{min(pairs):.2f}-{max(pairs):.2f}",
+                         round(p["step_ms"], 3), round(j["step_ms"], 3), round(jn["step_ms"], 3),
+                         round(jn["mask_ms_per_step"], 3), round(j["mask_ms_per_step"], 3), round(pg["step_ms"], 3)])
     md = ["# GPU: SmolLM2-135M bf16, greedy, CUDA graphs + overlap (default) and ablations\n",
           f"Startup (load + graph capture): {startup:.1f} s. Copy bandwidth {bw / 1e12:.2f} TB/s; "
           f"SmolLM2 floor {1000 * 269e6 / bw:.3f} ms/step.\n",
@@ -200,7 +210,7 @@ def main():
           "json run over the plain run after it). Grammar CPU (no "
           "overlap): the engine thread's time accepting tokens and filling masks per step, all of it in the step's "
           "path; holding the engine thread (overlap): what of it the overlapped loop still waits for.\n\n",
-          markdown_table(["batch", "plain tok/s", "plain (json lengths) tok/s", "json tok/s", "json / plain (json lengths)",
+          markdown_table(["batch", "grammar backend", "plain tok/s", "plain (json lengths) tok/s", "json tok/s", "json / plain (json lengths)",
                           "json / plain, run by run (min-max)",
                           "plain ms/step", "json ms/step", "json ms/step (no overlap)", "grammar CPU ms/step (no overlap)",
                           "grammar ms/step holding the engine thread (overlap)", "plain ms/step (no graphs)"], rows),
@@ -213,11 +223,11 @@ def main():
                               [[r["batch"], r["workload"], round(r["tok_s"], 1), round(r["step_ms"], 3),
                                 round(r["floor_ms"], 3), round(r["vs_floor"], 3)] for r in big])]
     name = (args.name or "gpu") if args.device == "cuda" else f"gpu_script_smoke_{args.device}"  # never over GPU results
-    write_results(name, {"machine": machine(), "engine_options": opts, "startup_s": startup, "copy_bandwidth": bw, "engine": records,
+    write_results(name, {"machine": machine(), "engine_options": opts, "grammar_backends": backends, "startup_s": startup, "copy_bandwidth": bw, "engine": records,
                           "hf": hf_records, "llama3_8b_shapes": big}, "".join(md))
-    labels = [f"b{r[0]}" for r in rows]
-    bar_plot(RESULTS / f"{name}.png", labels, {"plain": [r[1] for r in rows], "plain (json lengths)": [r[2] for r in rows],
-                                          "json schema": [r[3] for r in rows]},
+    labels = [f"b{r[0]} {r[1][:3]}" for r in rows]
+    bar_plot(RESULTS / f"{name}.png", labels, {"plain": [r[2] for r in rows], "plain (json lengths)": [r[3] for r in rows],
+                                          "json schema": [r[4] for r in rows]},
              "tokens/s", "constrained-spec on H100, SmolLM2-135M bf16")
 
 

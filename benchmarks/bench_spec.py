@@ -1,7 +1,7 @@
 """Speculative decoding, one run: plain vs n-gram lookahead (chain, and a tree of 3 branches; EAGLE when
-asked for with --engines) on the
-JSON-schema workload (schemas/handwritten) and a repeated-context (RAG-like) workload, at batch 1, 8
-and 32, greedy, so every configuration should emit the same tokens (the table says how many did).
+asked for with --engines) on the JSON-schema workload (schemas/handwritten; under each grammar backend,
+`--grammar-backends`) and a repeated-context (RAG-like) workload, at batch 1, 8 and 32, greedy, so every
+configuration should emit the same tokens (the table says how many did).
 
 Per (workload, batch, engine): tokens/s, speedup over plain, mean accepted length (tokens emitted
 per request per verify step), the share of decode steps that speculated (the engine falls back to
@@ -80,6 +80,8 @@ def parse_args():
                     help="EAGLE head folder for the eagle engines (default: the one shipped for the default model)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--name", default=None, help="results file name (default spec_<device>[_<workload>][_quick])")
+    ap.add_argument("--grammar-backends", default="xgrammar,llguidance",
+                    help="grammar backends the json workload runs under, a row each (default: %(default)s)")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every engine, e.g. grammar_mask_threads=1 (repeatable; A/B runs)")
     args = ap.parse_args()
@@ -96,7 +98,7 @@ def chat(tokenizer, text):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def json_workload(tokenizer, n):
+def json_workload(tokenizer, n, backend=None):
     from constrained_spec.grammar import GrammarSpec
     rows = [json.loads(line) for line in (SCHEMAS / "handwritten" / "handwritten.jsonl").read_text().splitlines()
             if line.strip()]
@@ -105,11 +107,11 @@ def json_workload(tokenizer, n):
         row = rows[i % len(rows)]
         text = (f"{row.get('prompt', 'Produce an example.')} Answer with JSON matching this schema: "
                 f"{json.dumps(row['schema'])}" + (f" (request {i})" if i >= len(rows) else ""))
-        out.append((chat(tokenizer, text), GrammarSpec.json_schema(row["schema"])))
+        out.append((chat(tokenizer, text), GrammarSpec.json_schema(row["schema"]).with_backend(backend)))
     return out
 
 
-def rag_workload(tokenizer, n):
+def rag_workload(tokenizer, n, backend=None):
     return [(chat(tokenizer, f"Document:\n{DOC}\n\nTask: {RAG_TASKS[i % len(RAG_TASKS)]} (request {i})"), None)
             for i in range(n)]
 
@@ -249,14 +251,16 @@ def main():
     tokenizer = engines["plain"].tokenizer
     print(f"engines ready in {time.perf_counter() - t_start:.1f} s", flush=True)
     records = []
-    for wname in args.workloads.split(","):
+    runs = [(w, b) for w in args.workloads.split(",") for b in (args.grammar_backends.split(",") if w == "json" else [None])]
+    for wname, backend in runs:
         make = WORKLOADS[wname]
+        label = wname if backend is None else f"{wname} ({backend})"
         for batch in [int(b) for b in args.batches.split(",")]:
-            work = make(tokenizer, max(batch, args.min_prompts))
+            work = make(tokenizer, max(batch, args.min_prompts), backend)
             measured = measure_row(engines, work, batch, args.max_tokens, args.repeats)
             plain_outs = measured[0][0]
             for name, (outs, rec) in zip(engines, measured):
-                rec = dict(workload=wname, batch=batch, engine=name, requests=len(work), **rec)
+                rec = dict(workload=label, batch=batch, engine=name, requests=len(work), grammar_backend=backend, **rec)
                 if name != "plain":
                     rec["identical_to_plain"] = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain_outs))
                 records.append(rec)

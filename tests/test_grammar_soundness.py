@@ -359,3 +359,36 @@ def test_strings_with_escapes_in_keys_enums_and_consts(backend):
                         good.replace("\\n", "\n"), good.replace("\\u0001", "\x01")):
                 if raw != good:
                     assert not complete(backend, cg, raw), (schema, raw)
+
+
+# ------------------------------------------------------------------ JSON-Schema-Test-Suite regressions
+# The draft 2020-12 instances the normalizer let through (schemas/conformance/draft2020-12.jsonl), and
+# the narrowing it no longer makes. JSON Schema semantics (strict=False), instances as json.dumps writes them.
+SUITE_CASES = [
+    # items applies after the parent's own prefixItems (none), also where an allOf branch has some
+    ({"allOf": [{"prefixItems": [{"minimum": 3}]}], "items": {"minimum": 5}}, [[5, 5]], [[3, 5]]),
+    # a keyword we refuse beside an allOf is refused, not dropped
+    ({"allOf": [True], "unevaluatedItems": False}, None, None),
+    # property names JSON escapes, in an open object: refused (their values went unchecked)
+    ({"properties": {"foo\nbar": {"type": "number"}, 'foo"bar': {"type": "number"}}}, None, None),
+    # ...but served where the object is closed
+    ({"properties": {'foo"bar': {"type": "number"}}, "additionalProperties": False},
+     [{'foo"bar': 1}], [{'foo"bar': "1"}]),
+    # no type, typed keywords: they apply to their own type only (exact; was narrowed to strings)
+    ({"minLength": 2}, ["ab", 5, None, [1], {"a": 1}, True], ["a"]),
+    ({"minimum": 3, "maxItems": 1}, [3, "x", [1], {}], [2, [1, 2]]),
+]
+
+
+@pytest.mark.parametrize("schema, valid, invalid", SUITE_CASES)
+def test_suite_regressions(backend, tokenizer, schema, valid, invalid):
+    spec = GrammarSpec.json_schema(schema, strict=False)
+    if valid is None:
+        with pytest.raises(GrammarError):
+            backend.compile(spec)
+        return
+    compiled = backend.compile(spec)
+    for instance, expected in [(x, True) for x in valid] + [(x, False) for x in invalid]:
+        ids = tokenizer.encode(json.dumps(instance), add_special_tokens=False)
+        m = backend.matcher(compiled)
+        assert (m.accept_tokens(ids) == len(ids) and m.accept_token(STOP)) is expected, instance

@@ -238,3 +238,19 @@ def test_strict_closes_objects_where_xgrammar_does(backend, tokenizer):
 def test_refusal_keyword():
     assert refusal_keyword('Unimplemented keys: ["not"]') == "not"
     assert refusal_keyword("Unknown format: foo") == "format"
+
+
+def test_no_escaped_spelling_of_a_declared_name(backend, tokenizer):
+    """An open object: `{"\\u0061": "x"}` names property a with a string; llguidance's default escapes
+    let it through the other-properties branch. \\u escapes are left out of the grammar."""
+    spec = llg(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "number"}}}, strict=False))
+    compiled = backend.compile(spec)
+    for text, ok in (('{"\\u0061": "x"}', False), ('{"a": "x"}', False), ('{"a": 1, "b\\nc": "x"}', True)):
+        m = backend.matcher(compiled)
+        t = ids(tokenizer, text)
+        assert (m.accept_tokens(t) == len(t) and m.can_terminate()) is ok, text
+    # a literal only a \u escape writes is refused (llguidance dropped the character from it)
+    with pytest.raises(GrammarError) as e:
+        backend.compile(llg(GrammarSpec.json_schema({"const": "hello\u0000there"})))
+    assert e.value.keyword == "const"
+    assert backend.compile(GrammarSpec.json_schema({"const": "hello\u0000there"})).backend == "xgrammar"

@@ -8,9 +8,10 @@ the step before's token accepts and runs while the engine thread streams (`start
 belong to the job; no other thread may call them (not even `is_terminated`).
 
 Rows of llguidance matchers (`grammar/llguidance_backend.py`) are llguidance's: its own GIL-free
-parallel fill (`LLGuidanceFill`, one call per step beside the pool's job for the xgrammar rows), its
-accepts on the engine thread (a refused token leaves an llguidance matcher as it was only through
-its Python wrapper). With a budget they are filled within the step, never late.
+parallel fill (`LLGuidanceFill`, one call per step, started from its own thread beside the pool's job
+for the xgrammar rows), its accepts on the engine thread (a refused token leaves an llguidance
+matcher as it was only through its Python wrapper). With a budget they are filled within the step,
+never late.
 
 With a budget (`grammar_mask_budget_ms`) every row is queued on the pool on its own, into a staging
 row, and the engine thread waits until all rows are in or the budget is spent. Requests whose rows
@@ -149,20 +150,21 @@ class MaskFiller:
         if not llg_rows and not any(r.matcher.backend == LLGUIDANCE for r in accept_reqs):
             self._started = StartedFill(reqs, self._start_on_pool(reqs, live, accept_reqs, accept_tokens, bitmask))
             return self._started
-        # llguidance rows: their accepts here, their fill in `finish` (llguidance's own call)
+        # llguidance rows: their accepts here, their fill started beside the pool's (llguidance's own call)
         live = [i for i in live if reqs[i].matcher.backend != LLGUIDANCE]
         pairs = list(zip(accept_reqs, accept_tokens))
         refused = [(r, t) for r, t in pairs if r.matcher.backend == LLGUIDANCE and not r.matcher.accept_token(t)]
         rest = [(r, t) for r, t in pairs if r.matcher.backend != LLGUIDANCE]
+        llg = self._llguidance().start([reqs[i].matcher for i in llg_rows], bitmask, llg_rows) if llg_rows else None
         pool_finish = (self._start_on_pool(reqs, live, [r for r, _ in rest], [t for _, t in rest], bitmask)
                        if live or rest else list)
-        llg = self._llguidance()
 
         def finish() -> list:
             try:
-                llg.fill([reqs[i].matcher for i in llg_rows], bitmask, llg_rows)
-            finally:
                 out = pool_finish()
+            finally:
+                if llg is not None:
+                    llg.wait()
             return out + refused
         self._started = StartedFill(reqs, finish)
         return self._started

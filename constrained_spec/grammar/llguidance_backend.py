@@ -19,7 +19,9 @@ Special tokens are never text: the tokenizer handed to llguidance marks every sp
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 from typing import Any, List, Optional, Sequence
 
 import llguidance as llg
@@ -111,6 +113,36 @@ def close_objects(schema: Any) -> Any:
     return walk(schema, "#", False)
 
 
+# characters JSON can only write as \u escapes, which the grammars leave out (`json_options`)
+_UNWRITABLE = re.compile(r"[\x00-\x07\x0b\x0e-\x1f]")
+
+
+def _check_writable(schema: Any, path: str) -> None:
+    """Refuses a schema whose const/enum values or property names hold a character the grammar cannot
+    write (llguidance would drop it from the literal: "hello\u0000there" matched "hellothere")."""
+    def bad(v) -> bool:
+        if isinstance(v, str):
+            return bool(_UNWRITABLE.search(v))
+        if isinstance(v, list):
+            return any(bad(x) for x in v)
+        if isinstance(v, dict):
+            return any(bad(k) or bad(x) for k, x in v.items())
+        return False
+    if isinstance(schema, list):
+        for i, v in enumerate(schema):
+            _check_writable(v, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for k, v in schema.items():
+        names = k in ("properties", "required") and isinstance(v, (dict, list))
+        if (k in ("const", "enum") and bad(v)) or (names and bad(list(v))):
+            raise GrammarError(f"'{k}' {'at ' + path if path else 'at the schema root'} holds a control character "
+                               "JSON writes only as a \\u escape", keyword=k, path=path)
+        if k not in ("const", "enum", "default", "examples"):
+            _check_writable(v, f"{path}/{_escape(k)}")
+
+
 def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
@@ -145,12 +177,17 @@ class LLGuidanceCompiler:
         self.special_ids = frozenset(int(t) for t in special_ids).difference(self.stop_token_ids)
         self.tokenizer = llg_tokenizer(tokenizer, self.vocab_size, list(stop_token_ids), special_ids)
         ws = WHITESPACE + ("*" if max_whitespace_cnt is None else "{0,%d}" % int(max_whitespace_cnt))
-        self.json_options = {"whitespace_flexible": True, "whitespace_pattern": ws}
+        # no \u escapes (nor "\/"): an escaped spelling of a declared property name would take the
+        # other-properties branch, its value unchecked (measured). A narrowing: control characters
+        # other than \b\f\n\r\t cannot be written, nor a \u-escaped character that may be written raw
+        self.json_options = {"whitespace_flexible": True, "whitespace_pattern": ws,
+                             "json_allowed_escapes": 'nrbtf\\"'}
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """llguidance's grammar for the spec (not yet checked: `compile` does that)."""
         if spec.kind == "json_schema":
             schema = json.loads(spec.value)
+            _check_writable(schema, "")
             if spec.strict:
                 schema = close_objects(schema)
             if schema is True:
@@ -308,10 +345,36 @@ class LLGuidanceMatcher(RequestMatcher):
 
 class LLGuidanceFill:
     """llguidance's own parallel fill (`LLExecutor`, GIL-free on its own threads): a step's rows,
-    and a speculative step's draft chains, for the llguidance matchers of a batch."""
+    and a speculative step's draft chains, for the llguidance matchers of a batch. `start` runs a
+    step's fill from a thread of its own, so that the caller's Python work (streaming the step
+    before) overlaps it, as the native pool's job does for the xgrammar rows."""
 
     def __init__(self, threads: Optional[int] = None):
         self._executor = llg.LLExecutor(threads) if threads else llg.LLExecutor()
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor,
+              rows: Sequence[int]) -> "StartedRows":
+        """The fill of bitmask[rows[i]] from matchers[i], running until `StartedRows.wait` returns;
+        the matchers are the fill's until then."""
+        _check(bitmask)
+        job = StartedRows([(m._m, int(r)) for m, r in zip(matchers, rows)], bitmask)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="llguidance-fill", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+        return job
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                self._executor.unsafe_compute_mask_ptr(job.entries, job.bitmask.data_ptr(), job.bitmask.shape[1] * 4,
+                                                       job.bitmask.shape[0])
+            except BaseException as e:  # noqa: BLE001 - raised by `wait`, on the caller's thread
+                job.error = e
+            job.done.set()
 
     def fill(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         if not matchers:
@@ -339,6 +402,21 @@ class LLGuidanceFill:
             self._executor.unsafe_compute_mask_ptr([e[:2] for e in entries if not e[2]], *args)
         if chained:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(chained, *args)
+
+
+class StartedRows:
+    """A fill started by `LLGuidanceFill.start`."""
+    __slots__ = ("entries", "bitmask", "done", "error")
+
+    def __init__(self, entries: list, bitmask: torch.Tensor):
+        self.entries, self.bitmask = entries, bitmask  # held until done: the fill reads them
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 def _check(bitmask: torch.Tensor) -> None:

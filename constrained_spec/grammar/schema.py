@@ -18,8 +18,8 @@ except where narrowing is noted (narrowing never lets an invalid instance throug
   relative-json-pointer, email, hostname, ipv4, ipv6) -> our regexes (FORMAT_PATTERNS).
 * required properties missing from ``properties`` are added (xgrammar ignores them).
 * draft-04 boolean ``exclusiveMinimum``/``Maximum``, draft-07 array ``items``/``additionalItems``.
-* a schema without ``type`` but with type-specific keywords is narrowed to those types
-  (xgrammar would otherwise ignore the keywords).
+* a schema without ``type`` but with type-specific keywords gets every type, listed (xgrammar
+  ignores the keywords without a ``type`` and applies each to its own type within a list).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ ARRAY_KW = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "
 ASSERTIONS = set(STRING_KW + NUMBER_KW + OBJECT_KW + ARRAY_KW) | {
     "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 JSON_TYPES = {"null", "boolean", "object", "array", "number", "integer", "string"}
+UNTYPED_ORDER = ("object", "array", "string", "number", "boolean", "null")  # every JSON value
 
 # formats xgrammar 0.2.8 enforces (checked against valid/invalid probes)
 ENFORCED_FORMATS = {"date-time", "time", "date", "uri", "uri-reference", "hostname", "duration",
@@ -514,7 +515,7 @@ class _Normalizer:
                 parts.append(("schema", (b, f"{path}/allOf/{i}")))
         if not parts:
             return self._local(own, path)
-        has_own = any(k in ASSERTIONS for k in own)
+        has_own = any(k in ASSERTIONS or k in UNSUPPORTED for k in own)  # (refused by `_local`)
         if len(parts) == 1 and not has_own:
             kind, x = parts[0]
             return self._ref_node(x, path) if kind == "ref" else self.norm(*x)
@@ -576,7 +577,10 @@ class _Normalizer:
                         continue  # custom format on an untyped schema: annotation only
                     inferred.append(t)
             if inferred:
-                types = inferred  # narrowing (sound): xgrammar ignores typed keywords otherwise
+                # every type, the keywords' first: xgrammar ignores typed keywords without a `type`,
+                # and applies each to its own type within a list (exact: in JSON Schema
+                # {"minLength": 2} accepts any non-string)
+                types = inferred + [t for t in UNTYPED_ORDER if t not in inferred]
         if types is not None:
             out["type"] = types[0] if len(types) == 1 else types
         tset = set(types) if types else set(JSON_TYPES)
@@ -685,6 +689,13 @@ class _Normalizer:
                                        f"additionalProperties: false {at(path)}", "required", path)
                 else:
                     new_props[name] = addl_n if isinstance(addl_n, dict) else {}
+        open_obj = addl_n is not False and not (self.strict and addl is None and "patternProperties" not in node)
+        escaped = [n for n in new_props if any(_json_escaped(ord(c)) for c in n)]
+        if open_obj and escaped:
+            # xgrammar lets such a name's own spelling through the other-properties branch too, where
+            # its value goes unchecked (a declared name is matched only where JSON writes it as is)
+            raise unsupported("properties", path, f"property name {escaped[0]!r} is written with JSON escapes, "
+                                                  "in an object open to other properties")
         if "propertyNames" in node:
             pn = node["propertyNames"]
             self._check_names(pn, list(new_props), path)
@@ -818,7 +829,12 @@ class _Normalizer:
                 raise _Unsat(f"'{kw}' can never be satisfied {at(path)}", kw, path)
             return {"enum": vals}
         out = dict(a)
+        tuples = "prefixItems" in a or "prefixItems" in b
+        if tuples:
+            out.update(self._merge_tuples(a, b, path, kw))
         for k, vb in b.items():
+            if tuples and k in ("prefixItems", "items"):
+                continue
             if k not in out:
                 out[k] = vb
                 continue
@@ -852,6 +868,27 @@ class _Normalizer:
         if "properties" in a or "properties" in b or "additionalProperties" in a \
                 or "additionalProperties" in b:
             self._merge_objects(a, b, out, path, kw)
+        return out
+
+    def _merge_tuples(self, a: dict, b: dict, path: str, kw: str) -> dict:
+        """prefixItems and items of two array schemas merged position by position: each one's
+        `items` applies after its own prefixItems, so the other's prefix meets it there."""
+        def at_index(s: dict, i: int):
+            prefix = s.get("prefixItems", [])
+            return prefix[i] if i < len(prefix) else s.get("items", {})
+        n = max(len(a.get("prefixItems", [])), len(b.get("prefixItems", [])))
+        prefix = []
+        for i in range(n):
+            sa, sb = at_index(a, i), at_index(b, i)
+            if sa is False or sb is False:
+                raise unsupported(kw, path, "cannot merge a closed tuple with a longer one")
+            prefix.append(self.merge(sa, sb, f"{path}/prefixItems/{i}", kw))
+        ia, ib = a.get("items"), b.get("items")
+        out: dict = {"prefixItems": prefix}
+        if ia is False or ib is False:
+            out["items"] = False
+        elif ia is not None or ib is not None:
+            out["items"] = self.merge(ia if ia is not None else {}, ib if ib is not None else {}, path, kw)
         return out
 
     def _merge_objects(self, a: dict, b: dict, out: dict, path: str, kw: str) -> None:
