@@ -377,6 +377,10 @@ SUITE_CASES = [
     # no type, typed keywords: they apply to their own type only (exact; was narrowed to strings)
     ({"minLength": 2}, ["ab", 5, None, [1], {"a": 1}, True], ["a"]),
     ({"minimum": 3, "maxItems": 1}, [3, "x", [1], {}], [2, [1, 2]]),
+    # ...but property names are strings: an untyped propertyNames schema is the string one (a key
+    # `-2` came through when its type listed every type; tests/test_stress_cpu.py found it)
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]{1,8}$"}, "additionalProperties": {"type": "integer"}},
+     [{"ab": 1}], [{"AB": 1}]),
 ]
 
 
@@ -388,7 +392,10 @@ def test_suite_regressions(backend, tokenizer, schema, valid, invalid):
             backend.compile(spec)
         return
     compiled = backend.compile(spec)
-    for instance, expected in [(x, True) for x in valid] + [(x, False) for x in invalid]:
-        ids = tokenizer.encode(json.dumps(instance), add_special_tokens=False)
+    texts = [(json.dumps(x), True) for x in valid] + [(json.dumps(x), False) for x in invalid]
+    if "propertyNames" in schema:
+        texts.append(('{"ab": 1, -2: 3}', False))
+    for text, expected in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
         m = backend.matcher(compiled)
-        assert (m.accept_tokens(ids) == len(ids) and m.accept_token(STOP)) is expected, instance
+        assert (m.accept_tokens(ids) == len(ids) and m.accept_token(STOP)) is expected, text

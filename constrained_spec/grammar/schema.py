@@ -699,7 +699,7 @@ class _Normalizer:
         if "propertyNames" in node:
             pn = node["propertyNames"]
             self._check_names(pn, list(new_props), path)
-            out["propertyNames"] = self.norm(pn, f"{path}/propertyNames")
+            out["propertyNames"] = _keys_are_strings(self.norm(pn, f"{path}/propertyNames"))
         if new_props or "properties" in node:
             out["properties"] = new_props
         if required:
@@ -965,6 +965,15 @@ class _Normalizer:
                     if rx - set(y.get("properties", {})):
                         return True
         return False
+
+
+def _keys_are_strings(names: Any) -> Any:
+    """A propertyNames schema typed "string" where its types include it: xgrammar builds the key
+    grammar from it, and a typed keyword without `type` lists every type (`_local`), which would
+    let an unquoted `-2` be a key. Keys are strings, so this is exact."""
+    if isinstance(names, dict) and isinstance(names.get("type"), list) and "string" in names["type"]:
+        return {**names, "type": "string"}
+    return names
 
 
 class _Unsat(GrammarError):
