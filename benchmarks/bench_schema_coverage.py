@@ -25,6 +25,7 @@ import collections
 import json
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,7 @@ def coverage(grammar, tokenizer, rows: list[dict], backend: str, timeout: float)
     refused_by = collections.Counter()
     served_by = collections.Counter()
     compile_s, unsound, served_ids = [], [], []
+    compile_by = collections.defaultdict(list)  # backend that served -> compile seconds
     for row in rows:
         spec = GrammarSpec.json_schema(row["schema"], strict=False).with_backend(backend)
         t0 = time.perf_counter()
@@ -92,6 +94,7 @@ def coverage(grammar, tokenizer, rows: list[dict], backend: str, timeout: float)
                 refused_by[e.keyword or "other"] += 1
             continue
         compile_s.append(compiled.compile_seconds if not compiled.from_disk else time.perf_counter() - t0)
+        compile_by[compiled.backend].append(compile_s[-1])
         out["served"] += 1
         served_by[compiled.backend] += 1
         served_ids.append(row["id"])
@@ -109,6 +112,8 @@ def coverage(grammar, tokenizer, rows: list[dict], backend: str, timeout: float)
     return {"schemas": len(rows), "served": out["served"], "refused": out["refused"], "timed_out": out["timed_out"],
             "refused_by_keyword": dict(refused_by.most_common()), "served_by": dict(served_by),
             "compile_ms_p50": float(np.percentile(c, 50) * 1e3), "compile_ms_p99": float(np.percentile(c, 99) * 1e3),
+            "compile_ms_by_backend": {b: {"p50": float(np.percentile(v, 50) * 1e3), "p99": float(np.percentile(v, 99) * 1e3)}
+                                      for b, v in sorted(compile_by.items())},
             "valid_rejected": out["valid_rejected"], "valid_total": out["valid_total"],
             "invalid_accepted": out["invalid_accepted"], "invalid_total": out["invalid_total"],
             "invalid_accepted_cases": unsound[:50], "served_ids": served_ids}
@@ -199,6 +204,24 @@ def main() -> None:
     write(results, costs, args, {k: len(v) for k, v in sets.items()})
 
 
+def acceptance(results: dict) -> list[dict]:
+    """Issue 22's acceptance 1, on the dev split."""
+    x, lg, auto = (results[f"dev/{b}"] for b in BACKENDS)
+    llg_p99 = max(r["compile_ms_by_backend"].get("llguidance", {}).get("p99", 0.0) for r in (lg, auto))
+    return [
+        {"check": "auto serves at least as many schemas as either backend alone",
+         "value": f"{auto['served']} vs {x['served']} (xgrammar), {lg['served']} (llguidance)",
+         "ok": auto["served"] >= max(x["served"], lg["served"])},
+        {"check": "no invalid instance accepted (auto)", "value": f"{auto['invalid_accepted']} of {auto['invalid_total']}",
+         "ok": auto["invalid_accepted"] == 0},
+        {"check": "fewer valid instances rejected than the normalizer + xgrammar",
+         "value": f"{auto['valid_rejected']} of {auto['valid_total']} vs {x['valid_rejected']} of {x['valid_total']}",
+         "ok": auto["valid_rejected"] < x["valid_rejected"]},
+        {"check": "compile p99 under 100 ms for the schemas llguidance serves", "value": f"{llg_p99:.1f} ms",
+         "ok": llg_p99 < 100.0},
+    ]
+
+
 def write(results: dict, costs: dict, args, sizes: dict) -> None:
     rows = []
     for key, r in results.items():
@@ -206,10 +229,14 @@ def write(results: dict, costs: dict, args, sizes: dict) -> None:
         rows.append([*key.split("/"), f"{r['served']} / {r['schemas']}", f"{r['refused']} ({refused})" if refused
                      else "0", r["timed_out"], f"{r['compile_ms_p50']:.1f}", f"{r['compile_ms_p99']:.1f}",
                      f"{r['valid_rejected']} of {r['valid_total']}", f"{r['invalid_accepted']} of {r['invalid_total']}",
-                     ", ".join(f"{k} {v}" for k, v in r["served_by"].items())])
+                     ", ".join(f"{k} {v}" for k, v in r["served_by"].items()),
+                     ", ".join(f"{b} {c['p50']:.1f} / {c['p99']:.1f}" for b, c in r["compile_ms_by_backend"].items())])
     table = markdown_table(["set", "backend", "served", "refused (by keyword, top 6)", "timed out",
                             "compile p50 ms", "compile p99 ms", "valid rejected", "invalid accepted",
-                            "compiled by"], rows)
+                            "compiled by", "compile p50 / p99 ms by backend"], rows)
+    checks = acceptance(results)
+    check_table = markdown_table(["acceptance (dev split)", "measured", "ok"],
+                                 [[c["check"], c["value"], "yes" if c["ok"] else "NO"] for c in checks])
     cost_rows = [[n, costs[n]["fills"], f"{costs[n]['fill_us_p50']:.1f}", f"{costs[n]['fill_us_p99']:.1f}",
                   f"{costs[n]['fill_us_mean']:.1f}", costs[n]["trees"], f"{costs[n]['tree_us_per_node_p50']:.1f}",
                   f"{costs[n]['tree_us_per_node_p99']:.1f}"] for n in ("xgrammar", "llguidance")]
@@ -220,13 +247,13 @@ def write(results: dict, costs: dict, args, sizes: dict) -> None:
           f"(CPU, {machine()['cpu_count']} cores), SmolLM2 tokenizer, JSON Schema semantics (strict=False), "
           f"at most 16 whitespace in a run. Sets: dev = JSONSchemaBench dev split ({sizes['dev']} schemas), "
           f"conformance = JSON-Schema-Test-Suite draft 2020-12 ({sizes['conformance']} groups). "
-          f"xgrammar = our normalizer + xgrammar 0.2.8; llguidance 1.9.1; auto = llguidance, falling back to "
-          f"the normalizer + xgrammar where llguidance refuses.\n\n" + table +
+          f"xgrammar = our normalizer + xgrammar {version('xgrammar')}; llguidance {version('llguidance')}; auto = llguidance, falling back to "
+          f"the normalizer + xgrammar where llguidance refuses.\n\n" + table + "\n" + check_table +
           f"\n## Mask cost per token (dev schemas both serve: {costs['schemas']})\n\n"
           "One `fill_bitmask` per token of a valid instance (the state after each token); a draft tree's "
           f"rows per node (`traverse_draft_tree`, a {TREE_DEPTH}-token chain with a wrong sibling at each depth: "
           "xgrammar's native walk, llguidance's Python walk). Single thread.\n\n" + cost_table)
-    payload = {"machine": machine(), "args": vars(args), "sizes": sizes, "coverage":
+    payload = {"machine": machine(), "args": vars(args), "sizes": sizes, "acceptance": checks, "coverage":
                {k: {kk: vv for kk, vv in v.items() if kk != "served_ids"} for k, v in results.items()},
                "mask_costs": costs}
     write_results("schema_coverage", payload, md)

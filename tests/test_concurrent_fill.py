@@ -53,11 +53,13 @@ def overlapped(engine: Engine) -> list[int]:
 
 def workload():
     """Grammars and sampling settings that reach every finish: length, EOS, grammar end with
-    `ignore_eos` (the matcher terminates), stop strings; greedy and seeded sampling."""
+    `ignore_eos` (the matcher terminates), stop strings; greedy and seeded sampling. Both grammar
+    backends in every step (the engine's default, auto, takes llguidance for these)."""
     specs, params = [], []
     for i in range(len(PROMPTS)):
         kind = i % 7
-        specs.append([PERSON, PERSON, CHOICE, CHOICE, DIGITS, None, None][kind])
+        specs.append([PERSON, PERSON.with_backend("xgrammar"), CHOICE, CHOICE.with_backend("xgrammar"), DIGITS,
+                      None, None][kind])
         params.append(SamplingParams(
             max_tokens=[28, 20, 12, 12, 10, 24, 16][kind], temperature=0 if i % 2 else 0.9, seed=100 + i,
             ignore_eos=kind == 3 or kind == 4, stop=["e"] if kind == 6 else []))

@@ -41,19 +41,30 @@ def test_models_health(openai_client, http):
     assert h["status"] == "ok" and h["kv_capacity"] > 0
 
 
+def _compiles_by_backend(http) -> dict:
+    lines = [ln for ln in http.get("/metrics").text.splitlines()
+             if ln.startswith("constrained_spec_grammar_compiles_by_backend_total{")]
+    return {ln.split('"')[1]: float(ln.split()[-1]) for ln in lines}
+
+
 @pytest.mark.parametrize("grammar_backend", [None, "xgrammar", "llguidance"])
-def test_json_schema_output_validates(openai_client, server_engine, grammar_backend):
+def test_json_schema_output_validates(openai_client, http, grammar_backend):
+    # a schema no other test compiles, so that this request's compile shows in /metrics
+    schema = {**PERSON, "properties": {**PERSON["properties"], f"probe_{grammar_backend}": {"type": "boolean"}}}
+    before = _compiles_by_backend(http)
     r = openai_client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=80,
         temperature=0, response_format={"type": "json_schema",
-                                        "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+                                        "json_schema": {"name": "person", "schema": schema, "strict": True}},
         extra_body={} if grammar_backend is None else {"grammar_backend": grammar_backend})
-    # the compile the request asked for (the server's default: auto) is in the cache
-    keys = [k for k in server_engine.grammar.queue._cache if k[1] == "json_schema"]
-    assert any(k[0] == (grammar_backend or "auto") for k in keys), keys
+    # compiled by the backend asked for (the server's default, auto, takes llguidance for this schema)
+    after = _compiles_by_backend(http)
+    served_by = grammar_backend or "llguidance"
+    assert {b: after[b] - before.get(b, 0) for b in after} == {
+        b: float(b == served_by) for b in ("xgrammar", "llguidance")}
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
-    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    jsonschema.validate(json.loads(choice.message.content), schema)
     assert r.usage.prompt_tokens > 5 and r.usage.completion_tokens > 3
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.object == "chat.completion" and r.model == MODEL_ID

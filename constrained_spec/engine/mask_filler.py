@@ -164,7 +164,7 @@ class MaskFiller:
                 out = pool_finish()
             finally:
                 if llg is not None:
-                    llg.wait()
+                    llg.result()
             return out + refused
         self._started = StartedFill(reqs, finish)
         return self._started

@@ -19,9 +19,8 @@ Special tokens are never text: the tokenizer handed to llguidance marks every sp
 from __future__ import annotations
 
 import json
-import queue
 import re
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, List, Optional, Sequence
 
 import llguidance as llg
@@ -345,43 +344,25 @@ class LLGuidanceMatcher(RequestMatcher):
 
 class LLGuidanceFill:
     """llguidance's own parallel fill (`LLExecutor`, GIL-free on its own threads): a step's rows,
-    and a speculative step's draft chains, for the llguidance matchers of a batch. `start` runs a
-    step's fill from a thread of its own, so that the caller's Python work (streaming the step
-    before) overlaps it, as the native pool's job does for the xgrammar rows."""
+    and a speculative step's draft chains, for the llguidance matchers of a batch. `start` hands a
+    step's fill to a thread of its own (the executor's call blocks its caller), so that the caller's
+    Python work (streaming the step before) overlaps it, as the native pool's job does for the
+    xgrammar rows."""
 
     def __init__(self, threads: Optional[int] = None):
         self._executor = llg.LLExecutor(threads) if threads else llg.LLExecutor()
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llguidance-fill")
 
-    def start(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor,
-              rows: Sequence[int]) -> "StartedRows":
-        """The fill of bitmask[rows[i]] from matchers[i], running until `StartedRows.wait` returns;
-        the matchers are the fill's until then."""
-        _check(bitmask)
-        job = StartedRows([(m._m, int(r)) for m, r in zip(matchers, rows)], bitmask)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="llguidance-fill", daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-        return job
-
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                self._executor.unsafe_compute_mask_ptr(job.entries, job.bitmask.data_ptr(), job.bitmask.shape[1] * 4,
-                                                       job.bitmask.shape[0])
-            except BaseException as e:  # noqa: BLE001 - raised by `wait`, on the caller's thread
-                job.error = e
-            job.done.set()
+    def start(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> Future:
+        """The fill of bitmask[rows[i]] from matchers[i], running until the returned future's
+        `result()` returns (or raises what the fill raised); the matchers are the fill's until then."""
+        return self._starter.submit(self.fill, matchers, bitmask, rows)
 
     def fill(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         if not matchers:
             return
         _check(bitmask)
-        self._executor.unsafe_compute_mask_ptr([(m._m, int(r)) for m, r in zip(matchers, rows)],
-                                               bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        self._executor.unsafe_compute_mask_ptr([(m._m, int(r)) for m, r in zip(matchers, rows)], *_rows_arg(bitmask))
 
     def fill_chains(self, matchers: Sequence[LLGuidanceMatcher], chains: Sequence[Sequence[int]],
                     bitmask: torch.Tensor, first_rows: Sequence[int]) -> None:
@@ -397,26 +378,15 @@ class LLGuidanceFill:
                 raise RuntimeError(REFUSED_DRAFT)
         entries = [m.chain_entry(c, r) for m, c, r in zip(matchers, chains, first_rows)]
         chained = [e for e in entries if e[2]]  # llguidance takes no empty draft: those are plain rows
-        args = (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
         if len(chained) < len(entries):
-            self._executor.unsafe_compute_mask_ptr([e[:2] for e in entries if not e[2]], *args)
+            self._executor.unsafe_compute_mask_ptr([e[:2] for e in entries if not e[2]], *_rows_arg(bitmask))
         if chained:
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(chained, *args)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(chained, *_rows_arg(bitmask))
 
 
-class StartedRows:
-    """A fill started by `LLGuidanceFill.start`."""
-    __slots__ = ("entries", "bitmask", "done", "error")
-
-    def __init__(self, entries: list, bitmask: torch.Tensor):
-        self.entries, self.bitmask = entries, bitmask  # held until done: the fill reads them
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-
-    def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+def _rows_arg(bitmask: torch.Tensor) -> tuple:
+    """(pointer, bytes per row, rows): how llguidance's executor takes a bitmask."""
+    return bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
 
 
 def _check(bitmask: torch.Tensor) -> None:

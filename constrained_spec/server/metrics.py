@@ -80,6 +80,16 @@ class _EngineCollector:
             c = CounterMetricFamily(f"{PREFIX}_grammar_compiles", "Grammars compiled (cache misses)")
             c.add_metric([], float(gstats.get("compile_count", 0)))
             yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_compiles_by_backend",
+                                    "Grammars compiled, by the backend that enforces them (--grammar-backend)",
+                                    labels=["backend"])
+            for backend in ("xgrammar", "llguidance"):
+                c.add_metric([backend], float(gstats.get(f"served_by_{backend}", 0)))
+            yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_llguidance_fallbacks",
+                                    "JSON schemas llguidance refused that auto handed to the normalizer + xgrammar")
+            c.add_metric([], float(gstats.get("llguidance_fallbacks", 0)))
+            yield c
             c = CounterMetricFamily(f"{PREFIX}_grammar_cache_hits", "Grammar compile-cache hits")
             c.add_metric([], float(gstats.get("cache_hits", 0)))
             yield c
