@@ -236,3 +236,23 @@ def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
     finally:
         plain.shutdown()
         spec.shutdown()
+
+
+def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engines):
+    """A pool too small for every request: requests are retracted and prefilled again on new rows
+    and slots (the head's record of what it has seen no longer holds) and speculation pauses while
+    the trees do not fit; greedy output is still the plain engine's, and nothing fails."""
+    plain = engines("plain")
+    prompts = [plain.chat_prompt([{"role": "user", "content": f"Name a color number {i}."}]) for i in range(12)]
+    per_req = max(len(p) for p in prompts) + 24
+    small = Engine(model=tiny_llama_dir, device="cpu", dtype=exact_dtype(), max_running_requests=12,
+                   kv_cache_slots=4 * per_req, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=2,
+                   eagle_depth=3, speculative_num_draft_tokens=4, speculative_policy="always",
+                   speculative_min_accept=0.0)
+    try:
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        got = [o.token_ids for o in small.generate(prompts, sp)]
+        assert got == [o.token_ids for o in plain.generate(prompts, sp)]
+        assert small.scheduler.num_retractions > 0 and small.spec.stats.steps > 0
+    finally:
+        small.shutdown()
