@@ -256,3 +256,57 @@ def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engin
         assert small.scheduler.num_retractions > 0 and small.spec.stats.steps > 0
     finally:
         small.shutdown()
+
+
+def test_frontier_rows_share_prefixes_and_match_path_by_path_fills(tokenizer):
+    """`_fill_rows` walks the frontier's paths in sorted order, accepting a shared stem once; every
+    row equals a fill after accepting that path alone, dead or illegal paths get empty rows, and
+    the matcher ends where it started."""
+    from constrained_spec.grammar import GrammarBackend
+    from constrained_spec.speculative.eagle import _fill_rows
+    backend = GrammarBackend(tokenizer, 49152, cache_dir="none")
+    try:
+        matcher = backend.matcher(backend.compile(GrammarSpec.json_schema(SCHEMA)))
+        rng = np.random.default_rng(0)
+        legal = lambda m: np.nonzero(_allowed(m))[0]
+        stem = []
+        for _ in range(3):
+            t = int(rng.choice(legal(matcher)))
+            matcher.accept_token(t)
+            stem.append(t)
+        paths = []
+        for j in range(6):  # branches off the stem at several depths
+            cut = j % 4
+            matcher.rollback(len(stem) - cut)
+            path = stem[:cut]
+            for _ in range(2):
+                t = int(rng.choice(legal(matcher)))
+                matcher.accept_token(t)
+                path.append(t)
+            matcher.rollback(len(path))
+            matcher.accept_tokens(stem)
+            paths.append(path)
+        matcher.rollback(len(stem))
+        paths.append([0, 0])  # illegal at once
+        live = np.array([True] * 6 + [True])
+        live[2] = False
+        got = torch.full((len(paths), 1536), -1, dtype=torch.int32)
+        _fill_rows(matcher, paths, live, got, 0)
+        want = torch.zeros_like(got)
+        for j, path in enumerate(paths):
+            took = matcher.accept_tokens(path)
+            if live[j] and took == len(path):
+                matcher.fill_bitmask(want, j)
+            matcher.rollback(took)
+        assert torch.equal(got, want)
+        assert [int(t) for t in legal(matcher)] == [int(t) for t in np.nonzero(_allowed(backend.matcher(
+            backend.compile(GrammarSpec.json_schema(SCHEMA)))))[0]]
+    finally:
+        backend.close()
+
+
+def _allowed(matcher) -> np.ndarray:
+    row = torch.zeros((1, 1536), dtype=torch.int32)
+    matcher.fill_bitmask(row, 0)
+    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")
+    return bits[:49152].astype(bool)

@@ -173,15 +173,26 @@ def _tokens(req, start: int, stop: int) -> list[int]:
 
 def _fill_rows(matcher, paths, live, bitmask: torch.Tensor, first_row: int) -> None:
     """Row first_row + j: the tokens the grammar allows after frontier node j's path (none for a
-    dead node, or a path the grammar ended)."""
-    for j, path in enumerate(paths):
-        row = first_row + j
-        took = matcher.accept_tokens(path) if live[j] else 0
-        if took == len(path) and not matcher.is_terminated():
+    dead node, or a path the grammar ended). The paths are walked in sorted order, rolling back only
+    to the prefix the next one shares, so a common stem is accepted once."""
+    on: list[int] = []  # the tokens the matcher has accepted beyond where it started
+    for j in sorted(range(len(paths)), key=lambda j: paths[j]):
+        row, path = first_row + j, paths[j]
+        if not live[j]:
+            bitmask[row] = 0
+            continue
+        keep = 0
+        while keep < min(len(on), len(path)) and on[keep] == path[keep]:
+            keep += 1
+        matcher.rollback(len(on) - keep)
+        del on[keep:]
+        took = matcher.accept_tokens(path[keep:])
+        on += path[keep:keep + took]
+        if len(on) == len(path) and not matcher.is_terminated():
             matcher.fill_bitmask(bitmask, row)
         else:
             bitmask[row] = 0
-        matcher.rollback(took)
+    matcher.rollback(len(on))
 
 
 def _candidates(tok: np.ndarray, score: np.ndarray, best: np.ndarray, K: int):
