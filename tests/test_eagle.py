@@ -193,10 +193,10 @@ def test_features_are_the_targets_pre_norm_hidden_states(engines, tiny_head_dir)
                    speculative_policy="always", speculative_min_accept=0.0)
     runner, drafter = spec.runner, spec.spec.drafter
     checked = []
-    original = drafter._extend
+    original = drafter.propose_arrays
 
-    def spy(reqs):
-        r = reqs[0]
+    def spy(batch):
+        r = batch.requests[0]
         n = r.num_cached
         slots = torch.from_numpy(runner.table.host[r.row, :n].copy())
         got = runner.features[slots].float()
@@ -211,12 +211,12 @@ def test_features_are_the_targets_pre_norm_hidden_states(engines, tiny_head_dir)
             x, residual = layer(x, residual, torch.arange(n), model.rope, kv, meta, runner.backend)
         want = x + residual
         checked.append(float((got - want.float()).abs().max() / want.float().abs().max()))
-        return original(reqs)
-    drafter._extend = spy
+        return original(batch)
+    drafter.propose_arrays = spy
     try:
         _greedy(spec, PROMPTS[:1], n=12)
     finally:
-        drafter._extend = original
+        drafter.propose_arrays = original
     assert checked and max(checked) < 1e-3, checked
 
 
@@ -229,7 +229,8 @@ def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
     spec = Engine(**kw, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
                   speculative_policy="always", speculative_min_accept=0.0)
     try:
-        assert spec.runner.graphs.can_draft(4) and ("draft", 4, True) in spec.runner.graphs.graphs
+        assert spec.runner.graphs.can_draft(4)
+        assert {("draft", p, 4, m) for p in ("start", "step") for m in (False, True)} <= set(spec.runner.graphs.graphs)
         for g in (None, GrammarSpec.json_schema(SCHEMA)):
             assert _greedy(spec, PROMPTS, g) == _greedy(plain, PROMPTS, g)
         assert spec.spec.stats.steps > 0
@@ -310,3 +311,39 @@ def _allowed(matcher) -> np.ndarray:
     matcher.fill_bitmask(row, 0)
     bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")
     return bits[:49152].astype(bool)
+
+
+def test_staged_start_equals_eager_start(engines, tiny_head_dir):
+    """The start of a draft step read from the staged block (the layout its CUDA graph replays) gives
+    what the eager start gives from packed tensors: same first frontier, scores and root state."""
+    spec = engines("eagle34", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
+                   speculative_policy="always", speculative_min_accept=0.0)
+    runner, io = spec.runner, spec.spec.drafter.io
+    N, B = io.width, 2
+    rows = np.array([runner.table.take_row() for _ in range(B)])
+    n = np.array([N + 5, N + 9])
+    slots_all = [runner.pool.alloc(int(k)) for k in n]
+    try:
+        for r, s in zip(rows, slots_all):
+            runner.table.host[r, :len(s)] = s
+            runner.table.device_table[r, :len(s)] = torch.from_numpy(s)
+        torch.manual_seed(1)
+        runner.features.normal_()
+        q_lens = np.array([N, N])
+        start = n - q_lens
+        pos = np.concatenate([np.arange(a, b) for a, b in zip(start, n)])
+        slots = np.concatenate([s[a:b] for s, a, b in zip(slots_all, start, n)])
+        ids = np.random.default_rng(0).integers(0, runner.vocab_size, len(pos))
+        results = []
+        for graphed in (True, False):
+            eager = io.set_inputs(B, rows, n, ids, pos, slots, q_lens, graphed)
+            with torch.inference_mode():
+                io.start(B, False, eager, None if graphed else int(q_lens.max()), int(n.max()))
+            results.append([x.clone() for x in (io.front_tok[:B * 3], io.front_score[:B * 3], io.parent_hidden[:B * 3],
+                                                io.out_tok[:B, 0], io._n_rep[:B * 3])])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b)
+    finally:
+        for r, s in zip(rows, slots_all):
+            runner.table.release_row(int(r))
+            runner.pool.free(s)

@@ -11,7 +11,8 @@ Graphs exist for
   tail; commit of the accepted path), whose buffers and code live in `speculative/verify_step.py`;
 - the EXTEND forward of a single request (prefill), per bucket of new tokens, up to the last
   token's logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it;
-- the EAGLE DRAFT step, one depth of the draft tree (buffers and code in `speculative/eagle_step.py`).
+- the EAGLE DRAFT work: its start (head extend and depth 1) and one depth of the tree (buffers and
+  code in `speculative/eagle_step.py`).
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
 K/V to the reserved slot 0 and attend to it alone, so they never touch live data. Attention inside
 a graph must not depend on host values that change per step (the triton backend's contract).
@@ -160,9 +161,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture_draft(self, drafter, max_batch: int) -> None:
-        """The EAGLE draft step (`speculative/eagle_step.DraftIO.step`, one depth; its depth is a
-        device counter, so one graph serves every depth) per batch size up to `max_batch` and
-        masking. Drafters without device steps have no `io`: nothing to capture. A capture that
+        """The EAGLE draft work (`speculative/eagle_step.DraftIO`) per batch size up to `max_batch`
+        and masking: its start (the head over up to `width` unseen positions per request, then
+        depth 1) and its step (one depth; the depth is a device counter, so one graph serves every
+        depth). Drafters without device steps have no `io`: nothing to capture. A capture that
         fails leaves the drafter eager (logged), since drafting is an optimization of its own."""
         io = getattr(drafter, "io", None)
         if io is None:
@@ -172,7 +174,8 @@ class CudaGraphRunner:
         try:
             for bs in reversed(sizes):
                 for masked in (False, True):
-                    self._capture(("draft", bs, masked), lambda bs=bs, m=masked: io.step(bs, m),
+                    self._capture(("draft", "start", bs, masked), lambda bs=bs, m=masked: io.start(bs, m))
+                    self._capture(("draft", "step", bs, masked), lambda bs=bs, m=masked: io.step(bs, m),
                                   before=lambda: io.t.fill_(1))
         except Exception:
             log.exception("capturing the EAGLE draft step failed; it runs eagerly")
@@ -184,10 +187,12 @@ class CudaGraphRunner:
 
     def can_draft(self, batch: int) -> bool:
         bs = self.padded_size(batch)
-        return bs is not None and ("draft", bs, False) in self.graphs
+        return bs is not None and ("draft", "step", bs, False) in self.graphs
 
-    def replay_draft(self, bs: int, masked: bool) -> None:
-        self.graphs[("draft", bs, masked)][0].replay()
+    def replay_draft(self, part: str, bs: int, masked: bool) -> None:
+        """Replays the draft step's `part`: "start" (the head over the unseen positions, depth 1)
+        or "step" (one depth)."""
+        self.graphs[("draft", part, bs, masked)][0].replay()
 
     @torch.inference_mode()
     def capture_prefill(self, max_tokens: int, buckets=DEFAULT_PREFILL_TOKENS) -> None:

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata, ForwardMode, KVCache
-from ..kernels import mask_logits
 from .drafter import DraftBatch, Drafter
 from .eagle_step import DraftIO
 from .tree import DraftTrees
@@ -58,7 +57,7 @@ class EagleDrafter(Drafter):
         capacity = max(1, min(capacity, runner.max_rows))
         self.kv = KVCache(1, self.pool_slots + capacity * self.scratch_per_request, cfg.num_kv_heads, cfg.head_dim,
                           runner.dtype, self.device)
-        self.io = DraftIO(runner, head, self.kv, topk, depth, capacity)
+        self.io = DraftIO(runner, head, self.kv, topk, depth, capacity, width=num_draft_tokens)
         # request id -> (row, slot of position 0, positions the head has seen, slot of the last of them)
         self._seen: dict[Hashable, tuple[int, int, int, int]] = {}
 
@@ -71,71 +70,30 @@ class EagleDrafter(Drafter):
         reqs = batch.requests
         if reqs is None:
             raise ValueError("the EAGLE drafter needs DraftBatch.requests")
-        root_hidden, lengths = self._extend(reqs)
-        return self._expand(reqs, root_hidden, lengths)
-
-    def finish(self, request_id: Hashable) -> None:
-        self._seen.pop(request_id, None)
-
-    def reset(self) -> bool:
-        self._seen.clear()
-        return True
-
-    # -- extend: the head over the positions it has not seen ---------------------------------------
-    def _extend(self, reqs) -> tuple[torch.Tensor, np.ndarray]:
-        """Runs the head over each request's unseen positions; returns its output at each request's
-        last cached position ([B, H]: the guess of the root's hidden state) and the cached lengths."""
-        table = self.runner.table.host
-        B = len(reqs)
-        n = np.fromiter((r.num_cached for r in reqs), np.int64, B)
-        start = np.empty(B, np.int64)
-        for b, r in enumerate(reqs):
-            seen = self._seen.get(r.request_id)
-            d = 0
-            if seen is not None:
-                row, first, count, last = seen
-                if row == r.row and first == table[r.row, 0] and 0 < count <= n[b] and table[r.row, count - 1] == last:
-                    d = count
-            start[b] = min(d, n[b] - 1)  # at least the last position: its output is the root's guess
-        q_lens = n - start
-        rows = np.fromiter((r.row for r in reqs), np.int64, B)
-        pos = np.concatenate([np.arange(s, e) for s, e in zip(start, n)])
-        owner = np.repeat(np.arange(B), q_lens)
-        slots = table[rows[owner], pos]
-        ids = np.concatenate([np.asarray(_tokens(r, s + 1, e + 1), np.int64) for r, s, e in zip(reqs, start, n)])
-        q_starts = np.zeros(B + 1, np.int64)
-        np.cumsum(q_lens, out=q_starts[1:])
-        max_kv = int(n.max())
-        dev = self.device
-        slots_d = torch.from_numpy(slots).to(dev)
-        meta = AttentionMetadata(
-            mode=ForwardMode.EXTEND, out_slots=slots_d, q_starts=torch.from_numpy(q_starts).to(dev, torch.int32),
-            q_lens=torch.from_numpy(q_lens).to(dev, torch.int32), kv_lens=torch.from_numpy(n).to(dev, torch.int32),
-            slot_table=torch.from_numpy(np.ascontiguousarray(table[rows, :max_kv])).to(dev),
-            max_q_len=int(q_lens.max()), max_kv_len=max_kv)
-        features = self.runner.features.index_select(0, slots_d)
-        hidden = self.head(self.target, features, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
-                           self.kv, meta, self.runner.backend)
-        for b, r in enumerate(reqs):
-            self._seen[r.request_id] = (r.row, int(table[r.row, 0]), int(n[b]), int(table[r.row, n[b] - 1]))
-        last = torch.from_numpy(q_starts[1:] - 1).to(dev)
-        return hidden.index_select(0, last), n
-
-    # -- expand: the tree, depth by depth (eagle_step.DraftIO) ----------------------------------------
-    def _expand(self, reqs, root_hidden: torch.Tensor, n: np.ndarray):
         B, K, D, io = len(reqs), self.topk, self.depth, self.io
-        graphs = self.runner.graphs
-        graphed = graphs is not None and graphs.can_draft(B)
-        bs = graphs.padded_size(B) if graphed else B
         rows = np.fromiter((r.row for r in reqs), np.int64, B)
+        n, start = self._unseen(reqs)
+        q_lens = n - start
+        graphs = self.runner.graphs
+        graphed = graphs is not None and graphs.can_draft(B) and int(q_lens.max()) <= io.width
+        bs = graphs.padded_size(B) if graphed else B
+        table = self.runner.table.host
+        pos = np.concatenate([np.arange(s, e) for s, e in zip(start, n)])
+        slots = table[np.repeat(rows, q_lens), pos]
+        ids = np.concatenate([np.asarray(_tokens(r, s + 1, e + 1), np.int64) for r, s, e in zip(reqs, start, n)])
         grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
         masks = io.bitmask_host
         if grammar:  # depth 1: the root's children, masked by the request's grammar as it stands
-            masks[:B] = -1
+            masks[:bs] = -1
             for b in grammar:
                 reqs[b].matcher.fill_bitmask(masks, b)
-        io.begin(bs, rows, n, root_hidden, self._log_probs(root_hidden, masks[:B] if grammar else None))
-        max_kv = None if self.device.type == "cuda" else int(n.max()) + D
+        eager = io.set_inputs(bs, rows, n, ids, pos, slots, q_lens, graphed)
+        on_cpu = self.device.type == "cpu"
+        if graphed:
+            graphs.replay_draft("start", bs, bool(grammar))
+        else:
+            io.start(bs, bool(grammar), eager, int(q_lens.max()), int(n.max()) if on_cpu else None)
+        max_kv = int(n.max()) + D if on_cpu else None
         paths = None
         for t in range(1, D):
             if grammar:  # the frontier's rows: each node's path accepted into its matcher, then rolled back
@@ -149,18 +107,38 @@ class EagleDrafter(Drafter):
                 for b in grammar:
                     _fill_rows(reqs[b].matcher, paths[b], np.isfinite(score[b]), masks, b * K)
             if graphed:
-                graphs.replay_draft(bs, bool(grammar))
+                graphs.replay_draft("step", bs, bool(grammar))
             else:
                 io.step(bs, bool(grammar), max_kv)
         tok, score, best = io.outputs_host(B, D)
         return _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
 
-    def _log_probs(self, hidden: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
-        logits = self.head.logits(self.target, hidden)
-        if bitmask is not None:
-            logits = mask_logits(logits, bitmask.to(logits.device, non_blocking=True))
-        scores = torch.log_softmax(logits, -1)
-        return scores.masked_fill_(scores.isnan(), -torch.inf)  # a row the grammar closes: all -inf
+    def finish(self, request_id: Hashable) -> None:
+        self._seen.pop(request_id, None)
+
+    def reset(self) -> bool:
+        self._seen.clear()
+        return True
+
+    def _unseen(self, reqs) -> tuple[np.ndarray, np.ndarray]:
+        """(cached lengths n, first position the head has not seen) per request, and the record
+        updated as if it had seen them all: it will, in this step. The head re-reads a request
+        from its start when its row or slots changed (a retraction), and always reads the last
+        cached position again (its output is the root's hidden state)."""
+        table = self.runner.table.host
+        B = len(reqs)
+        n = np.fromiter((r.num_cached for r in reqs), np.int64, B)
+        start = np.empty(B, np.int64)
+        for b, r in enumerate(reqs):
+            seen = self._seen.get(r.request_id)
+            d = 0
+            if seen is not None:
+                row, first, count, last = seen
+                if row == r.row and first == table[r.row, 0] and 0 < count <= n[b] and table[r.row, count - 1] == last:
+                    d = count
+            start[b] = min(d, n[b] - 1)
+            self._seen[r.request_id] = (r.row, int(table[r.row, 0]), int(n[b]), int(table[r.row, n[b] - 1]))
+        return n, start
 
 
 def _tokens(req, start: int, stop: int) -> list[int]:

@@ -31,16 +31,22 @@ from ..kernels import mask_logits
 class DraftIO:
     """Buffers and device work of the EAGLE draft steps for up to `capacity` requests."""
 
-    def __init__(self, runner, head, kv, topk: int, depth: int, capacity: int):
+    def __init__(self, runner, head, kv, topk: int, depth: int, capacity: int, width: int):
         self.r, self.head, self.target, self.kv = runner, head, runner.model, kv
         self.K, self.D, self.capacity = K, D, C = topk, depth, capacity
+        self.width = N = width  # most unseen positions per request that the graphed start takes
         dev = self.device = runner.device
         H, W = runner.mcfg.hidden_size, runner.bitmask_width
         self.max_context = runner.table.max_context
-        # per step, from the host: table rows and cached lengths (uploaded by `begin`)
-        self._inputs = PinnedBlock({"rows": ((C,), np.int64), "n": ((C,), np.int64)}, dev)
-        self.rows, self.n = self._inputs.host["rows"], self._inputs.host["n"]
-        self._rows, self._n = self._inputs.device["rows"], self._inputs.device["n"]
+        # per step, from the host (`set_inputs`), uploaded by `start`: table rows, cached lengths,
+        # and, for the graphed start, the unseen positions packed (ids, positions, slots), their
+        # sequence starts and each request's last token
+        self._inputs = PinnedBlock({"rows": ((C,), np.int64), "n": ((C,), np.int64), "q_starts": ((C + 1,), np.int64),
+                                    "last": ((C,), np.int64), "ids": ((C * N,), np.int64),
+                                    "pos": ((C * N,), np.int64), "slots": ((C * N,), np.int64)}, dev)
+        self._host, self._dev = self._inputs.host, self._inputs.device
+        self._rows, self._n = self._dev["rows"], self._dev["n"]
+        self._pad_inputs(0, C)
         self._n_rep = torch.zeros(C * K, dtype=torch.int64, device=dev)
         self.t = torch.ones(1, dtype=torch.int64, device=dev)  # depth of the frontier
         # the frontier
@@ -71,28 +77,85 @@ class DraftIO:
         self._f_best = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
         self._host_t = 0  # the depth whose frontier `frontier_host` reads next
 
-    # -- per request-step, eager --------------------------------------------------------------------
-    def begin(self, bs: int, rows: np.ndarray, n: np.ndarray, root_hidden: torch.Tensor,
-              root_scores: torch.Tensor) -> None:
-        """Depth 1 from the root's scores [B, V] (log-probabilities, grammar-masked): its top-k
-        children are the first frontier. Rows [B, bs) are padding (the spare table row)."""
-        B, K = len(rows), self.K
-        self.rows[:B], self.n[:B] = rows, n
-        self.rows[B:bs], self.n[B:bs] = self.r.pad_row, 1
-        self._inputs.upload()
-        score, tok = root_scores.topk(K, -1)
-        self.out_tok[:B, 0, :K] = tok
-        self.out_score[:B, 0] = -torch.inf
-        self.out_score[:B, 0, :K] = score
-        self.out_best[:B, 0] = torch.arange(K, device=self.device)
-        self.front_tok[:B * K] = tok.reshape(-1)
-        self.front_score[:B * K] = score.reshape(-1)
-        self.front_score[B * K:bs * K] = -torch.inf
-        self.parent_hidden[:B * K] = root_hidden.repeat_interleave(K, 0)
-        self._n_rep[:bs * K] = self._n[:bs].repeat_interleave(K)
-        self.draft_table[:bs * K] = self.r.table.device_table[self._rows[:bs]].repeat_interleave(K, 0)
-        self.t.fill_(1)
+    # -- the start of a step: the head over the unseen positions, then depth 1 ------------------------
+    def _pad_inputs(self, start: int, stop: int) -> None:
+        """Requests [start, stop) as padding: the spare table row, one token at position 0 in slot 0."""
+        h = self._host
+        h["rows"][start:stop], h["n"][start:stop] = self.r.pad_row, 1
+        if start == 0:
+            h["q_starts"][0] = 0
+        h["q_starts"][start + 1:stop + 1] = h["q_starts"][start] + np.arange(1, stop - start + 1)
+        h["last"][start:stop] = h["q_starts"][start + 1:stop + 1] - 1
+        first = int(h["q_starts"][start])
+        for name in ("ids", "pos", "slots"):
+            h[name][first:] = 0
+
+    def set_inputs(self, bs: int, rows: np.ndarray, n: np.ndarray, ids: np.ndarray, pos: np.ndarray,
+                   slots: np.ndarray, q_lens: np.ndarray, graphed: bool) -> dict | None:
+        """Stages a step's start for B = len(rows) requests, padded to `bs` when `graphed`. Returns the
+        packed token fields as device tensors for an eager start (None: the graph reads the block)."""
+        B, h = len(rows), self._host
         self._host_t = 0
+        h["rows"][:B], h["n"][:B] = rows, n
+        starts = np.zeros(B + 1, np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        h["q_starts"][:B + 1] = starts
+        h["last"][:B] = starts[1:] - 1
+        if graphed:
+            T = int(starts[-1])
+            h["ids"][:T], h["pos"][:T], h["slots"][:T] = ids, pos, slots
+            self._pad_inputs(B, bs)  # and the tail past them: in no sequence, written to slot 0
+            return None
+        dev = self.device
+        return {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in
+                (("ids", ids), ("pos", pos), ("slots", slots), ("q_starts", starts), ("last", starts[1:] - 1))}
+
+    def start(self, bs: int, masked: bool, eager: dict | None = None, max_q: int | None = None,
+              max_kv: int | None = None) -> None:
+        """The head over each request's unseen positions (writing its K/V; inputs: the target's
+        features there and the next tokens), its output at the last one (the root's hidden state),
+        the root's grammar-masked log-probabilities, and their top-k children as the first
+        frontier. Captured per batch size and masking (`eager` None: the staged block, every
+        request padded to `width` positions); eager with `eager`'s packed tensors otherwise."""
+        K, dev = self.K, self.device
+        self._inputs.upload()
+        if eager is None:
+            T, d = bs * self.width, self._dev
+            ids, pos, slots, q_starts, last = (d["ids"][:T], d["pos"][:T], d["slots"][:T], d["q_starts"][:bs + 1],
+                                               d["last"][:bs])
+            max_q = self.width
+        else:
+            ids, pos, slots, q_starts, last = (eager[k] for k in ("ids", "pos", "slots", "q_starts", "last"))
+        rows, n = self._rows[:bs], self._n[:bs]
+        table = self.r.table.device_table[rows]
+        if max_kv is not None:
+            table = table[:, :max_kv]
+        meta = AttentionMetadata(
+            mode=ForwardMode.EXTEND, out_slots=slots, q_starts=q_starts.to(torch.int32),
+            q_lens=(q_starts[1:] - q_starts[:-1]).to(torch.int32), kv_lens=n.to(torch.int32), slot_table=table,
+            max_q_len=max_q, max_kv_len=table.shape[1])
+        hidden = self.head(self.target, self.r.features.index_select(0, slots), ids, pos, self.kv, meta,
+                           self.r.backend)
+        root_hidden = hidden.index_select(0, last)
+        logits = self.head.logits(self.target, root_hidden)
+        if masked:
+            self._masks.upload("bitmask", bs * self._row_bytes)
+            logits = mask_logits(logits, self._bitmask[:bs])
+        scores = torch.log_softmax(logits, -1)
+        scores = torch.where(scores.isnan(), -torch.inf, scores)
+        score, tok = scores.topk(K, -1)
+        live = (rows != self.r.pad_row)[:, None]
+        score = torch.where(live, score, -torch.inf)
+        self.out_tok[:bs, 0, :K] = tok
+        self.out_score[:bs, 0] = -torch.inf
+        self.out_score[:bs, 0, :K] = score
+        self.out_best[:bs, 0] = torch.arange(K, device=dev)
+        self.front_tok[:bs * K] = tok.reshape(-1)
+        self.front_score[:bs * K] = score.reshape(-1)
+        self.parent_hidden[:bs * K] = root_hidden.repeat_interleave(K, 0)
+        self._n_rep[:bs * K] = n.repeat_interleave(K)
+        self.draft_table[:bs * K] = self.r.table.device_table[rows].repeat_interleave(K, 0)
+        self.t.fill_(1)
 
     # -- one depth (captured per batch size and masking on CUDA) --------------------------------------
     def step(self, bs: int, masked: bool, max_kv: int | None = None) -> None:
