@@ -21,7 +21,8 @@ Per speculative step, for the requests of the batch:
           choice is a tree), laid out parents first in xgrammar's layout.
 The worker still checks every tree with the grammar's traversal before verifying it. Drafts are
 deterministic (top-k), so the worker's path-matching verification stays lossless at any temperature.
-The extend runs eagerly (its token count varies); the expand steps replay CUDA graphs where captured.
+On CUDA the extend with depth 1 (up to N unseen positions per request; more, after plain steps or a
+prefill, run eagerly) and each expansion step replay CUDA graphs (`CudaGraphRunner.capture_draft`).
 """
 from __future__ import annotations
 

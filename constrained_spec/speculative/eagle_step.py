@@ -1,15 +1,19 @@
-"""The device side of EAGLE drafting: static buffers and the per-depth draft step, the same code run
-eagerly (CPU, CUDA without graphs) or replayed as a CUDA graph per batch size and masking
-(`CudaGraphRunner.capture_draft`), like `verify_step.py` for the verify step.
+"""The device side of EAGLE drafting: static buffers and the device work of a draft step, the same
+code run eagerly (CPU, CUDA without graphs) or replayed as CUDA graphs per batch size and masking
+(`CudaGraphRunner.capture_draft`), like `verify_step.py` for the verify step. Two parts:
 
-Expanding the tree is a decode step of the head for B*K *virtual sequences*, one per frontier node
-(K per request): sequence (b, j) is request b's context followed by node j's ancestors in the tree
-and the node itself. Its slot-table row is request b's row with columns n_b .. n_b + t - 1 replaced
-by the scratch slots of those tree nodes (depth t), so the head's attention is the target's own decode
-attention (triton on CUDA, split over the context, graph-capturable) and needs no tree mask. Scratch
-slots lie past the target pool's slots in the head's one-layer KV cache: K per depth per request.
+`start`: the head over each request's unseen positions (packed; in the graph, up to `width` per
+request, padding requests on the spare table row and a tail that belongs to no sequence, written
+to slot 0, as in the prefill graphs), its output at the last one (the root's hidden state), the
+root's grammar-masked log-probabilities and their top-k: the first frontier.
 
-One step (depth t, a device-side counter, so one graph serves every depth):
+`step`, one depth: expanding the tree is a decode step of the head for B*K *virtual sequences*, one
+per frontier node (K per request): sequence (b, j) is request b's context followed by node j's
+ancestors in the tree and the node itself. Its slot-table row is request b's row with columns
+n_b .. n_b + t - 1 replaced by the scratch slots of those tree nodes (depth t), so the head's
+attention is the target's own decode attention (triton on CUDA, split over the context) and needs
+no tree mask. Scratch slots lie past the target pool's slots in the head's one-layer KV cache: K
+per depth per request. The depth is a device-side counter, so one graph serves every depth:
   the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
   (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
   the grammar mask (rows copied from pinned host memory, filled by the host before the replay);
