@@ -370,6 +370,7 @@ def measure_acceptance(loaded, engine_kw: dict, head_dir: Path, cfg: TrainConfig
     from ..engine import Engine
     from ..sampling_params import SamplingParams
     work = heldout_prompts(loaded.tokenizer, cfg.eval_prompts)
+    engine_kw = {**engine_kw, "max_running_requests": max(32, len(work))}  # fewer graphs to capture
     with Engine(loaded=loaded, **engine_kw, speculative_algorithm="eagle", eagle_head=str(head_dir),
                 speculative_policy="always", speculative_min_accept=0.0, eagle_topk=cfg.eagle_topk,
                 eagle_depth=cfg.eagle_depth, speculative_num_draft_tokens=cfg.draft_tokens) as engine:
