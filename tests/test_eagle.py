@@ -265,7 +265,7 @@ def test_frontier_rows_share_prefixes_and_match_path_by_path_fills(tokenizer):
     the matcher ends where it started."""
     from constrained_spec.grammar import GrammarBackend
     from constrained_spec.speculative.eagle import _fill_rows
-    backend = GrammarBackend(tokenizer, 49152, cache_dir="none")
+    backend = GrammarBackend(tokenizer, 49152)  # no disk cache (cache_dir None)
     try:
         matcher = backend.matcher(backend.compile(GrammarSpec.json_schema(SCHEMA)))
         rng = np.random.default_rng(0)
@@ -347,3 +347,39 @@ def test_staged_start_equals_eager_start(engines, tiny_head_dir):
         for r, s in zip(rows, slots_all):
             runner.table.release_row(int(r))
             runner.pool.free(s)
+
+
+def test_serve_flags_reach_the_engine_process(tiny_llama_dir, tiny_head_dir, engines):
+    """`serve --speculative-algorithm eagle --eagle-*`: the flags become the EngineConfig the engine
+    process is started with, it speculates with the head (verify steps in /metrics), and the answer
+    over HTTP equals plain greedy decoding."""
+    import httpx
+
+    from constrained_spec.cli import build_parser, engine_config_from_args
+    from constrained_spec.server.app import ServerConfig, create_app
+    from constrained_spec.server.engine_process import EngineProcess
+    from constrained_spec.server.runner import start_server_thread
+
+    args = build_parser().parse_args(["serve", "--model", tiny_llama_dir, "--device", "cpu", "--dtype", exact_dtype(),
+                                      "--grammar-cache-dir", "none", "--max-running-requests", "8",
+                                      "--kv-cache-slots", "4096", "--speculative-algorithm", "eagle",
+                                      "--eagle-head", tiny_head_dir, "--eagle-topk", "2", "--eagle-depth", "3"])
+    config = engine_config_from_args(args)
+    assert (config.speculative_algorithm, config.eagle_head, config.eagle_topk, config.eagle_depth) == \
+        ("eagle", tiny_head_dir, 2, 3)
+    process = EngineProcess(config)
+    client = process.connect(owns_process=True)
+    handle = start_server_thread(create_app(client, ServerConfig(served_model_name="tiny"), owns_engine=True))
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(handle.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(handle.url + "/metrics", timeout=30).text
+        steps = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("constrained_spec_spec_verify_steps")]
+        assert steps and steps[0] > 0, metrics
+        plain = engines("plain").generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        assert r.json()["choices"][0]["text"] == plain[0].text
+    finally:
+        handle.stop()
+        process.stop()
