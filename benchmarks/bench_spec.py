@@ -1,6 +1,6 @@
 """Speculative decoding, one run: plain vs n-gram lookahead (chain, and a tree of 3 branches; EAGLE when
 asked for with --engines) on the JSON-schema workload (schemas/handwritten; under each grammar backend,
-`--grammar-backends`) and a repeated-context (RAG-like) workload, at batch 1, 8 and 32, greedy, so every
+`--grammar-backends`), a repeated-context (RAG-like) workload and general chat, at batch 1, 8 and 32, greedy, so every
 configuration should emit the same tokens (the table says how many did).
 
 Per (workload, batch, engine): tokens/s, speedup over plain, mean accepted length (tokens emitted
@@ -40,6 +40,17 @@ DOC = ("The Aurora-7 research station sits 3,200 metres above sea level on the K
        "diesel generators. Its main instruments are a 2.4 metre optical telescope, a cosmic-ray muon detector and a "
        "weather mast that reports every 10 minutes to the national meteorological service. Supplies arrive by "
        "helicopter every 12 days; the station director is Dr. Ingrid Solberg.")
+# general chat (no grammar): questions of kinds train-eagle's instruction templates do not write
+CHAT_PROMPTS = [
+    "How do I keep basil alive on a windowsill?", "What should I pack for a three-day hiking trip?",
+    "Can you explain how a refrigerator keeps food cold?", "Suggest a name for a small bakery and say why.",
+    "My laptop is slow. What can I check first?", "How does compound interest work? Use an example.",
+    "Write a short thank-you note to a neighbour who fed my cat.", "What is the difference between weather and climate?",
+    "Give me a simple dinner recipe with rice and eggs.", "How can I get better at public speaking?",
+    "Why is the sky blue?", "Plan a one-day visit to a city museum for two children.",
+    "What are good habits for learning to play the guitar?", "Explain what a database index is.",
+    "How do I politely decline a meeting invitation?", "What causes the seasons on Earth?",
+]
 RAG_TASKS = ["Quote the document's sentence about supplies.", "Repeat the first two sentences of the document exactly.",
              "List every number in the document with what it measures.", "Summarize the document, reusing its wording."]
 ENGINES = {  # name -> engine options on top of the common ones
@@ -116,7 +127,12 @@ def rag_workload(tokenizer, n, backend=None):
             for i in range(n)]
 
 
-WORKLOADS = {"json": json_workload, "rag": rag_workload}
+def chat_workload(tokenizer, n, backend=None):
+    return [(chat(tokenizer, CHAT_PROMPTS[i % len(CHAT_PROMPTS)] + (f" (request {i})" if i >= len(CHAT_PROMPTS) else "")),
+             None) for i in range(n)]
+
+
+WORKLOADS = {"json": json_workload, "rag": rag_workload, "chat": chat_workload}
 
 
 # -- measuring ------------------------------------------------------------------------------------

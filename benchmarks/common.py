@@ -7,7 +7,8 @@ import platform
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# $BENCH_RESULTS: another folder (a GPU run writing where its files are fetched from; tests)
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 
 PERSON_SCHEMA = {

@@ -13,9 +13,16 @@
 #   attention  bench_attention.py: Triton vs torch attention, one layer -> attention.*
 #   kernels    bench_kernels.py: decode forward by kernel set, mask kernel (prints only)
 #   mask       bench_mask_latency.py on CUDA -> mask_latency_cuda.*; bench_mask_fill.py -> mask_fill.*
+#   eagle      train-eagle for the default model into $OUT/smollm2-135m-eagle (~6 min on an H100), then
+#              eagle_bench with that head (~3 min)
+#   eagle_bench  bench_spec.py: plain, n-gram chain, EAGLE tree and chain; JSON at batch 1/8/32/64, chat
+#              at batch 1 -> $OUT/spec_<device>_eagle_json.*, $OUT/spec_<device>_eagle_chat.* (EAGLE_HEAD:
+#              the head folder; default the shipped one)
 #   all        tests gpu spec attention
 #
-# PYTHON selects the interpreter (default: python3).
+# PYTHON selects the interpreter (default: python3); OUT, where the eagle stages write (default
+# benchmarks/results/eagle); DEVICE=cpu with MODEL, TRAIN_ARGS and BENCH_ARGS runs the
+# eagle stages at toy sizes on a CPU (tests/test_run_gpu.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -33,13 +40,33 @@ stage_mask() {
   "$PYTHON" benchmarks/bench_mask_latency.py
   "$PYTHON" benchmarks/bench_mask_fill.py
 }
+OUT=${OUT:-benchmarks/results/eagle}
+DEVICE=${DEVICE:-cuda}
+MODEL_ARGS=(${MODEL:+--model "$MODEL"})  # empty: the default model ($SMOLLM2_GGUF where set)
+stage_eagle() {
+  mkdir -p "$OUT"
+  # ~1.5 min of generation (~1M answer tokens at batch 128) + 2.5 min of training + a short acceptance run
+  "$PYTHON" -m constrained_spec.cli train-eagle "${MODEL_ARGS[@]}" --device "$DEVICE" --out "$OUT/smollm2-135m-eagle" \
+    --gen-minutes 1.5 --train-minutes 2.5 --eval-prompts 16 ${TRAIN_ARGS:-}
+  EAGLE_HEAD="$OUT/smollm2-135m-eagle" stage_eagle_bench
+}
+stage_eagle_bench() {
+  mkdir -p "$OUT"
+  local head=(${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"}) engines="plain,ngram chain,eagle,eagle chain"
+  local common=(--device "$DEVICE" "${MODEL_ARGS[@]}" "${head[@]}" --engines "$engines" --max-tokens 128
+                --min-prompts 16 --repeats 2)
+  BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py "${common[@]}" --workloads json \
+    --grammar-backends xgrammar --batches 1,8,32,64 --name "spec_${DEVICE}_eagle_json" ${BENCH_ARGS:-}
+  BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py "${common[@]}" --workloads chat --batches 1 \
+    --name "spec_${DEVICE}_eagle_chat" ${BENCH_ARGS:-}
+}
 stage_all() { stage_tests; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
-"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
+[ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
 for stage in "$@"; do
   if ! declare -F "stage_$stage" > /dev/null; then
     echo "unknown stage: $stage (see bash benchmarks/run_gpu.sh)" >&2

@@ -288,7 +288,9 @@ def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainCo
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             step += 1
-            if step % 10 == 0 or step == 1:
+            elapsed = time.perf_counter() - t0
+            last = bool(cfg.max_steps and step >= cfg.max_steps) or (not cfg.max_steps and elapsed >= budget)
+            if step % 10 == 0 or step == 1 or last:  # the last step too: info["steps"] is the count
                 history["step"].append(step)
                 for k, x in (("loss", loss), ("feature_loss", v), ("dist_loss", p), ("top1", acc)):
                     history[k].append(float(x.detach()))
@@ -296,8 +298,7 @@ def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainCo
             if val_batches and (step % 100 == 0):
                 best = _checkpoint(head, target, data, val_batches, scale, cfg, autocast, history, step, best)
             bar.update(1)
-            elapsed = time.perf_counter() - t0
-            if (cfg.max_steps and step >= cfg.max_steps) or (not cfg.max_steps and elapsed >= budget):
+            if last:
                 done = True
                 break
     bar.close()

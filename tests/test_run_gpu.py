@@ -1,0 +1,42 @@
+"""The GPU script's EAGLE stages on the CPU at toy sizes (tiny random model, matplotlib hidden as on
+the GPU machine): the flags, files and hand-offs of `run_gpu.sh eagle` (train a head into $OUT,
+then bench_spec with it on JSON and chat) are the ones the lead's H100 run uses, so a wrong flag
+or a missing file fails here and not on the device."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    no_mpl = tmp_path / "no_matplotlib"
+    (no_mpl / "matplotlib").mkdir(parents=True)
+    (no_mpl / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib hidden: as on the GPU machine')\n")
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "MODEL": tiny_llama_dir, "OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(no_mpl), os.environ.get("PYTHONPATH", "")]),
+           "TRAIN_ARGS": "--dtype float32 --prompts 6 --max-tokens 12 --gen-batch 6 --max-steps 3 "
+                         "--batch-tokens 256 --eval-prompts 2 --log-level warning",
+           "BENCH_ARGS": "--dtype float32 --max-tokens 6 --min-prompts 2 --repeats 1"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "eagle"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    head = out / "smollm2-135m-eagle"
+    assert (head / "model.safetensors").is_file() and (head / "train_log.json").is_file()
+    assert not (head / "train_curves.png").exists()  # matplotlib absent: skipped, not failed
+    info = json.loads((head / "config.json").read_text())["info"]
+    assert info["steps"] == 3 and info["heldout_acceptance"]["spec_steps"] > 0
+    for workload, batches in (("json", [1, 8, 32, 64]), ("chat", [1])):
+        results = json.loads((out / f"spec_cpu_eagle_{workload}.json").read_text())["results"]
+        assert sorted({r["batch"] for r in results}) == batches
+        engines = {r["engine"] for r in results}
+        assert engines == {"plain", "ngram chain", "eagle", "eagle chain"}
+        for r in results:
+            if r["engine"] != "plain":  # float32 on the CPU: speculation is lossless
+                assert r["identical_to_plain"] == r["requests"], r
+        assert (out / f"spec_cpu_eagle_{workload}.md").is_file()
