@@ -133,7 +133,7 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                         help="which library enforces grammars; auto: llguidance for JSON schemas, "
                                              "regexes and choices, xgrammar (after our schema normalizer) where "
                                              "llguidance refuses a schema, and for EBNF; a request may name its own "
-                                             "(grammar_backend) (default: auto)")),
+                                             "(grammar_backend) (default: xgrammar; llguidance and auto are not yet safe under load, see docs/constraints.md)")),
     "grammar_threads": ("grammar", dict(metavar="N", help="threads compiling grammars; default: half the cores "
                                                           "available, 2 to 16")),
     "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="refuse a grammar (400) whose compile runs "
