@@ -57,9 +57,9 @@ def test_json_schema_output_validates(openai_client, http, grammar_backend):
         temperature=0, response_format={"type": "json_schema",
                                         "json_schema": {"name": "person", "schema": schema, "strict": True}},
         extra_body={} if grammar_backend is None else {"grammar_backend": grammar_backend})
-    # compiled by the backend asked for (the server's default, auto, takes llguidance for this schema)
+    # compiled by the backend asked for (the server default is xgrammar)
     after = _compiles_by_backend(http)
-    served_by = grammar_backend or "llguidance"
+    served_by = grammar_backend or "xgrammar"
     assert {b: after[b] - before.get(b, 0) for b in after} == {
         b: float(b == served_by) for b in ("xgrammar", "llguidance")}
     choice = r.choices[0]
