@@ -402,16 +402,18 @@ class Server:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:
+                tail = self.log_tail()
                 self.stop()
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                tail = self.log_tail()
                 self.stop()
-                raise TimeoutError(f"server not ready in {ready_timeout_s}s:\n{self.log_tail()}")
+                raise TimeoutError(f"server not ready in {ready_timeout_s}s:\n{tail}")
             time.sleep(0.5)
         self.ready_s = time.perf_counter() - self.started_s
 
@@ -661,6 +663,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=384)
     p.add_argument("--limit", type=int, default=None, help="the first N development schemas")
     p.add_argument("--no-conformance", action="store_true", help="leave out schemas/conformance/cases.jsonl")
+    p.add_argument("--ids", default=None, help="only these schema ids (comma separated), e.g. to replay failures")
     p.add_argument("--seed", type=int, default=0, help="request i gets seed+i; also shuffles the order")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results prefix (.json, .md, .png)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
@@ -670,6 +673,11 @@ def main(argv=None) -> int:
         p.error("--url must be a server on 127.0.0.1")
 
     cases = load_cases(args.limit, not args.no_conformance)
+    if args.ids:
+        wanted = set(args.ids.split(","))
+        cases = [c for c in cases if c.id in wanted]
+        if missing := wanted.difference(c.id for c in cases):
+            p.error(f"no schema with id {', '.join(sorted(missing))}")
     random.Random(args.seed).shuffle(cases)
     extra = shlex.split(args.server_args)
     names = args.configs.split(",") if args.configs else [

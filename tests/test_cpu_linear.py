@@ -156,3 +156,17 @@ def test_packed_logits_as_close_to_float32_as_f_linear(smollm2_dir, monkeypatch)
     err_packed = (logits(torch.bfloat16, True) - ref).abs().mean()
     print(f"mean |logit - float32 logit|: F.linear {err_plain:.6f}, packed {err_packed:.6f}")
     assert err_packed <= 1.25 * err_plain, (err_packed, err_plain)
+
+
+def test_bf16_engine_runs_on_any_cpu(tiny_llama_dir):
+    """An explicit dtype="bfloat16" serves on every CPU: the projections are prepacked where oneDNN's
+    bfloat16 path or AMX runs here and stay on `F.linear` elsewhere (an AVX2-only CPU, where the
+    oneDNN reorder raised and the server died at start)."""
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="bfloat16", kv_cache_slots=256)
+    try:
+        packed = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == (prepack_available() or cpu_native.amx_linear_available())
+        out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    finally:
+        eng.shutdown()
+    assert len(out[0].token_ids) == 8

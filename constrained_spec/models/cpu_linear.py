@@ -26,10 +26,14 @@ log = logging.getLogger(__name__)
 
 
 def prepack_available() -> bool:
-    """oneDNN's prepacking ops are in this torch build."""
+    """oneDNN's prepacking ops are in this torch build and its bfloat16 path runs on this CPU (it needs
+    AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU the reorder raises)."""
     ops = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and ops is not None
-            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    if not (torch.backends.mkldnn.is_available() and ops is not None
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    supported = getattr(ops, "_is_mkldnn_bf16_supported", None)
+    return bool(supported()) if supported is not None else True
 
 
 class PackedLinear(nn.Module):
@@ -66,18 +70,21 @@ def prepack_bf16_linears(model: nn.Module) -> int:
     """Replaces every bfloat16 `nn.Linear` of a CPU model by a `PackedLinear`, and gives the model
     a packed logits head (`model.packed_head`, for `compute_logits`; a tied head keeps its
     embedding). Returns how many were packed (0 where neither AMX nor oneDNN's ops are there)."""
-    if not (prepack_available() or cpu_native.amx_linear_available()):
+    onednn = prepack_available()
+    if not (onednn or cpu_native.amx_linear_available()):
         return 0
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if child is getattr(model, "lm_head", None):
                 continue  # the head is packed below, its module left as it is (`head_weight` reads it)
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu" \
+                    and (onednn or cpu_native.amx_linear_fits(child.weight)):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 packed += 1
     head = getattr(model, "head_weight", None)
-    if packed and head is not None and head.dtype == torch.bfloat16 and getattr(model, "packed_head", None) is None:
+    if packed and head is not None and head.dtype == torch.bfloat16 and getattr(model, "packed_head", None) is None \
+            and (onednn or cpu_native.amx_linear_fits(head)):
         model.packed_head = PackedLinear(head, None, float32_out=True)
     kinds = {m.amx for m in model.modules() if isinstance(m, PackedLinear)}
     log.info("prepacked %d bfloat16 projections for %s", packed,
