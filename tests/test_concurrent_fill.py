@@ -54,11 +54,12 @@ def overlapped(engine: Engine) -> list[int]:
 def workload():
     """Grammars and sampling settings that reach every finish: length, EOS, grammar end with
     `ignore_eos` (the matcher terminates), stop strings; greedy and seeded sampling. Both grammar
-    backends in every step (the engine's default, auto, takes llguidance for these)."""
+    backends in every step."""
     specs, params = [], []
     for i in range(len(PROMPTS)):
         kind = i % 7
-        specs.append([PERSON, PERSON.with_backend("xgrammar"), CHOICE, CHOICE.with_backend("xgrammar"), DIGITS,
+        specs.append([PERSON.with_backend("llguidance"), PERSON.with_backend("xgrammar"),
+                      CHOICE.with_backend("llguidance"), CHOICE.with_backend("xgrammar"), DIGITS,
                       None, None][kind])
         params.append(SamplingParams(
             max_tokens=[28, 20, 12, 12, 10, 24, 16][kind], temperature=0 if i % 2 else 0.9, seed=100 + i,

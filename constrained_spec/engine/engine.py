@@ -408,7 +408,7 @@ class Engine:
         self._fill_beside(fill, reqs, live, tokens, logprobs)
         for req, token in fill.refused:  # appended already: the request ends with the error
             if not req.finished:
-                self._finish(req, FinishReason.ERROR, error=_violation(token))
+                self._fail_refused(req, token, "overlapped accept")
 
     def _accept_now(self, reqs, live: list[int], positions: list[int], tokens) -> list[int]:
         """reqs[i] accepts tokens[i] for i in `positions`; a refused token fails its request.
@@ -422,7 +422,7 @@ class Engine:
             return live
         for j in refused:
             i = positions[j]
-            self._finish(reqs[i], FinishReason.ERROR, error=_violation(tokens[i]))
+            self._fail_refused(reqs[i], tokens[i], "accept")
         return [i for i in live if not reqs[i].finished]
 
     def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
@@ -480,7 +480,7 @@ class Engine:
         params = req.params
         matcher = req.matcher
         if matcher is not None and not accepted and not matcher.accept_token(token):
-            self._finish(req, FinishReason.ERROR, error=_violation(token))
+            self._fail_refused(req, token, "sequential accept")
             return
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             req.output_ids.append(token)
@@ -581,6 +581,16 @@ class Engine:
         self._by_id.pop(req.request_id, None)
         self.stats.on_finish(req)
         self._emit(req, new_ids or [], logprobs, finished=True, reason=reason, matched=matched)
+
+    def _fail_refused(self, req: Request, token: int, where: str) -> None:
+        """A sampled token the request's grammar refuses (a bug: the sample was masked) fails the
+        request; the log says enough to replay it."""
+        m = req.matcher
+        log.error("request %s: %s refused token %d %r (%s grammar, %s backend) after %d tokens ending %r",
+                  req.request_id, where, token, self.tokenizer.decode([token]),
+                  m.compiled.spec.kind if m is not None else "-", getattr(m, "backend", "-"),
+                  len(req.output_ids), self.tokenizer.decode(req.output_ids[-40:]))
+        self._finish(req, FinishReason.ERROR, error=_violation(token))
 
     def _grammar_end_violation(self, req: Request, token: int, new_ids: list[int], logprobs) -> None:
         """An end of generation the request's grammar does not accept there: an engine bug (samples
