@@ -17,7 +17,7 @@ import time
 from common import SCHEMAS
 
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
-from constrained_spec.grammar.testing import load_test_tokenizer
+from constrained_spec.models import load_tokenizer
 
 DEFAULT_IDS = ["Github_easy---o9896", "Github_medium---o5028", "Github_medium---o65677", "Github_easy---o9858",
                "Github_hard---o21424", "Github_hard---o9843",
@@ -31,7 +31,7 @@ def main() -> None:
     rows = {json.loads(line)["id"]: json.loads(line)["schema"]
             for line in (SCHEMAS / "jsonschemabench-dev.jsonl").read_text().splitlines()}
     specs = [(i, GrammarSpec.json_schema(rows[i])) for i in args.ids]
-    tok = load_test_tokenizer()
+    tok = load_tokenizer()
     with tempfile.TemporaryDirectory() as d:
         times = {}
         for phase in ("cold", "warm"):

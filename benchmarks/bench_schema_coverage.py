@@ -181,8 +181,8 @@ def main() -> None:
     ap.add_argument("--mask-schemas", type=int, default=100, help="dev schemas timed for the mask cost")
     args = ap.parse_args()
     from constrained_spec.grammar import GrammarBackend
-    from constrained_spec.grammar.testing import load_test_tokenizer
-    tokenizer = load_test_tokenizer()
+    from constrained_spec.models import load_tokenizer
+    tokenizer = load_tokenizer()
     sets = load_sets(args.limit)
     grammars = {name: GrammarBackend(tokenizer, VOCAB, max_whitespace_cnt=16, cache_dir=None,
                                      compile_timeout_s=args.timeout, default_backend=name) for name in BACKENDS}

@@ -25,8 +25,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The SmolLM2 tokenizer alone (grammar tests), without loading the model."""
-    from constrained_spec.grammar.testing import load_test_tokenizer
-    return load_test_tokenizer()
+    from constrained_spec.models import load_tokenizer
+    return load_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from constrained_spec.grammar.testing import load_test_tokenizer
-    return load_test_tokenizer()
+def tok(tokenizer):
+    return tokenizer
 
 
 class SlowBackend(GrammarBackend):

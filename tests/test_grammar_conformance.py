@@ -145,13 +145,6 @@ def run_conformance(tokenizer, limit=None, nonstrict_every=None):
     return report
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    from constrained_spec.grammar.testing import load_test_tokenizer
-
-    return load_test_tokenizer()
-
-
 def test_jsonschemabench_dev_conformance(tokenizer):
     rep = run_conformance(tokenizer)
     print("\n=== grammar conformance (JSONSchemaBench dev, 400 schemas) ===")
@@ -168,7 +161,7 @@ def test_jsonschemabench_dev_conformance(tokenizer):
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     warnings.simplefilter("ignore")
-    from constrained_spec.grammar.testing import load_test_tokenizer
+    from constrained_spec.models import load_tokenizer
 
-    rep = run_conformance(load_test_tokenizer(), limit=int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    rep = run_conformance(load_tokenizer(), limit=int(sys.argv[1]) if len(sys.argv) > 1 else None)
     print(json.dumps(rep, indent=1))

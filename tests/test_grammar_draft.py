@@ -18,12 +18,6 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country"
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from constrained_spec.grammar.testing import load_test_tokenizer
-    return load_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def backend(tokenizer):
     b = GrammarBackend(tokenizer, vocab_size=len(tokenizer) + 64)
     yield b

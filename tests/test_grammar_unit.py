@@ -15,13 +15,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from constrained_spec.grammar.testing import load_test_tokenizer
-
-    return load_test_tokenizer()
-
-
-@pytest.fixture(scope="session")
 def backend(tokenizer):
     b = GrammarBackend(tokenizer, vocab_size=len(tokenizer) + 64, compile_timeout_s=30.0, default_backend="xgrammar")
     yield b
