@@ -192,44 +192,68 @@ def _validate(response_model: type[T], completion: ChatCompletion) -> T:
 # -- streams --------------------------------------------------------------------------------------------
 
 
-class ChatStream:
+_DONE = object()
+
+
+class _StreamState:
+    """What both streams keep of the chunks they read: the usage (last chunk with one) and each
+    choice's finish reason."""
+
+    def __init__(self, response: httpx.Response, kind: type[BaseModel]):
+        self.response = response
+        self._kind = kind
+        self.usage = None
+        self.finish_reasons: dict[int, str] = {}
+
+    def _take(self, line: str):
+        """The chunk of one SSE line; None for a line without data, _DONE at the end."""
+        data = _sse_data(line)
+        if data is None:
+            return None
+        if data == "[DONE]":
+            return _DONE
+        chunk = _parse_chunk(data, self._kind)
+        if getattr(chunk, "usage", None) is not None:
+            self.usage = chunk.usage
+        for c in chunk.choices:
+            if c.finish_reason is not None:
+                self.finish_reasons[c.index] = c.finish_reason
+        return chunk
+
+
+def _pieces(chunk, index: int) -> Iterator[str]:
+    """Choice `index`'s new text in a chunk (chat delta or completion text)."""
+    for c in chunk.choices:
+        if c.index == index:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            if piece:
+                yield piece
+
+
+class ChatStream(_StreamState):
     """An iterator over ChatCompletionChunk; also a context manager that closes the connection.
 
     Leaving it early (break, close()) closes the connection, and the server aborts the request."""
 
     def __init__(self, response: httpx.Response, kind: type[BaseModel] = ChatCompletionChunk):
-        self.response = response
-        self._kind = kind
+        super().__init__(response, kind)
         self._lines = response.iter_lines()
-        self.usage = None
-        self.finish_reasons: dict[int, str] = {}
 
     def __iter__(self) -> Iterator[Any]:
         try:
             for line in self._lines:
-                data = _sse_data(line)
-                if data is None:
-                    continue
-                if data == "[DONE]":
+                chunk = self._take(line)
+                if chunk is _DONE:
                     return
-                chunk = _parse_chunk(data, self._kind)
-                if getattr(chunk, "usage", None) is not None:
-                    self.usage = chunk.usage
-                for c in chunk.choices:
-                    if c.finish_reason is not None:
-                        self.finish_reasons[c.index] = c.finish_reason
-                yield chunk
+                if chunk is not None:
+                    yield chunk
         finally:
             self.close()
 
     def text_deltas(self, index: int = 0) -> Iterator[str]:
         """Just the new text of choice `index`, piece by piece."""
         for chunk in self:
-            for c in chunk.choices:
-                if c.index == index:
-                    piece = c.delta.content if hasattr(c, "delta") else c.text
-                    if piece:
-                        yield piece
+            yield from _pieces(chunk, index)
 
     def text(self, index: int = 0) -> str:
         """Reads the stream to the end and returns choice `index`'s full text."""
@@ -245,40 +269,27 @@ class ChatStream:
         self.close()
 
 
-class AsyncChatStream:
+class AsyncChatStream(_StreamState):
     """Async iterator over ChatCompletionChunk; `async with` closes the connection."""
 
     def __init__(self, response: httpx.Response, kind: type[BaseModel] = ChatCompletionChunk):
-        self.response = response
-        self._kind = kind
-        self.usage = None
-        self.finish_reasons: dict[int, str] = {}
+        super().__init__(response, kind)
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
             async for line in self.response.aiter_lines():
-                data = _sse_data(line)
-                if data is None:
-                    continue
-                if data == "[DONE]":
+                chunk = self._take(line)
+                if chunk is _DONE:
                     return
-                chunk = _parse_chunk(data, self._kind)
-                if getattr(chunk, "usage", None) is not None:
-                    self.usage = chunk.usage
-                for c in chunk.choices:
-                    if c.finish_reason is not None:
-                        self.finish_reasons[c.index] = c.finish_reason
-                yield chunk
+                if chunk is not None:
+                    yield chunk
         finally:
             await self.aclose()
 
     async def text_deltas(self, index: int = 0) -> AsyncIterator[str]:
         async for chunk in self:
-            for c in chunk.choices:
-                if c.index == index:
-                    piece = c.delta.content if hasattr(c, "delta") else c.text
-                    if piece:
-                        yield piece
+            for piece in _pieces(chunk, index):
+                yield piece
 
     async def text(self, index: int = 0) -> str:
         return "".join([p async for p in self.text_deltas(index)])
@@ -291,7 +302,6 @@ class AsyncChatStream:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-
 
 
 # -- clients --------------------------------------------------------------------------------------------
