@@ -140,22 +140,21 @@ def _compile_metrics(gstats: dict):
         yield g
 
 
+# (metric name, snapshot key, help)
+_SPEC_COUNTERS = (("verify_steps", "steps", "Speculative verify steps (batches)"),
+                  ("verified_requests", "verified_requests", "Request-steps verified (one per request per step)"),
+                  ("accepted_tokens", "accepted_tokens", "Draft tokens accepted (bonus tokens excluded)"),
+                  ("forced_draft_tokens", "forced_draft_tokens", "Grammar-forced tokens put into drafts"))
+
+
 def _spec_metrics(st: dict | None):
     """Speculative-decoding acceptance, global: counters plus the accepted-length histogram."""
     if st is None:
         return
-    c = CounterMetricFamily(f"{PREFIX}_spec_verify_steps", "Speculative verify steps (batches)")
-    c.add_metric([], float(st["steps"]))
-    yield c
-    c = CounterMetricFamily(f"{PREFIX}_spec_verified_requests", "Request-steps verified (one per request per step)")
-    c.add_metric([], float(st["verified_requests"]))
-    yield c
-    c = CounterMetricFamily(f"{PREFIX}_spec_accepted_tokens", "Draft tokens accepted (bonus tokens excluded)")
-    c.add_metric([], float(st["accepted_tokens"]))
-    yield c
-    c = CounterMetricFamily(f"{PREFIX}_spec_forced_draft_tokens", "Grammar-forced tokens put into drafts")
-    c.add_metric([], float(st["forced_draft_tokens"]))
-    yield c
+    for name, key, doc in _SPEC_COUNTERS:
+        c = CounterMetricFamily(f"{PREFIX}_spec_{name}", doc)
+        c.add_metric([], float(st[key]))
+        yield c
     g = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length", "Tokens emitted per request per verify step")
     g.add_metric([], float(st["mean_accepted"]))
     yield g
