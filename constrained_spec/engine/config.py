@@ -17,6 +17,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max position (capped at 8192)
     max_prefill_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
     max_queued_requests: int = 1024
+    disable_prefix_cache: bool = False  # prefix caching: a radix tree of cached prompts/outputs over the KV pool
     disable_overlap: bool = False
     disable_cuda_graph: bool = False
     jump_forward: bool = False  # emit grammar-forced strings without sampling

@@ -2,7 +2,8 @@
 
 The K/V tensors themselves live in `attention.base.KVCache`; this module only decides which slot
 holds which token. Alloc/free is exact: every slot handed out comes back when its request finishes,
-is aborted, or has a draft token rejected.
+is aborted, or has a draft token rejected, or passes to the prefix cache (`radix_cache.py`), which
+gives it back when it evicts it.
 """
 from __future__ import annotations
 
@@ -15,14 +16,26 @@ class OutOfSlots(RuntimeError):
 
 
 class SlotPool:
+    """The free slots. With a prefix cache (`cache`, a `RadixCache` whose nodes own slots), slots
+    the cache holds but no request uses count as free: `alloc` evicts them when the free list
+    runs short, so everything that asks "can I have n slots" (`num_free`) sees them."""
+
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         # Slot 0 is never handed out: padding in tables and graphs may write there harmlessly.
         self._free = np.arange(num_slots - 1, 0, -1, dtype=np.int64)
         self._top = num_slots - 1
+        self.cache = None
 
     @property
     def num_free(self) -> int:
+        """Slots `alloc` can hand out: free ones, and the prefix cache's evictable ones."""
+        cache = self.cache
+        return self._top if cache is None else self._top + cache.evictable_size
+
+    @property
+    def num_unused(self) -> int:
+        """Slots on the free list (neither a request's nor the prefix cache's)."""
         return self._top
 
     @property
@@ -30,6 +43,8 @@ class SlotPool:
         return self.num_slots - 1
 
     def alloc(self, n: int) -> np.ndarray:
+        if n > self._top and self.cache is not None:
+            self.cache.evict(n - self._top)
         if n > self._top:
             raise OutOfSlots(f"asked for {n} KV slots, {self._top} free")
         self._top -= n

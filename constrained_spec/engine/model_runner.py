@@ -21,6 +21,8 @@ from .batch import ScheduledBatch
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, GraphStep
 from .kv_cache import OutOfSlots, RequestSlotTable, SlotPool
+from .prefix_cache import PrefixCache
+from .request import FinishReason
 from .sampler import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class ModelRunner:
         self.max_rows = config.max_running_requests
         self.table = RequestSlotTable(self.max_rows, self.max_context, device)
         self.pad_row = self.table.pad_row
+        self.prefix_cache = None if config.disable_prefix_cache else PrefixCache(self)
         self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=device)
         self.bitmask_width = (self.vocab_size + 31) // 32
         # grammar masks are filled here by the CPU and copied by the sample step (a graph on CUDA)
@@ -138,6 +141,8 @@ class ModelRunner:
             if req.row < 0:
                 req.row = self.table.take_row()
                 self._reset_row_state(req)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.place_prefix(req)
             rows[i] = req.row
             self.table.append(req.row, self.pool.alloc(n))
             if batch.mode is ForwardMode.EXTEND:
@@ -380,8 +385,13 @@ class ModelRunner:
         req.num_cached = keep
 
     def release(self, req) -> None:
-        """Returns all of a request's KV slots and its table row."""
-        if req.row >= 0:
+        """Returns all of a request's KV slots and its table row; with the prefix cache, its
+        computed context goes into the cache instead (unless the request failed: an engine error
+        may have left its K/V half written)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req, keep=req.finish_reason is not FinishReason.ERROR)
+            req.row = -1
+        elif req.row >= 0:
             self.pool.free(self.table.release_row(req.row))
             req.row = -1
         req.num_cached = 0

@@ -69,6 +69,13 @@ class Request:
     spec_accepted: int = 0  # draft tokens of this request accepted
     detok: Any = None
     aborted: bool = False
+    # prefix cache (engine/prefix_cache.py): the locked tree node whose path is the start of the
+    # row, its length, the matched slots until the first step places them in the row
+    cache_node: Any = None
+    cache_len: int = 0
+    prefix_slots: Any = None
+    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    skips: int = 0  # times a request with a longer cached prefix was admitted before this one
 
     @property
     def all_ids(self) -> list[int]:

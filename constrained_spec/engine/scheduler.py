@@ -4,15 +4,25 @@ Prefill (EXTEND) steps take priority over decode steps, so a new request's first
 quickly; prompts longer than the per-step token budget are prefilled in chunks. When the KV pool
 cannot hold one more token per running request, the newest request is retracted (its slots freed,
 its tokens kept) and re-prefilled later: a full pool makes work wait, it never crashes.
+
+With the prefix cache (`prefix_cache.py`) an admitted request starts from its longest cached
+prefix and costs the step's budget only for the rest; slots the cache holds but nobody uses count
+as free (the pool evicts them on demand). Among the first ADMISSION_WINDOW waiting requests the one
+with the longest cached prefix goes first (it needs the fewest new tokens, so more requests start
+per step: SGLang's longest-prefix-first), but a request passed over MAX_SKIPS times goes next.
 """
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from ..attention.base import ForwardMode
 from .batch import ScheduledBatch
 from .config import EngineConfig
 from .request import Request, Status
+
+ADMISSION_WINDOW = 16  # waiting requests compared by cached prefix length
+MAX_SKIPS = 8  # a request passed over this often is admitted next (no starvation)
 
 
 class Scheduler:
@@ -53,6 +63,9 @@ class Scheduler:
         return batch
 
     def _schedule_extend(self) -> ScheduledBatch | None:
+        cache = self.runner.prefix_cache
+        if cache is not None:
+            cache.cache_prompts()
         budget = self.config.max_prefill_tokens
         free = self.pool.num_free - sum(1 for r in self.running if not r.needs_extend)  # keep the next decode's slots
         reqs, counts, samples = [], [], []
@@ -70,6 +83,8 @@ class Scheduler:
             samples.append(last)
             if last:
                 req.needs_extend = False
+                if cache is not None:
+                    cache.prompt_scheduled(req)
             budget -= n
             return True
 
@@ -77,15 +92,49 @@ class Scheduler:
             if req.needs_extend and budget > 0:
                 take(req)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
-            if self.runner.table.num_free_rows == 0 or not take(req):
+            if self.runner.table.num_free_rows == 0:
                 break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
+            req = self._next_waiting(cache)
+            if cache is not None:
+                free -= cache.admit(req)
+            if not take(req):
+                if cache is not None:
+                    free += cache.unadmit(req)
+                break
+            if cache is not None:
+                cache.admitted(req)
+            self._admit(req)
         if not reqs:
             return None
         return ScheduledBatch(ForwardMode.EXTEND, reqs, counts, samples)
+
+    def _next_waiting(self, cache) -> Request:
+        """The waiting request to admit next: the head, or with the prefix cache the one with the
+        longest cached prefix among the first ADMISSION_WINDOW (ties: the earliest), unless a
+        request before it was passed over MAX_SKIPS times already."""
+        head = self.waiting[0]
+        if cache is None or len(self.waiting) == 1:
+            return head
+        best, best_len = head, -1
+        for req in islice(self.waiting, ADMISSION_WINDOW):
+            if req.skips >= MAX_SKIPS:
+                return req
+            n = cache.tree.match_length(req.all_ids[:req.total_len - 1])
+            if n > best_len:
+                best, best_len = req, n
+        return best
+
+    def _admit(self, req: Request) -> None:
+        if req is self.waiting[0]:
+            self.waiting.popleft()
+        else:
+            for other in self.waiting:
+                if other is req:
+                    break
+                other.skips += 1
+            self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
 
     def _schedule_decode(self, can_retract: bool) -> ScheduledBatch | None:
         ready = [r for r in self.running if not r.needs_extend]

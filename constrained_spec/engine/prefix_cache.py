@@ -1,0 +1,139 @@
+"""Prefix caching for the engine: the radix tree (`radix_cache.py`) tied to the slot pool, the
+request→slots table and the requests' lives.
+
+A request's table row is its cached prefix's slots (owned by the tree, which the request holds a
+reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Three moments:
+- **admission** (`admit`, by the scheduler): the longest cached prefix of the request's tokens
+  (never all of them: the last token is computed, for its logits) is locked and becomes the row's
+  start; `num_cached` starts there, so the prefill covers only the rest.
+- **prompt prefilled** (`cache_prompts`, at the scheduler's next step): the prompt goes into the
+  tree, so requests that share it and arrive while this one decodes (n > 1 siblings, the same system
+  prompt under load) reuse it at once. Positions another request cached meanwhile are duplicates:
+  the row is pointed at the tree's slots and its own are freed.
+- **release** (`release`: finish, abort, retraction): the verified context (prompt and output
+  tokens whose K/V were computed) goes into the tree; duplicates and slots past it go back to the
+  pool; the reference is dropped. A request that failed (an engine error) caches nothing.
+Speculative decoding needs nothing here: a verify step frees its rejected draft slots and trims the
+row before anything can read the row for caching.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .radix_cache import RadixCache
+
+
+class PrefixCache:
+    def __init__(self, runner):
+        self.runner = runner
+        self.pool, self.table = runner.pool, runner.table
+        self.tree = RadixCache(self.pool.free)
+        self.pool.cache = self.tree
+        self._prefilled: list = []  # requests whose prompt's last chunk was scheduled
+        self.lookup_tokens = 0  # prompt tokens of first admissions
+        self.hit_tokens = 0  # of those, found in the cache
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit(self, req) -> int:
+        """Matches and locks the request's cached prefix; returns how many slots that took out of
+        the evictable ones (the scheduler's free count shrinks by as much)."""
+        slots, node = self.tree.match(req.all_ids[:req.total_len - 1])
+        req.cache_node, req.cache_len, req.prefix_slots = node, len(slots), slots
+        req.num_cached = len(slots)
+        return self.tree.lock(node)
+
+    def unadmit(self, req) -> int:
+        """Undoes `admit` for a request that did not fit this step; returns the slots made
+        evictable again."""
+        moved = self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_len, req.prefix_slots = None, 0, None
+        req.num_cached = 0
+        return moved
+
+    def admitted(self, req) -> None:
+        """The request runs: count its hit (first admission only: a retracted request's second
+        match is no prompt served from cache) and remember to cache its prompt once prefilled."""
+        if req.cached_tokens is None:
+            req.cached_tokens = min(req.cache_len, len(req.prompt_ids))
+            self.lookup_tokens += len(req.prompt_ids)
+            self.hit_tokens += req.cached_tokens
+
+    def place_prefix(self, req) -> None:
+        """Writes the admitted request's prefix slots into its new table row (host and device)."""
+        slots = req.prefix_slots
+        req.prefix_slots = None
+        if slots is None or not len(slots):
+            return
+        self.table.append(req.row, slots)
+        self._write_device(req.row, 0, slots)
+
+    def prompt_scheduled(self, req) -> None:
+        """The step being planned computes the last of the request's prompt."""
+        if req.cache_len < len(req.prompt_ids):
+            self._prefilled.append(req)
+
+    # -- caching ---------------------------------------------------------------------------------
+    def cache_prompts(self) -> None:
+        """Inserts the prompts whose prefill was launched by an earlier step (on the device, in
+        stream order, before anything this step launches reads them)."""
+        if not self._prefilled:
+            return
+        reqs, self._prefilled = self._prefilled, []
+        for req in reqs:
+            if req.row >= 0 and req.num_cached >= len(req.prompt_ids):
+                self._cache_running(req, len(req.prompt_ids))
+
+    def _cache_running(self, req, n: int) -> None:
+        row, start = req.row, req.cache_len
+        slots = self.table.host[row, :n].copy()
+        tokens = req.all_ids[:n]
+        dup = self.tree.insert(tokens, slots)
+        tree_slots, node = self.tree.match(tokens)
+        if dup > start:  # another request cached these positions first: use its slots, free ours
+            self.pool.free(slots[start:dup])
+            self.table.host[row, start:dup] = tree_slots[start:dup]
+            self._write_device(row, start, tree_slots[start:dup])
+        self.tree.lock(node)
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_len = node, n
+
+    def release(self, req, keep: bool) -> None:
+        """Frees the request's row: its computed context into the tree (`keep`), the rest to the
+        pool, its reference dropped."""
+        if req.row < 0:  # admitted, but removed before its first step placed the prefix
+            self._drop_reference(req)
+            return
+        table = self.table
+        held = int(table.lengths[req.row])
+        slots = table.release_row(req.row)
+        start = req.cache_len
+        if keep:
+            n = min(req.num_cached, req.total_len, held)
+            dup = self.tree.insert(req.all_ids[:n], slots[:n])
+            self.pool.free(slots[start:max(dup, start)])
+            self.pool.free(slots[max(n, start):])
+        else:
+            self.pool.free(slots[start:])
+        self._drop_reference(req)
+
+    def _drop_reference(self, req) -> None:
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_len, req.prefix_slots = None, 0, None
+
+    # -- figures ---------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        tree = self.tree
+        return {"hit_tokens": self.hit_tokens, "lookup_tokens": self.lookup_tokens,
+                "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+                "evicted_tokens": tree.evicted_tokens, "tree_tokens": tree.size,
+                "evictable_tokens": tree.evictable_size}
+
+    def _write_device(self, row: int, start: int, slots: np.ndarray) -> None:
+        n = len(slots)
+        host = np.concatenate([np.full(n, row, np.int64), np.arange(start, start + n, dtype=np.int64),
+                               np.asarray(slots, np.int64)])
+        rows, positions, values = torch.split(self.runner._to_device(host), [n, n, n])
+        self.table.write_device(rows, positions, values)

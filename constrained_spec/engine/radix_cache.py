@@ -1,0 +1,217 @@
+"""A radix tree over token ids whose nodes own KV slots of the pool (page size 1), for prefix caching.
+
+Every edge holds a run of tokens (`key`) and the slots holding their K/V (`slots`, one per token),
+so the path from the root to a node spells a token prefix and lists the slots of its context in
+order. A request whose prompt starts with a cached prefix takes those slots into its table row and
+prefills only the rest (the extend path over a cached prefix, as a later prompt chunk does).
+
+Ownership: a slot is either free in the pool, or owned by exactly one request (its own tokens
+past its cached prefix), or owned by exactly one tree node. Requests using a node hold a reference
+on it and on all its ancestors (`lock`), and referenced nodes are never evicted. Unreferenced leaves
+go least recently used first when the pool runs short (`evict`); freeing a leaf may make its parent
+a leaf in turn. Sizes are kept as counters so that the scheduler's "how many slots can I have"
+(free + evictable) costs nothing.
+
+Only verified tokens are ever inserted (the speculative step frees rejected draft slots before a
+request's context can be cached), and grammar state is not cached at all: a matcher starts fresh at
+a request's first generated token whatever prefix its prompt shares.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable
+
+import numpy as np
+
+
+class Node:
+    __slots__ = ("key", "slots", "children", "parent", "refs", "last_access")
+
+    def __init__(self, key: np.ndarray, slots: np.ndarray, parent: "Node | None"):
+        self.key = key  # int64 token ids of the edge into this node
+        self.slots = slots  # int64 KV slots of those tokens
+        self.children: dict[int, Node] = {}  # first token of the child's key -> child
+        self.parent = parent
+        self.refs = 0  # requests using this node's slots (directly or through a descendant)
+        self.last_access = 0
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+
+def _common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two id arrays share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class RadixCache:
+    """The tree. `free_slots(slots)` gives evicted slots back to the pool."""
+
+    def __init__(self, free_slots: Callable[[np.ndarray], None]):
+        self._free_slots = free_slots
+        self._clock = itertools.count(1)  # LRU order: a counter, not wall time (ties are impossible)
+        self.root = Node(np.empty(0, np.int64), np.empty(0, np.int64), None)
+        self.root.refs = 1  # never evicted
+        self.size = 0  # tokens (= slots) held by the tree
+        self.evictable_size = 0  # of those, in nodes no request references
+        self.evicted_tokens = 0  # over the cache's life
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def match(self, tokens) -> tuple[np.ndarray, Node]:
+        """The slots of the longest cached prefix of `tokens`, and the deepest node on it (the one
+        to lock). A match may end inside an edge: that edge is split there, so the returned node
+        covers exactly the matched prefix."""
+        key = np.asarray(tokens, dtype=np.int64)
+        node, pos, parts = self.root, 0, []
+        stamp = next(self._clock)
+        node.last_access = stamp
+        while pos < len(key):
+            child = node.children.get(int(key[pos]))
+            if child is None:
+                break
+            n = _common_length(child.key, key[pos:])
+            partial = n < len(child)
+            if partial:
+                child = self._split(child, n)
+            child.last_access = stamp
+            parts.append(child.slots)
+            node, pos = child, pos + n
+            if partial:
+                break
+        slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        return slots, node
+
+    def match_length(self, tokens) -> int:
+        """How many leading tokens of `tokens` are cached, changing nothing (no split, no LRU
+        touch): for ordering the waiting queue."""
+        key = np.asarray(tokens, dtype=np.int64)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(int(key[pos]))
+            if child is None:
+                break
+            n = _common_length(child.key, key[pos:])
+            pos += n
+            if n < len(child):
+                break
+            node = child
+        return pos
+
+    def insert(self, tokens, slots: np.ndarray) -> int:
+        """Caches `slots` as the K/V of `tokens`. Returns how many leading tokens were cached
+        already: the caller's slots for those positions are duplicates (the tree keeps its own) and
+        are the caller's to free; the slots past them now belong to the tree."""
+        key = np.asarray(tokens, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(key) != len(slots):
+            raise ValueError(f"{len(key)} tokens but {len(slots)} slots")
+        node, pos = self.root, 0
+        stamp = next(self._clock)
+        while pos < len(key):
+            child = node.children.get(int(key[pos]))
+            if child is None:
+                leaf = Node(key[pos:].copy(), slots[pos:].copy(), node)
+                leaf.last_access = stamp
+                node.children[int(key[pos])] = leaf
+                self.size += len(leaf)
+                self.evictable_size += len(leaf)
+                break
+            n = _common_length(child.key, key[pos:])
+            if n < len(child):
+                child = self._split(child, n)
+            child.last_access = stamp
+            node, pos = child, pos + n
+        return pos
+
+    # -- references ------------------------------------------------------------------------------
+    def lock(self, node: Node) -> int:
+        """A request now uses the slots on the path to `node`. Returns how many slots stopped
+        being evictable."""
+        moved = 0
+        while node is not self.root:
+            if node.refs == 0:
+                moved += len(node)
+            node.refs += 1
+            node = node.parent
+        self.evictable_size -= moved
+        return moved
+
+    def unlock(self, node: Node) -> int:
+        """Drops a reference taken by `lock`. Returns how many slots became evictable."""
+        moved = 0
+        while node is not self.root:
+            if node.refs <= 0:
+                raise RuntimeError("prefix cache: unlock of an unreferenced node")
+            node.refs -= 1
+            if node.refs == 0:
+                moved += len(node)
+            node = node.parent
+        self.evictable_size += moved
+        return moved
+
+    # -- eviction --------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least `num_tokens` slots (fewer if not that many are evictable) from
+        unreferenced leaves, least recently used first. Returns how many were freed."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.refs == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[int(leaf.key[0])]
+            self._free_slots(leaf.slots)
+            freed += len(leaf)
+            if parent is not self.root and not parent.children and parent.refs == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.size -= freed
+        self.evictable_size -= freed
+        self.evicted_tokens += freed
+        return freed
+
+    def _leaves(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                yield node
+
+    # -- structure -------------------------------------------------------------------------------
+    def _split(self, child: Node, n: int) -> Node:
+        """Cuts `child`'s edge after `n` tokens; returns the new node holding the first part. The
+        new node carries the child's references (every request locking the child uses it too)."""
+        head = Node(child.key[:n], child.slots[:n], child.parent)
+        head.refs = child.refs
+        head.last_access = child.last_access
+        head.children[int(child.key[n])] = child
+        child.parent.children[int(child.key[0])] = head
+        child.parent = head
+        child.key = child.key[n:]
+        child.slots = child.slots[n:]
+        return head
+
+    def all_slots(self) -> np.ndarray:
+        """Every slot the tree owns (tests: slot accounting)."""
+        parts, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            parts.append(node.slots)
+            stack.extend(node.children.values())
+        return np.concatenate(parts)
+
+    def num_nodes(self) -> int:
+        count, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count - 1

@@ -1,0 +1,127 @@
+"""The radix tree alone: matching, insertion with splits, references, LRU eviction, slot accounting."""
+import numpy as np
+import pytest
+
+from constrained_spec.engine.kv_cache import SlotPool
+from constrained_spec.engine.radix_cache import RadixCache
+
+
+def _tree():
+    freed = []
+    return RadixCache(lambda s: freed.extend(s.tolist())), freed
+
+
+def test_match_returns_slots_of_the_longest_cached_prefix():
+    tree, _ = _tree()
+    assert tree.insert([1, 2, 3, 4], np.array([10, 11, 12, 13])) == 0
+    slots, node = tree.match([1, 2, 3, 9, 9])
+    assert slots.tolist() == [10, 11, 12]
+    assert len(node) == 3  # the edge was split at the match's end
+    assert tree.match([5])[0].tolist() == []
+    assert tree.match([1, 2, 3, 4, 5])[0].tolist() == [10, 11, 12, 13]
+    assert tree.match_length([1, 2, 7]) == 2
+    assert tree.size == 4
+
+
+def test_insert_reports_the_already_cached_length_and_keeps_the_tree_slots():
+    tree, _ = _tree()
+    tree.insert([1, 2, 3], np.array([10, 11, 12]))
+    # a second request computed the same first two tokens in its own slots, then diverged
+    assert tree.insert([1, 2, 5, 6], np.array([20, 21, 22, 23])) == 2
+    assert tree.match([1, 2, 5, 6])[0].tolist() == [10, 11, 22, 23]
+    assert tree.match([1, 2, 3])[0].tolist() == [10, 11, 12]
+    assert tree.size == 5
+    assert sorted(tree.all_slots().tolist()) == [10, 11, 12, 22, 23]
+    assert tree.insert([1, 2], np.array([30, 31])) == 2  # fully cached: nothing new
+
+
+def test_locked_nodes_are_never_evicted_and_unlock_makes_them_evictable():
+    tree, freed = _tree()
+    tree.insert([1, 2, 3], np.array([10, 11, 12]))
+    tree.insert([1, 2, 4], np.array([10, 11, 13]))
+    _, node = tree.match([1, 2, 3])
+    assert tree.evictable_size == 4
+    assert tree.lock(node) == 3  # [1, 2] and [3] on its path
+    assert tree.evictable_size == 1
+    assert tree.evict(100) == 1  # only the [4] leaf
+    assert freed == [13]
+    assert tree.evict(100) == 0
+    assert tree.unlock(node) == 3
+    assert tree.evict(100) == 3
+    assert sorted(freed) == [10, 11, 12, 13]
+    assert tree.size == tree.evictable_size == 0
+    with pytest.raises(RuntimeError):
+        tree.unlock(node)
+
+
+def test_a_split_keeps_the_references_of_the_node_it_cuts():
+    tree, _ = _tree()
+    tree.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))
+    _, deep = tree.match([1, 2, 3, 4])
+    tree.lock(deep)
+    _, mid = tree.match([1, 2])  # splits the locked edge
+    assert mid.refs == 1 and mid.parent is tree.root
+    assert tree.evictable_size == 0
+    assert tree.evict(10) == 0
+    tree.unlock(deep)
+    assert tree.evictable_size == 4
+
+
+def test_eviction_goes_least_recently_used_first_and_climbs_to_parents():
+    tree, freed = _tree()
+    tree.insert([1, 2], np.array([10, 11]))
+    tree.insert([1, 3], np.array([10, 12]))
+    tree.insert([5, 6], np.array([20, 21]))
+    tree.match([1, 3])  # touch: [1, 2] is now the oldest leaf under [1]
+    assert tree.evict(1) == 1 and freed == [11]
+    assert tree.evict(2) == 2 and freed[1:] == [20, 21]  # [5, 6]: older than [1, 3]
+    assert tree.evict(2) == 2 and sorted(freed[3:]) == [10, 12]  # [3], then its parent [1]
+    assert tree.num_nodes() == 0
+
+
+def test_pool_with_cache_hands_out_evictable_slots():
+    pool = SlotPool(9)  # 8 usable slots
+    tree = RadixCache(pool.free)
+    pool.cache = tree
+    slots = pool.alloc(6)
+    tree.insert(list(range(6)), slots)
+    assert pool.num_free == 8  # 2 free + 6 evictable
+    _, node = tree.match([0, 1, 2])
+    tree.lock(node)
+    assert pool.num_free == 5
+    got = pool.alloc(5)  # evicts the unlocked [3, 4, 5]
+    assert len(set(got.tolist()) | set(tree.all_slots().tolist())) == 8
+    assert tree.size == 3 and pool.num_free == 0
+
+
+def test_random_workload_accounts_for_every_slot():
+    rng = np.random.default_rng(0)
+    pool = SlotPool(65)
+    tree = RadixCache(pool.free)
+    pool.cache = tree
+    held = []  # (node, own slots) of live "requests"
+    for _ in range(400):
+        if held and (rng.random() < 0.5 or pool.num_free < 12):
+            node, tokens, own = held.pop(int(rng.integers(len(held))))
+            cached = len(tokens) - len(own)
+            dup = tree.insert(tokens, np.concatenate([tree.match(tokens[:cached])[0], own]))
+            pool.free(own[:max(dup - cached, 0)])
+            tree.unlock(node)
+            continue
+        tokens = rng.integers(0, 3, size=int(rng.integers(2, 10))).tolist()
+        prefix, node = tree.match(tokens)
+        tree.lock(node)
+        need = len(tokens) - len(prefix)
+        if need > pool.num_free:
+            tree.unlock(node)
+            continue
+        held.append((node, tokens, pool.alloc(need)))
+        owned = np.concatenate([tree.all_slots()] + [h[2] for h in held])
+        assert len(owned) == len(set(owned.tolist())), "a slot has two owners"
+        assert len(owned) + pool._top == pool.capacity
+    for node, tokens, own in held:
+        pool.free(own)
+        tree.unlock(node)
+    assert tree.evictable_size == tree.size
+    tree.evict(tree.size)
+    assert pool.num_free == pool.capacity and tree.size == 0
