@@ -15,7 +15,12 @@ so the clients' own Python work does not limit what is measured. Two modes:
 * request rate: Poisson arrivals at the given rates (`--rates`, requests/s), unbounded concurrency.
 
 Workloads: `plain` (a story, `ignore_eos`, `--max-tokens` tokens), `json` (one schema), `schemas`
-(the 30 schemas of schemas/handwritten, each with its own prompt); greedy. Every request is sent
+(the 30 schemas of schemas/handwritten, each with its own prompt), `shared-prefix` (one ~1,500-token
+system prompt with the schema and worked examples, then a short user message, every request; JSON),
+`multi-turn` (conversations of 4 turns whose prompts grow by the previous turns, a turn of every
+conversation before the next turn of any); greedy. The prefix cache is measured by running the same
+server with and without it: a server name with `+nocache` adds `--disable-prefix-cache`
+(`--servers split,split+nocache`); the report then has a cache on / off table. Every request is sent
 non-streamed and streamed (`--stream`). Reported: TTFT, TPOT (time per output token after the
 first), ITL (inter-token latency: time between streamed chunks), end-to-end latency (p50/p90/p99),
 requests/s and output tokens/s. Non-streamed, TTFT is the end-to-end latency.
@@ -59,13 +64,19 @@ TOPICS = ["a chef in Lyon", "a retired pilot", "a data engineer", "a marine biol
 
 @dataclass
 class Job:
-    """One request: its chat message, and the constraint (a JSON schema or none)."""
+    """One request: its chat message (after a system prompt and earlier turns, if any), and the
+    constraint (a JSON schema or none)."""
     content: str
     schema: dict | None
     ignore_eos: bool
+    history: list[dict] = field(default_factory=list)  # messages before the user's
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.history + [{"role": "user", "content": self.content}]
 
     def body(self, max_tokens: int, stream: bool) -> dict:
-        b = {"model": MODEL_ID, "messages": [{"role": "user", "content": self.content}], "max_tokens": max_tokens,
+        b = {"model": MODEL_ID, "messages": self.messages, "max_tokens": max_tokens,
              "temperature": 0, "stream": stream}
         if stream:
             b["stream_options"] = {"include_usage": True}
@@ -76,7 +87,53 @@ class Job:
         return b
 
 
-def make_jobs(workload: str, n: int) -> list[Job]:
+def shared_system_prompt() -> str:
+    """~1,500 tokens (SmolLM2's tokenizer): instructions, the schema, and worked examples, the way
+    structured-output applications put them in front of every request."""
+    rules = ("You are the records assistant of a staffing agency. For every person the user describes, answer "
+             "with exactly one JSON object that follows the schema below: no prose before or after it, no "
+             "comments, no trailing commas. Use the person's full name if it is given, else invent a plausible "
+             "one. Give the age in whole years. Make up a work email at example.com from the name. List at most "
+             "four skills, most important first, each two or three words long. Set active to false only when the "
+             "user says the person retired or left.")
+    examples = []
+    for i, topic in enumerate((TOPICS * 2)[:16]):
+        name = f"{['Ana', 'Bo', 'Chen', 'Dara', 'Eli', 'Fay', 'Gus', 'Hana', 'Ivo', 'June'][i % 10]} " \
+               f"{['Moreau', 'Lind', 'Okafor', 'Sato', 'Reyes'][i % 5]}"
+        answer = {"name": name, "age": 24 + 3 * i, "email": name.lower().replace(" ", ".") + "@example.com",
+                  "skills": ["planning", "team leadership", "customer care", "budgeting"][: 2 + i % 3],
+                  "active": i % 4 != 3}
+        examples.append(f"Example {i + 1}.\nUser: Describe {topic}, {24 + 3 * i} years old"
+                        f"{', now retired' if i % 4 == 3 else ''}.\nAssistant: {json.dumps(answer)}")
+    return (f"{rules}\n\nSchema:\n{json.dumps(PERSON_SCHEMA, indent=2)}\n\n" + "\n\n".join(examples)
+            + "\n\nAnswer the next request the same way.")
+
+
+MULTI_TURN_TURNS = 4
+_TURN_ASKS = ["Describe {topic}.", "Now make them ten years older.", "Give them one more skill.",
+              "Now they retired: update the record."]
+_TURN_ANSWER = ('{"name": "Sam Rivera", "age": 41, "email": "sam.rivera@example.com", '
+                '"skills": ["planning", "customer care"], "active": true}')
+
+
+def make_jobs(workload: str, n: int, first: int = 0) -> list[Job]:
+    """n requests of a workload; `first` numbers them (the warm-up's requests are not the measured ones)."""
+    if workload == "shared-prefix":
+        system = [{"role": "system", "content": shared_system_prompt()}]
+        return [Job(f"Request {first + i}: describe {TOPICS[i % len(TOPICS)]}.", PERSON_SCHEMA, False, system)
+                for i in range(n)]
+    if workload == "multi-turn":
+        conversations = max(1, math.ceil(n / MULTI_TURN_TURNS))
+        jobs = []
+        for turn in range(MULTI_TURN_TURNS):  # turn t of every conversation, then turn t + 1
+            for c in range(conversations):
+                history = [{"role": "system", "content": f"Conversation {first + c}. You keep one JSON record "
+                                                         "of a person up to date and answer with the whole record."}]
+                for t in range(turn):
+                    history += [{"role": "user", "content": _TURN_ASKS[t].format(topic=TOPICS[c % len(TOPICS)])},
+                                {"role": "assistant", "content": _TURN_ANSWER}]
+                jobs.append(Job(_TURN_ASKS[turn].format(topic=TOPICS[c % len(TOPICS)]), PERSON_SCHEMA, False, history))
+        return jobs[:n]
     if workload == "plain":
         return [Job(f"Write a short story about {TOPICS[i % len(TOPICS)]}.", None, True) for i in range(n)]
     if workload == "json":
@@ -86,7 +143,7 @@ def make_jobs(workload: str, n: int) -> list[Job]:
         cases = [json.loads(line) for line in HANDWRITTEN.read_text().splitlines() if line.strip()]
         return [Job(cases[i % len(cases)]["prompt"] + " Answer in JSON.", cases[i % len(cases)]["schema"], False)
                 for i in range(n)]
-    raise SystemExit(f"unknown workload {workload!r} (plain, json, schemas)")
+    raise SystemExit(f"unknown workload {workload!r} (plain, json, schemas, shared-prefix, multi-turn)")
 
 
 # -- the clients (run in worker processes) -----------------------------------------------------------
@@ -107,7 +164,8 @@ def answer_is_valid(schema: dict | None, text: str, finish_reason: str | None) -
 async def _one(client, body: dict, stream: bool) -> dict:
     """Sends one request; returns its timings (seconds from its start) and output token count."""
     t0 = time.perf_counter()
-    rec = {"ok": False, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None, "invalid": False}
+    rec = {"ok": False, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None, "invalid": False,
+           "prompt_tokens": 0, "cached_tokens": 0}
     schema = body.get("response_format", {}).get("json_schema", {}).get("schema")
     try:
         if not stream:
@@ -117,7 +175,7 @@ async def _one(client, body: dict, stream: bool) -> dict:
                 rec["error"] = f"{r.status_code}: {r.text[:200]}"
                 return rec
             data = r.json()
-            rec["tokens"] = data["usage"]["completion_tokens"]
+            _usage_into(rec, data["usage"])
             choice = data["choices"][0]
             rec["invalid"] = not answer_is_valid(schema, choice["message"]["content"], choice["finish_reason"])
             rec["ok"] = True
@@ -135,7 +193,7 @@ async def _one(client, body: dict, stream: bool) -> dict:
                     rec["error"] = str(chunk["error"])[:200]
                     return rec
                 if chunk.get("usage"):
-                    rec["tokens"] = chunk["usage"]["completion_tokens"]
+                    _usage_into(rec, chunk["usage"])
                 for c in chunk.get("choices", ()):
                     text.append(c["delta"].get("content") or "")
                     finish = c.get("finish_reason") or finish
@@ -152,6 +210,12 @@ async def _one(client, body: dict, stream: bool) -> dict:
     except Exception as e:  # noqa: BLE001 - reported per request
         rec["error"] = f"{type(e).__name__}: {e}"
     return rec
+
+
+def _usage_into(rec: dict, usage: dict) -> None:
+    rec["tokens"] = usage["completion_tokens"]
+    rec["prompt_tokens"] = usage.get("prompt_tokens", 0)
+    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | None, rate: float | None,
@@ -222,7 +286,10 @@ def summarize(recs: list[dict], duration: float) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and r["e2e"] > r["ttft"]]
     errors = [r["error"] for r in recs if not r["ok"]]
-    return {"requests": len(recs), "ok": len(ok), "errors": len(errors), "first_errors": errors[:3],
+    prompt_tokens = sum(r.get("prompt_tokens", 0) for r in ok)
+    return {"prompt_tokens": prompt_tokens,
+            "cached_share": sum(r.get("cached_tokens", 0) for r in ok) / prompt_tokens if prompt_tokens else None,
+            "requests": len(recs), "ok": len(ok), "errors": len(errors), "first_errors": errors[:3],
             "invalid": sum(1 for r in ok if r.get("invalid")),
             "duration_s": duration, "req_s": len(ok) / duration if duration else 0.0,
             "out_tok_s": tokens / duration if duration else 0.0, "out_tokens": tokens,
@@ -240,7 +307,7 @@ def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: in
 
     prepared = []
     for job in jobs:
-        prompt = engine.chat_prompt([{"role": "user", "content": job.content}])
+        prompt = engine.chat_prompt(job.messages)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=job.ignore_eos)
         grammar = GrammarSpec.json_schema(job.schema) if job.schema is not None else None
         prepared.append((prompt, params, grammar))
@@ -281,14 +348,17 @@ def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: in
 # -- servers ------------------------------------------------------------------------------------------
 
 def server_flags(name: str) -> list[str]:
-    """`serve` flags of a server layout: split (the default), split-N (N front-ends), single."""
+    """`serve` flags of a server layout: split (the default), split-N (N front-ends), single; a
+    `+nocache` suffix turns the prefix cache off (the A/B arm)."""
+    if name.endswith("+nocache"):
+        return server_flags(name[:-len("+nocache")]) + ["--disable-prefix-cache"]
     if name == "split":
         return []
     if name == "single":
         return ["--single-process"]
     if name.startswith("split-") and name[6:].isdigit():
         return ["--frontends", name[6:]]
-    raise SystemExit(f"unknown server {name!r} (split, split-N, single)")
+    raise SystemExit(f"unknown server {name!r} (split, split-N, single; each with an optional +nocache)")
 
 
 def _free_port() -> int:
@@ -406,6 +476,27 @@ def report(payload: dict) -> str:
                     a, b = find(s, w, True, "clients", c), find(s, w, False, "clients", c)
                     cells.append(_ratio(a and a["out_tok_s"], b and b["out_tok_s"]))
                 lines.append(f"| {w} | {c} | " + " | ".join(cells) + " |")
+    pairs = [(s, s + "+nocache") for s in servers if s + "+nocache" in servers]
+    if pairs:
+        lines += ["", "## Prefix cache on / off", "",
+                  "Each server against itself with `--disable-prefix-cache` (`+nocache`), same requests: TTFT p50 "
+                  "off / on (how many times lower with the cache), output tok/s on / off, and the share of prompt "
+                  "tokens the cache served.", "",
+                  "| server | workload | stream | clients | TTFT p50 on | TTFT p50 off | TTFT off / on | tok/s on "
+                  "| tok/s off | tok/s on / off | cached share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for on, off in pairs:
+            for w in payload["workloads"]:
+                for stream in payload["streams"]:
+                    for c in payload["clients"]:
+                        a, b = find(on, w, stream, "clients", c), find(off, w, stream, "clients", c)
+                        if a is None or b is None:
+                            continue
+                        share = a.get("cached_share")
+                        lines.append(f"| {on} | {w} | {'yes' if stream else 'no'} | {c} | {_ms(a['ttft']['p50'])} "
+                                     f"| {_ms(b['ttft']['p50'])} | {_ratio(b['ttft']['p50'], a['ttft']['p50'])} "
+                                     f"| {_tok(a['out_tok_s'])} | {_tok(b['out_tok_s'])} "
+                                     f"| {_ratio(a['out_tok_s'], b['out_tok_s'])} "
+                                     f"| {'-' if share is None else f'{share:.2f}'} |")
     if payload["rates"]:
         lines += ["", f"## Request rate (Poisson arrivals; {payload['rate_workload']}, not streamed)", "",
                   "| server | rate req/s | served req/s | tok/s | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | errors / invalid |",
@@ -464,7 +555,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct, $SMOLLM2_GGUF if set)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--workloads", default="plain,json", help="comma list of plain, json, schemas")
+    ap.add_argument("--workloads", default="plain,json",
+                    help="comma list of plain, json, schemas, shared-prefix, multi-turn")
     ap.add_argument("--clients", default="1,64,128", help="max-concurrency levels")
     ap.add_argument("--stream", default="both", choices=["no", "yes", "both"])
     ap.add_argument("--rates", default="32,64,128,256", help="Poisson request rates (req/s); empty: none")
@@ -512,7 +604,7 @@ def main(argv=None) -> int:
             print(f"[{name}] ready in {server.ready_s:.1f} s at {server.url}", flush=True)
             try:
                 for w in sorted(set(workloads) | ({args.rate_workload} if rates else set())):
-                    warm = [j.body(16, False) for j in make_jobs(w, max(clients))]
+                    warm = [j.body(16, False) for j in make_jobs(w, max(clients), first=10**6)]
                     run_clients(pool, args.client_procs, server.url, warm, False, max(clients), None)
                 for w in workloads:
                     for stream in streams:
@@ -550,7 +642,7 @@ def main(argv=None) -> int:
         payload["model_name"] = engine.model_name
         try:
             for w in workloads:
-                engine_closed_loop(engine, make_jobs(w, max(clients)), 16, max(clients))  # warm-up
+                engine_closed_loop(engine, make_jobs(w, max(clients), first=10**6), 16, max(clients))  # warm-up
                 for c in clients:
                     r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
                     payload["engine"].append({"workload": w, "clients": c, **r})

@@ -127,6 +127,9 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "max_queued_requests": ("memory", dict(metavar="N", help="most requests waiting for a batch slot; past "
                                                              "running + queued the server answers 503 "
                                                              "(default: %(default)s)")),
+    "disable_prefix_cache": ("memory", dict(help="turn off prefix caching (a radix tree of prompts and answers "
+                                                 "whose K/V the engine keeps in the KV pool and reuses for "
+                                                 "requests that start the same way; for A/B runs)")),
     "max_prefill_tokens": ("memory", dict(metavar="N", help="prompt tokens prefilled per step; longer prompts "
                                                             "are chunked (default: %(default)s)")),
     "grammar_backend": ("grammar", dict(choices=["auto", "xgrammar", "llguidance"],

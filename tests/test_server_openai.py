@@ -176,6 +176,28 @@ def test_completions_endpoint(openai_client, engine_info):
     assert "".join(pieces) == c.text
 
 
+def test_cached_tokens_in_usage(openai_client, http):
+    """A prompt that starts like an earlier one reports the cached part in
+    usage.prompt_tokens_details.cached_tokens (non-streamed and streamed), and /metrics counts it."""
+    system = {"role": "system", "content": "You answer in one short sentence about geography. " * 8}
+    ask = lambda q, **kw: openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[system, {"role": "user", "content": q}], max_tokens=3, temperature=0, **kw)
+    first = ask("Where is Lima?")
+    second = ask("Where is Oslo?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 60 < cached < second.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached
+    chunks = list(ask("Where is Quito?", stream=True, stream_options={"include_usage": True}))
+    usage = [c.usage for c in chunks if c.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens >= cached
+    text = http.get("/metrics").text
+    hits = re.search(r"^constrained_spec_prefix_cache_hit_tokens_total (\S+)$", text, re.M)
+    assert hits and float(hits.group(1)) >= 2 * cached
+    for name in ("constrained_spec_prefix_cache_hit_rate", "constrained_spec_prefix_cache_evicted_tokens_total",
+                 "constrained_spec_prefix_cache_tokens "):
+        assert name in text, name
+
+
 def test_metrics(http):
     r = http.post("/v1/chat/completions", json={"model": MODEL_ID, "max_tokens": 4,
                                                 "messages": [{"role": "user", "content": "Hi"}]})
@@ -207,7 +229,9 @@ def test_single_process_server_answers_the_same(server, single_server, extra):
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
-        answers.append((c["message"]["content"], c["finish_reason"], r.json()["usage"], c["logprobs"]))
+        usage = r.json()["usage"]
+        usage.pop("prompt_tokens_details")  # the two engines' prefix caches saw different requests before
+        answers.append((c["message"]["content"], c["finish_reason"], usage, c["logprobs"]))
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])

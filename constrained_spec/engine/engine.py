@@ -72,6 +72,7 @@ class GenerationOutput:
     completion_tokens: int
     error: str | None = None
     logprobs: list[dict] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def resolve_device(device: str) -> torch.device:
@@ -464,7 +465,7 @@ class Engine:
                 self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
                 continue
             req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
-                                        len(req.prompt_ids), n, lps, None))
+                                        len(req.prompt_ids), n, lps, None, req.cached_tokens or 0))
 
     def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True,
                       accepted: bool = False) -> None:
@@ -568,7 +569,8 @@ class Engine:
         req.on_output(RequestOutput(
             request_id=req.request_id, new_text=text, new_token_ids=new_ids, finished=finished,
             finish_reason=reason, error=req.error, prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids), logprobs=logprobs, matched_stop=matched))
+            completion_tokens=len(req.output_ids), logprobs=logprobs, matched_stop=matched,
+            cached_tokens=req.cached_tokens or 0))
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None, matched=None,
                 new_ids: list[int] | None = None, logprobs=None) -> None:
@@ -641,4 +643,4 @@ class _Collector:
         self.done.wait()
         f = self.final
         return GenerationOutput(req.request_id, "".join(self.text), self.ids, f.finish_reason, f.prompt_tokens,
-                                f.completion_tokens, f.error, self.lps or None)
+                                f.completion_tokens, f.error, self.lps or None, f.cached_tokens)

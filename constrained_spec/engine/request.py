@@ -40,6 +40,7 @@ class RequestOutput:
     completion_tokens: int = 0
     logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": [(id, logprob)]}
     matched_stop: str | int | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass(eq=False)  # identity: `req in running`, `running.remove(req)` must not compare every field

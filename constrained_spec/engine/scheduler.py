@@ -10,11 +10,15 @@ prefix and costs the step's budget only for the rest; slots the cache holds but 
 as free (the pool evicts them on demand). Among the first ADMISSION_WINDOW waiting requests the one
 with the longest cached prefix goes first (it needs the fewest new tokens, so more requests start
 per step: SGLang's longest-prefix-first), but a request passed over MAX_SKIPS times goes next.
+A request that shares a long uncached prefix with one admitted in the same step waits for the next
+step, where that prefix is cached (IN_STEP_SHARE).
 """
 from __future__ import annotations
 
 from collections import deque
 from itertools import islice
+
+import numpy as np
 
 from ..attention.base import ForwardMode
 from .batch import ScheduledBatch
@@ -23,6 +27,9 @@ from .request import Request, Status
 
 ADMISSION_WINDOW = 16  # waiting requests compared by cached prefix length
 MAX_SKIPS = 8  # a request passed over this often is admitted next (no starvation)
+# a request sharing this many uncached tokens with one admitted in the same step waits a step, to
+# find them cached instead of computing them twice (n > 1 siblings, a burst with one system prompt)
+IN_STEP_SHARE = 128
 
 
 class Scheduler:
@@ -88,8 +95,13 @@ class Scheduler:
             budget -= n
             return True
 
+        fresh: list[np.ndarray] = []  # prompts being computed (a long part not cached yet)
         for req in self.running:  # chunked prefills and jump-forward tokens in progress
-            if req.needs_extend and budget > 0:
+            if not req.needs_extend:
+                continue
+            if cache is not None and len(req.prompt_ids) - req.cache_len >= IN_STEP_SHARE:
+                fresh.append(np.asarray(req.prompt_ids, dtype=np.int64))
+            if budget > 0:
                 take(req)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             if self.runner.table.num_free_rows == 0:
@@ -97,12 +109,14 @@ class Scheduler:
             req = self._next_waiting(cache)
             if cache is not None:
                 free -= cache.admit(req)
-            if not take(req):
-                if cache is not None:
+                if _shares_uncached(fresh, req) or not take(req):
                     free += cache.unadmit(req)
-                break
-            if cache is not None:
+                    break
                 cache.admitted(req)
+                if len(req.prompt_ids) - req.cache_len >= IN_STEP_SHARE:
+                    fresh.append(np.asarray(req.prompt_ids, dtype=np.int64))
+            elif not take(req):
+                break
             self._admit(req)
         if not reqs:
             return None
@@ -158,3 +172,20 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_retractions += 1
+
+
+def _shares_uncached(fresh: list[np.ndarray], req: Request) -> bool:
+    """Whether the request shares IN_STEP_SHARE tokens past its cached prefix with a prompt that
+    this step computes."""
+    if not fresh:
+        return False
+    key = np.asarray(req.prompt_ids, dtype=np.int64)
+    need = req.cache_len + IN_STEP_SHARE
+    for prompt in fresh:
+        n = min(len(prompt), len(key))
+        if n < need:
+            continue
+        diff = np.flatnonzero(prompt[:need] != key[:need])
+        if not len(diff):
+            return True
+    return False

@@ -425,9 +425,14 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             gen.abort()
         return ["".join(t) for t in texts_out], ids, lps, finals
 
-    def usage(prompt_tokens: int, finals) -> dict:
+    def usage(prompt_tokens: int, finals, n: int = 1) -> dict:
+        """OpenAI's usage. `finals` hold n siblings per prompt, prompt-major; a prompt counts once,
+        and so do its tokens served from the prefix cache (the siblings' most)."""
         comp = sum(f.completion_tokens for f in finals if f is not None)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp}
+        cached = sum(max((f.cached_tokens for f in finals[i:i + n] if f is not None), default=0)
+                     for i in range(0, len(finals), max(n, 1)))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp,
+                "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)}}
 
     def generation_error(out) -> APIError:
         """What a request that ended in an error answers: 503 if the engine is gone, else 500."""
@@ -545,7 +550,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                           "finish_reason": _finish_str(finals[i].finish_reason)}
                 choices.append(choice)
             return _json_response({"id": cid, "object": "chat.completion", "created": _now(), "model": model,
-                                   "choices": choices, "usage": usage(len(prompt), finals),
+                                   "choices": choices, "usage": usage(len(prompt), finals, req.n),
                                    "system_fingerprint": None})
         finally:
             if admitted:
@@ -585,7 +590,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             async for items in gen.batches():
                 yield b"".join(e for i, out in items for e in events(i, out))
             if include_usage:
-                yield chunk([], usage(prompt_len, finals))
+                yield chunk([], usage(prompt_len, finals, req.n))
             yield _DONE
         finally:
             gen.abort()
@@ -640,7 +645,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                         "logprobs": completion_logprobs(lps[i], top_n) if req.logprobs is not None else None,
                         "finish_reason": _finish_str(finals[i].finish_reason)} for i in range(total)]
             return _json_response({"id": cid, "object": "text_completion", "created": _now(), "model": served,
-                                   "choices": choices, "usage": usage(prompt_tokens, finals),
+                                   "choices": choices, "usage": usage(prompt_tokens, finals, n),
                                    "system_fingerprint": None})
         finally:
             if admitted:
@@ -678,7 +683,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             async for items in gen.batches():
                 yield b"".join(e for i, out in items for e in events(i, out))
             if include_usage:
-                yield chunk([], usage(prompt_tokens, finals))
+                yield chunk([], usage(prompt_tokens, finals, req.n))
             yield _DONE
         finally:
             gen.abort()

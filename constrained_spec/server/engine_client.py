@@ -213,7 +213,7 @@ class EngineClient:
 
     def _on_updates(self, updates: list[tuple]) -> None:
         by_key = self._by_key
-        for key, ids, finished, reason, error, matched, n_out, lps in updates:
+        for key, ids, finished, reason, error, matched, n_out, lps, cached in updates:
             p = by_key.get(key)
             if p is None:  # aborted here, or ended here on a stop string
                 continue
@@ -239,7 +239,7 @@ class EngineClient:
                     cut = len(ids) - at - 1
                     self._deliver(p, RequestOutput(p.request_id, detok.take(True), ids[:at + 1], True,
                                                    FinishReason.STOP, None, len(p.prompt_ids), n_out - cut,
-                                                   lps[:at + 1] if lps else lps, stop))
+                                                   lps[:at + 1] if lps else lps, stop, cached))
                     continue
             elif p.whole:
                 _add_whole(detok, feed)
@@ -249,7 +249,7 @@ class EngineClient:
                 self._forget(p)
             out = RequestOutput(p.request_id, detok.take(finished), ids, finished,
                                 None if reason is None else FinishReason(reason), error, len(p.prompt_ids), n_out,
-                                lps, matched)
+                                lps, matched, cached)
             self._deliver(p, out)
 
     @staticmethod

@@ -106,7 +106,8 @@ class _Connection:
         def on_output(out) -> None:
             reason = out.finish_reason
             updates_of.updates.append((key, out.new_token_ids, out.finished, None if reason is None else reason.value,
-                                       out.error, out.matched_stop, out.completion_tokens, out.logprobs))
+                                       out.error, out.matched_stop, out.completion_tokens, out.logprobs,
+                                       out.cached_tokens))
             if out.finished:
                 updates_of.live.pop(key, None)
         return on_output

@@ -15,7 +15,8 @@ Engine -> front-end:
 
 `key` is the front-end's number for a request on its connection. An Update is the tuple
 (key, new_token_ids, finished, finish_reason | None, error | None, matched_stop, completion_tokens,
-logprobs | None): token ids only; the front-end detokenizes and finds stop strings.
+logprobs | None, cached_tokens): token ids only; the front-end detokenizes and finds stop strings.
+cached_tokens: the prompt tokens the engine's prefix cache served (usage.prompt_tokens_details).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any
 _HEADER = struct.Struct("<I")
 
 # positions in an Update tuple
-KEY, TOKENS, FINISHED, REASON, ERROR, MATCHED, COMPLETION_TOKENS, LOGPROBS = range(8)
+KEY, TOKENS, FINISHED, REASON, ERROR, MATCHED, COMPLETION_TOKENS, LOGPROBS, CACHED_TOKENS = range(9)
 
 
 class Channel:

@@ -30,7 +30,8 @@ def engine_snapshot(engine) -> dict:
             "grammar": engine.grammar.stats,
             "steps": stats.steps, "grammar_mask_seconds": stats.grammar_mask_seconds,
             "grammar_end_violations": stats.grammar_end_violations,
-            "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None}
+            "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None,
+            "prefix_cache": None if engine.runner.prefix_cache is None else engine.runner.prefix_cache.snapshot()}
     st = getattr(engine.spec, "stats", None) if engine.spec is not None else None
     if st is not None:
         snap["spec"] = spec_snapshot(st)
@@ -110,6 +111,29 @@ class _EngineCollector:
         c.add_metric([], float(snap["grammar_accept_seconds"]))
         yield c
         yield from _spec_metrics(snap["spec"])
+        yield from _prefix_cache_metrics(snap.get("prefix_cache"))
+
+
+def _prefix_cache_metrics(pc: dict | None):
+    """Prefix caching (engine/prefix_cache.py): prompt tokens served from the cache, the hit rate,
+    evictions and the tree's size. Absent with --disable-prefix-cache."""
+    if pc is None:
+        return
+    for name, key, doc in (("prefix_cache_hit_tokens", "hit_tokens", "Prompt tokens whose K/V came from the prefix cache"),
+                           ("prefix_cache_lookup_tokens", "lookup_tokens",
+                            "Prompt tokens of admitted requests (the hit rate's denominator)"),
+                           ("prefix_cache_evicted_tokens", "evicted_tokens",
+                            "Cached tokens evicted to make room in the KV pool")):
+        c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+        c.add_metric([], float(pc[key]))
+        yield c
+    for name, key, doc in (("prefix_cache_hit_rate", "hit_rate", "Cached share of admitted prompt tokens (0..1)"),
+                           ("prefix_cache_tokens", "tree_tokens", "Tokens (KV slots) held by the prefix cache"),
+                           ("prefix_cache_evictable_tokens", "evictable_tokens",
+                            "Of those, tokens no running request uses (free for eviction)")):
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+        g.add_metric([], float(pc[key]))
+        yield g
 
 
 def _compile_metrics(gstats: dict):

@@ -1,0 +1,138 @@
+"""Prefix caching through the engine (CPU): greedy output is the same with and without the cache,
+with grammars and with n-gram speculation; a small pool filled past capacity with distinct
+prefixes evicts, finishes everything, and accounts for every slot; cached_tokens is reported."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from constrained_spec import SamplingParams
+from constrained_spec.engine import Engine, FinishReason
+from constrained_spec.grammar import GrammarSpec
+
+SYSTEM = ("You are a records clerk. Answer with one JSON object that follows the schema exactly. "
+          "Example: {\"name\": \"Ada\", \"age\": 36}. Another example: {\"name\": \"Linus\", \"age\": 54}. "
+          "Never add fields, never explain.")
+USERS = ["A chef from Lyon.", "A chess player aged nine."]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def smollm2_f32(smollm2_dir):
+    from constrained_spec.models import load_model
+    return load_model(smollm2_dir, dtype=torch.float32, device="cpu")
+
+
+def _prompts(engine):
+    return [engine.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}])
+            for u in USERS]
+
+
+def _run(engine, prompts, grammar=None):
+    sp = SamplingParams(max_tokens=14, temperature=0)
+    return engine.generate(prompts, sp, grammar)
+
+
+def _accounted(engine):
+    """Every slot is free or the tree's, nobody else's, once all requests are done."""
+    pool, cache = engine.runner.pool, engine.runner.prefix_cache
+    tree = cache.tree if cache is not None else None
+    owned = 0 if tree is None else tree.size
+    assert pool.num_unused + owned == pool.capacity
+    if tree is not None:
+        assert tree.evictable_size == tree.size  # no reference left behind
+        slots = tree.all_slots()
+        assert len(set(slots.tolist())) == len(slots) and 0 not in set(slots.tolist())
+    assert engine.runner.table.num_free_rows == engine.config.max_running_requests
+
+
+def test_outputs_match_without_cache_with_grammar_speculation_and_turns(smollm2_f32):
+    grammar = GrammarSpec.json_schema(SCHEMA)
+    plain = Engine(device="cpu", loaded=smollm2_f32, max_running_requests=8, disable_prefix_cache=True)
+    try:
+        prompts = _prompts(plain)
+        ref_free = [o.token_ids for o in _run(plain, prompts)]
+        ref_json = [o.token_ids for o in _run(plain, prompts, grammar)]
+        assert all(o.cached_tokens == 0 for o in _run(plain, prompts[:1]))
+    finally:
+        plain.shutdown()
+    # the cache alone is compared with a cache-less engine in the eviction test; here it runs with
+    # n-gram speculation (whose greedy output equals plain decoding's, test_speculative.py)
+    eng = Engine(device="cpu", loaded=smollm2_f32, max_running_requests=8, speculative_algorithm="ngram",
+                 speculative_policy="always", speculative_min_accept=0.0)
+    try:
+        first = _run(eng, prompts[:1])  # cold: the system prompt enters the cache
+        assert first[0].cached_tokens == 0 and first[0].token_ids == ref_free[0]
+        outs = _run(eng, prompts)  # every prompt shares the cached system prompt
+        assert [o.token_ids for o in outs] == ref_free
+        assert all(o.cached_tokens > len(SYSTEM) // 8 for o in outs)
+        assert outs[0].cached_tokens == len(prompts[0]) - 1  # the whole prompt but the last token
+        outs = _run(eng, prompts, grammar)
+        assert [o.token_ids for o in outs] == ref_json  # (cut at max_tokens: not always whole JSON)
+        # a second turn: the first turn's prompt and answer come from the cache
+        turn2 = [p + o.token_ids + eng.tokenizer.encode("\nAnother one.", add_special_tokens=False)
+                 for p, o in zip(prompts, outs)]
+        again = _run(eng, turn2, grammar)
+        assert all(o.cached_tokens >= len(p) + len(a.token_ids) - 1 for o, p, a in zip(again, prompts, outs))
+        stats = eng.runner.prefix_cache.snapshot()
+        assert stats["hit_tokens"] > 0 and 0 < stats["hit_rate"] < 1
+        _accounted(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_small_pool_evicts_and_accounts_for_every_slot(tiny_llama_dir):
+    """64 requests with distinct 40-token prefixes (each seen twice) through a 600-slot pool: the
+    tree fills the pool, eviction makes room, nothing fails, no slot leaks; the answers equal a
+    cache-less engine's."""
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(100, 40000, size=40).tolist() for _ in range(32)]
+    prompts = [p + [7, 8, 9 + k] for k in range(2) for p in prefixes]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_slots=600, max_running_requests=8)
+    ref = Engine(**kw, disable_prefix_cache=True)
+    try:
+        expected = [o.token_ids for o in ref.generate(prompts, sp)]
+    finally:
+        ref.shutdown()
+    eng = Engine(**kw)
+    try:
+        outs = eng.generate(prompts, sp)
+        assert all(o.finish_reason is FinishReason.LENGTH and o.completion_tokens == 12 for o in outs)
+        assert [o.token_ids for o in outs] == expected
+        tree = eng.runner.prefix_cache.tree
+        assert tree.evicted_tokens > 0  # 64 x 55 tokens went through a 600-slot pool
+        assert tree.size > 0
+        assert sum(o.cached_tokens for o in outs) > 0
+        _accounted(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_abort_and_retraction_release_their_references(tiny_llama_dir):
+    """Requests aborted mid-decode, and requests retracted by a pool too small for all of them,
+    leave no reference on the tree."""
+    import threading
+    import time
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_slots=300, max_running_requests=16)
+    try:
+        shared = list(range(1000, 1060))
+        started = threading.Event()
+        reqs = [eng.add_request(shared + [i], SamplingParams(max_tokens=200, ignore_eos=True),
+                                on_output=lambda out: started.set()) for i in range(6)]
+        assert started.wait(30)
+        time.sleep(0.2)
+        for r in reqs:
+            eng.abort(r.request_id)
+        outs = eng.generate([shared + [50 + i] for i in range(12)],
+                            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        assert all(o.completion_tokens == 30 for o in outs)
+        deadline = time.time() + 10
+        while eng.scheduler.has_work() and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.scheduler.num_retractions > 0
+        _accounted(eng)
+    finally:
+        eng.shutdown()
