@@ -96,6 +96,7 @@ class Scheduler:
             return True
 
         fresh: list[np.ndarray] = []  # prompts being computed (a long part not cached yet)
+        cached_lengths: dict = {}
         for req in self.running:  # chunked prefills and jump-forward tokens in progress
             if not req.needs_extend:
                 continue
@@ -106,7 +107,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             if self.runner.table.num_free_rows == 0:
                 break
-            req = self._next_waiting(cache)
+            req = self._next_waiting(cache, cached_lengths)
             if cache is not None:
                 free -= cache.admit(req)
                 if _shares_uncached(fresh, req) or not take(req):
@@ -122,10 +123,11 @@ class Scheduler:
             return None
         return ScheduledBatch(ForwardMode.EXTEND, reqs, counts, samples)
 
-    def _next_waiting(self, cache) -> Request:
+    def _next_waiting(self, cache, cached_lengths: dict) -> Request:
         """The waiting request to admit next: the head, or with the prefix cache the one with the
-        longest cached prefix among the first ADMISSION_WINDOW (ties: the earliest), unless a
-        request before it was passed over MAX_SKIPS times already."""
+        longest cached prompt prefix among the first ADMISSION_WINDOW (ties: the earliest), unless
+        a request before it was passed over MAX_SKIPS times already. `cached_lengths` memoizes the
+        lengths for one scheduling pass (the tree does not change during one)."""
         head = self.waiting[0]
         if cache is None or len(self.waiting) == 1:
             return head
@@ -133,7 +135,9 @@ class Scheduler:
         for req in islice(self.waiting, ADMISSION_WINDOW):
             if req.skips >= MAX_SKIPS:
                 return req
-            n = cache.tree.match_length(req.all_ids[:req.total_len - 1])
+            n = cached_lengths.get(req)
+            if n is None:
+                n = cached_lengths[req] = cache.tree.match_length(req.prompt_ids)
             if n > best_len:
                 best, best_len = req, n
         return best
