@@ -33,3 +33,28 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
     assert len(data["engine"]) == 3
     md = (tmp_path / "bench_serving.md").read_text()
     assert "split-2 / engine" in md and "Streamed / non-streamed" in md and "| single | 4 |" in md
+
+
+def test_prefix_cache_workloads_and_arms():
+    """The shared-prefix and multi-turn workloads share what they should; `+nocache` servers turn
+    the prefix cache off; the report compares each server with its +nocache arm."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serving as b
+    jobs = b.make_jobs("shared-prefix", 6)
+    assert len({j.messages[0]["content"] for j in jobs}) == 1 and len(jobs[0].messages[0]["content"]) > 4000
+    assert len({j.content for j in jobs}) == 6
+    assert {j.content for j in b.make_jobs("shared-prefix", 6, first=100)}.isdisjoint({j.content for j in jobs})
+    turns = b.make_jobs("multi-turn", 8)
+    assert [len(j.messages) for j in turns] == [2, 2, 4, 4, 6, 6, 8, 8]
+    for earlier, later in zip(turns, turns[2:]):  # a turn's prompt starts with the conversation's last one
+        assert later.messages[:len(earlier.messages)] == earlier.messages
+    assert b.server_flags("split+nocache") == ["--disable-prefix-cache"]
+    assert b.server_flags("split-2+nocache") == ["--frontends", "2", "--disable-prefix-cache"]
+    run = lambda server, ttft, tok: {"server": server, "workload": "shared-prefix", "stream": True, "mode": "clients",
+                                     "value": 4, "out_tok_s": tok, "errors": 0, "invalid": 0, "cached_share": 0.9,
+                                     **{k: {"p50": ttft, "p99": ttft} for k in ("ttft", "tpot", "itl", "e2e")}}
+    md = b.report({"runs": [run("split", 0.02, 300.0), run("split+nocache", 0.1, 200.0)], "engine": [],
+                   "servers": ["split", "split+nocache"], "model_name": "m", "device": "cpu", "machine": {},
+                   "max_tokens": 8, "rounds": 1, "command": "x", "workloads": ["shared-prefix"], "streams": [True],
+                   "clients": [4], "rates": []})
+    assert "| split | shared-prefix | yes | 4 | 20.0 | 100 | 5.00 | 300 | 200 | 1.50 | 0.90 |" in md
