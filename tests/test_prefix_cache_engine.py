@@ -136,3 +136,36 @@ def test_abort_and_retraction_release_their_references(tiny_llama_dir):
         _accounted(eng)
     finally:
         eng.shutdown()
+
+
+def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
+    """The scheduler alone over a real runner: a request identical to one admitted in the same step
+    (an n > 1 sibling) waits a step and then finds the whole prompt cached; a request with a cached
+    prefix is admitted before an earlier one without."""
+    from constrained_spec.engine.config import EngineConfig
+    from constrained_spec.engine.model_runner import ModelRunner
+    from constrained_spec.engine.request import Request
+    from constrained_spec.engine.scheduler import Scheduler
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    config = EngineConfig(device="cpu", kv_cache_slots=2000, max_running_requests=8, max_prefill_tokens=512)
+    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+    sched = Scheduler(runner, config)
+    prompt = list(range(1000, 1300))
+    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+    a, sibling, other = new(prompt), new(prompt), new(range(2000, 2040))
+    for r in (a, sibling, other):
+        sched.add(r)
+    batch = sched.schedule(can_retract=True)
+    assert batch.requests == [a, other]  # the sibling waits for a's prompt
+    runner.forward(batch)
+    batch = sched.schedule(can_retract=True)  # caches a's prompt first
+    assert batch.requests == [sibling] and batch.num_new_tokens == [1]
+    assert sibling.cached_tokens == len(prompt) - 1
+    runner.forward(batch)
+    late_plain, late_cached = new(range(3000, 3100)), new(prompt[:200] + [5, 6, 7])
+    sched.add(late_plain)
+    sched.add(late_cached)
+    batch = sched.schedule(can_retract=True)
+    assert batch.requests == [late_cached, late_plain] and batch.num_new_tokens == [3, 100]
+    assert late_plain.skips == 1

@@ -178,13 +178,14 @@ def test_sampled_and_greedy_in_one_batch(engines, reference):
 def test_falls_back_when_the_pool_cannot_hold_the_trees(smollm2_dir, engines):
     """Near the end the pool has a slot per request but not a tree per request: plain steps follow
     speculative ones (reading the bonus token the verify step left in `last_token`). In float32:
-    the pool is sized for where its drafts run out (bfloat16 counts differently)."""
+    the pool is sized for where its drafts run out (bfloat16 counts differently). The four requests
+    share one prompt: the prefix cache holds it once."""
     plain = engines("plain-float32", dtype="float32")
     p = plain.chat_prompt([{"role": "user", "content": "Count from one to twenty in words."}])
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = plain.generate([p], sp)[0].token_ids
     eng = Engine(model=smollm2_dir, device="cpu", dtype="float32", max_running_requests=4,
-                 kv_cache_slots=4 * (len(p) + 24) + 12,
+                 kv_cache_slots=len(p) + 4 * 24 + 12,
                  speculative_algorithm="ngram", speculative_num_draft_tokens=8, speculative_min_accept=0.0,
                  speculative_policy="always")
     try:

@@ -44,7 +44,9 @@ class SlotPool:
 
     def alloc(self, n: int) -> np.ndarray:
         if n > self._top and self.cache is not None:
-            self.cache.evict(n - self._top)
+            # evicting walks the tree's leaves: free a batch at once rather than a step's few slots
+            # every step once the cache has filled the pool
+            self.cache.evict(max(n - self._top, min(self.capacity // 64, 2048)))
         if n > self._top:
             raise OutOfSlots(f"asked for {n} KV slots, {self._top} free")
         self._top -= n

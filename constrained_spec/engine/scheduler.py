@@ -97,6 +97,7 @@ class Scheduler:
 
         fresh: list[np.ndarray] = []  # prompts being computed (a long part not cached yet)
         cached_lengths: dict = {}
+        deferred: set = set()  # waiting for a prompt this step computes
         for req in self.running:  # chunked prefills and jump-forward tokens in progress
             if not req.needs_extend:
                 continue
@@ -107,10 +108,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             if self.runner.table.num_free_rows == 0:
                 break
-            req = self._next_waiting(cache, cached_lengths)
+            req = self._next_waiting(cache, cached_lengths, deferred)
+            if req is None:
+                break
             if cache is not None:
                 free -= cache.admit(req)
-                if _shares_uncached(fresh, req) or not take(req):
+                if _shares_uncached(fresh, req):
+                    free += cache.unadmit(req)
+                    deferred.add(req)
+                    continue
+                if not take(req):
                     free += cache.unadmit(req)
                     break
                 cache.admitted(req)
@@ -123,16 +130,19 @@ class Scheduler:
             return None
         return ScheduledBatch(ForwardMode.EXTEND, reqs, counts, samples)
 
-    def _next_waiting(self, cache, cached_lengths: dict) -> Request:
+    def _next_waiting(self, cache, cached_lengths: dict, deferred: set) -> Request | None:
         """The waiting request to admit next: the head, or with the prefix cache the one with the
         longest cached prompt prefix among the first ADMISSION_WINDOW (ties: the earliest), unless
-        a request before it was passed over MAX_SKIPS times already. `cached_lengths` memoizes the
-        lengths for one scheduling pass (the tree does not change during one)."""
+        a request before it was passed over MAX_SKIPS times already; None if all of those wait
+        for this step's prompts (`deferred`). `cached_lengths` memoizes the lengths for one
+        scheduling pass (the tree does not change during one)."""
         head = self.waiting[0]
-        if cache is None or len(self.waiting) == 1:
+        if cache is None or (len(self.waiting) == 1 and head not in deferred):
             return head
-        best, best_len = head, -1
+        best, best_len = None, -1
         for req in islice(self.waiting, ADMISSION_WINDOW):
+            if req in deferred:
+                continue
             if req.skips >= MAX_SKIPS:
                 return req
             n = cached_lengths.get(req)
