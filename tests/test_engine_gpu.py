@@ -1,5 +1,6 @@
 """GPU checks of the fast path (run on the GPU machine): backends agree, CUDA graphs and overlap
-change nothing in the output, speculation is lossless, constrained outputs stay valid."""
+change nothing in the output, the prefix cache and speculation are lossless, constrained outputs
+stay valid."""
 from __future__ import annotations
 
 import json
@@ -115,7 +116,9 @@ def test_sampled_graphs_match_eager(engines):
 def test_prefill_graphs_match_eager(engines):
     """Single-request prefills replay the bucketed prefill graphs: whole prompts, and (with a small
     max_prefill_tokens) chunks over a cached prefix. Greedy tokens equal the eager path's."""
-    eng = engines("chunked32", attention_backend="triton", dtype="float32", max_prefill_tokens=64)
+    # without the prefix cache, so that repeating a prompt prefills (and chunks) it again
+    eng = engines("chunked32", attention_backend="triton", dtype="float32", max_prefill_tokens=64,
+                  disable_prefix_cache=True)
     graphs = eng.runner.graphs
     assert graphs.prefill_buckets == [16, 32, 64]
     long = eng.chat_prompt([{"role": "user", "content": "Summarize: " + " ".join(QUESTIONS * 2)}])
@@ -132,6 +135,30 @@ def test_prefill_graphs_match_eager(engines):
         assert [greedy(eng, [p], g)[0] for p in ps for g in (None, grammar)] == with_graphs
     finally:
         eng.runner.graphs, graphs.launch_prefill = graphs, launch
+
+
+def test_prefix_cache_gpu(engines, reference):
+    """Prompts sharing a long system prompt, with and without the prefix cache (prefill graphs over
+    cached prefixes, decode graphs, overlap): every greedy token is the float32 reference's argmax,
+    and the pool is whole again afterwards."""
+    from greedy_check import check_greedy
+    plain = engines("triton32-nocache", attention_backend="triton", dtype="float32", disable_prefix_cache=True)
+    cached = engines("triton32", attention_backend="triton", dtype="float32")
+    system = "You answer briefly and precisely, in the format asked for. " * 40
+    ps = [cached.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+          for q in QUESTIONS]
+    hits = cached.runner.prefix_cache.hit_tokens
+    for grammar in (None, GrammarSpec.json_schema(SCHEMA)):
+        want = greedy(plain, ps, grammar)
+        greedy(cached, ps[:1], grammar)  # the system prompt into the cache
+        got = greedy(cached, ps, grammar)
+        for outs in (want, got):
+            check = check_greedy(cached, reference, ps, outs, grammar, tol=1e-3)
+            assert check.violations == 0, check
+        print(f"prefix cache: {sum(a == b for a, b in zip(got, want))}/{len(ps)} answers identical")
+    assert cached.runner.prefix_cache.hit_tokens - hits >= len(ps) * len(system) // 8
+    pool = cached.runner.pool
+    assert pool.num_free == pool.capacity
 
 
 @pytest.mark.parametrize("branches", [1, 3])
