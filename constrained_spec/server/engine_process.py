@@ -90,7 +90,7 @@ class _Connection:
                                         detokenize=False)
             except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
                 self.live.pop(key, None)
-                self.outbox.put(("out", [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None)]))
+                self.outbox.put(("out", [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None, 0)]))
         elif kind == "abort":
             request_id = self.live.get(msg[1])
             if request_id is not None:
