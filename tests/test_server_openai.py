@@ -231,9 +231,29 @@ def test_single_process_server_answers_the_same(server, single_server, extra):
         c = r.json()["choices"][0]
         usage = r.json()["usage"]
         usage.pop("prompt_tokens_details")  # the two engines' prefix caches saw different requests before
-        answers.append((c["message"]["content"], c["finish_reason"], usage, c["logprobs"]))
+        answers.append((c["message"]["content"], c["finish_reason"], usage, _split_floats(c["logprobs"])))
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
         assert text == c["message"]["content"]
-    assert answers[0] == answers[1]
+    # the same tokens and logprobs up to float32 rounding: an engine whose prefix cache held more of
+    # the prompt computed the rest in a smaller extend (other GEMM shapes, other last bits)
+    assert answers[0][:3] == answers[1][:3]
+    assert answers[0][3][0] == answers[1][3][0]
+    assert answers[0][3][1] == pytest.approx(answers[1][3][1], abs=1e-4)
+
+
+def _split_floats(tree):
+    """(the structure with every float replaced by None, the floats in order)."""
+    floats = []
+
+    def walk(x):
+        if isinstance(x, float):
+            floats.append(x)
+            return None
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+    return walk(tree), floats
