@@ -154,6 +154,10 @@ def counters(engine):
     st = engine.spec.stats if engine.spec else None
     spec = dict(steps=st.steps, verified=st.verified_requests, accepted=st.accepted_tokens,
                 **{f"{k}_s": v for k, v in st.phase_seconds().items()}) if st else {}
+    profile = getattr(engine.spec.drafter, "profile", None) if engine.spec else None
+    if profile is not None:  # the EAGLE drafter's host phases (`eagle.DraftProfile`)
+        spec.update(draft_calls=profile.calls, draft_syncs=profile.syncs, draft_eager=profile.eager,
+                    **{f"eagle_{k}_s": v for k, v in profile.seconds.items()})
     return dict(decode_steps=engine.stats.decode_steps, **spec)
 
 
@@ -209,6 +213,10 @@ def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
                    mean_accepted_len=1 + d["accepted"] / max(d["verified"], 1),
                    cpu_draft_mask_ms=1000 * (d["draft_s"] + d["mask_s"]) / steps,
                    phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in SPEC_PHASES})
+        if "draft_calls" in d:  # EAGLE: where the draft phase goes, per speculative step
+            rec.update(draft_syncs_per_step=d["draft_syncs"] / steps, draft_eager_share=d["draft_eager"] / steps,
+                       draft_phase_ms={k[6:-2]: round(1000 * v / steps, 3) for k, v in d.items()
+                                       if k.startswith("eagle_")})
     return outs, rec
 
 

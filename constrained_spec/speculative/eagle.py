@@ -26,6 +26,8 @@ prefill, run eagerly) and each expansion step replay CUDA graphs (`CudaGraphRunn
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Hashable
 
 import numpy as np
@@ -36,7 +38,34 @@ from .drafter import DraftBatch, Drafter
 from .eagle_step import DraftIO
 from .tree import DraftTrees
 
-__all__ = ["EagleDrafter"]
+__all__ = ["DraftProfile", "EagleDrafter"]
+
+
+DRAFT_PHASES = ("inputs", "root_mask", "start", "depth_masks", "steps", "read", "select")
+
+
+@dataclass
+class DraftProfile:
+    """Host seconds per phase of `propose_arrays`, summed over its calls, and its host-device
+    syncs: what a speculative step's drafting costs on the host (bench_spec reports it per step).
+    inputs: unseen positions, token ids, slots, staging; root_mask: depth 1's grammar rows;
+    start / steps: launching (CUDA) or computing (CPU) the head's extend and depth steps;
+    depth_masks: reading each depth's frontier and filling its grammar rows; read: the final
+    read-back; select: the trees from the candidates."""
+    calls: int = 0
+    syncs: int = 0
+    eager: int = 0  # calls whose device work ran eagerly (always on the CPU; on CUDA, no graph fitted)
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(DRAFT_PHASES, 0.0))
+    _t: float = 0.0
+
+    def begin(self) -> None:
+        self.calls += 1
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._t
+        self._t = now
 
 
 class EagleDrafter(Drafter):
@@ -61,6 +90,7 @@ class EagleDrafter(Drafter):
         self.io = DraftIO(runner, head, self.kv, topk, depth, capacity, width=num_draft_tokens)
         # request id -> (row, slot of position 0, positions the head has seen, slot of the last of them)
         self._seen: dict[Hashable, tuple[int, int, int, int]] = {}
+        self.profile = DraftProfile()
 
     # -- the Drafter interface -------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> DraftTrees:
@@ -71,34 +101,41 @@ class EagleDrafter(Drafter):
         reqs = batch.requests
         if reqs is None:
             raise ValueError("the EAGLE drafter needs DraftBatch.requests")
-        B, K, D, io = len(reqs), self.topk, self.depth, self.io
+        B, K, D, io, prof = len(reqs), self.topk, self.depth, self.io, self.profile
+        prof.begin()
         rows = np.fromiter((r.row for r in reqs), np.int64, B)
         n, start = self._unseen(reqs)
         q_lens = n - start
         graphs = self.runner.graphs
         graphed = graphs is not None and graphs.can_draft(B) and int(q_lens.max()) <= io.width
         bs = graphs.padded_size(B) if graphed else B
+        prof.eager += not graphed
         table = self.runner.table.host
         pos = np.concatenate([np.arange(s, e) for s, e in zip(start, n)])
         slots = table[np.repeat(rows, q_lens), pos]
         ids = np.concatenate([np.asarray(_tokens(r, s + 1, e + 1), np.int64) for r, s, e in zip(reqs, start, n)])
         grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
         masks = io.bitmask_host
+        prof.lap("inputs")
         if grammar:  # depth 1: the root's children, masked by the request's grammar as it stands
             masks[:bs] = -1
             for b in grammar:
                 reqs[b].matcher.fill_bitmask(masks, b)
+        prof.lap("root_mask")
         eager = io.set_inputs(bs, rows, n, ids, pos, slots, q_lens, graphed)
+        prof.lap("inputs")
         on_cpu = self.device.type == "cpu"
         if graphed:
             graphs.replay_draft("start", bs, bool(grammar))
         else:
             io.start(bs, bool(grammar), eager, int(q_lens.max()), int(n.max()) if on_cpu else None)
         max_kv = int(n.max()) + D if on_cpu else None
+        prof.lap("start")
         paths = None
         for t in range(1, D):
             if grammar:  # the frontier's rows: each node's path accepted into its matcher, then rolled back
                 tok, score, chosen = io.frontier_host(B)
+                prof.syncs += 1
                 if paths is None:
                     paths = [[[int(x)] for x in tok[b]] for b in range(B)]
                 else:
@@ -107,12 +144,18 @@ class EagleDrafter(Drafter):
                 masks[:bs * K] = -1
                 for b in grammar:
                     _fill_rows(reqs[b].matcher, paths[b], np.isfinite(score[b]), masks, b * K)
+                prof.lap("depth_masks")
             if graphed:
                 graphs.replay_draft("step", bs, bool(grammar))
             else:
                 io.step(bs, bool(grammar), max_kv)
+            prof.lap("steps")
         tok, score, best = io.outputs_host(B, D)
-        return _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
+        prof.syncs += 1
+        prof.lap("read")
+        trees = _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
+        prof.lap("select")
+        return trees
 
     def finish(self, request_id: Hashable) -> None:
         self._seen.pop(request_id, None)
