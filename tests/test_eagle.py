@@ -230,7 +230,8 @@ def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
                   speculative_policy="always", speculative_min_accept=0.0)
     try:
         assert spec.runner.graphs.can_draft(4)
-        assert {("draft", p, 4, m) for p in ("start", "step") for m in (False, True)} <= set(spec.runner.graphs.graphs)
+        assert {("draft", "start", 4, False), ("draft", "start", 4, True), ("draft", "step", 4)} <= \
+            set(spec.runner.graphs.graphs)
         for g in (None, GrammarSpec.json_schema(SCHEMA)):
             assert _greedy(spec, PROMPTS, g) == _greedy(plain, PROMPTS, g)
         assert spec.spec.stats.steps > 0
@@ -259,51 +260,94 @@ def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engin
         small.shutdown()
 
 
-def test_frontier_rows_share_prefixes_and_match_path_by_path_fills(tokenizer):
-    """`_fill_rows` walks the frontier's paths in sorted order, accepting a shared stem once; every
-    row equals a fill after accepting that path alone, dead or illegal paths get empty rows, and
-    the matcher ends where it started."""
+def test_legal_best_keeps_the_best_legal_candidates_as_a_tree(tokenizer):
+    """`_legal_best` (the drafting's grammar check) keeps, best first, the candidates whose whole path
+    the grammar allows and whose parent it kept, up to the limit: what checking every path alone
+    from the start gives; the matcher ends where it started."""
     from constrained_spec.grammar import GrammarBackend
-    from constrained_spec.speculative.eagle import _fill_rows
+    from constrained_spec.speculative.eagle import _legal_best
     backend = GrammarBackend(tokenizer, 49152)  # no disk cache (cache_dir None)
     try:
         matcher = backend.matcher(backend.compile(GrammarSpec.json_schema(SCHEMA)))
+        matcher.accept_tokens(tokenizer.encode('{"name": "B', add_special_tokens=False))
         rng = np.random.default_rng(0)
-        legal = lambda m: np.nonzero(_allowed(m))[0]
-        stem = []
-        for _ in range(3):
-            t = int(rng.choice(legal(matcher)))
-            matcher.accept_token(t)
-            stem.append(t)
-        paths = []
-        for j in range(6):  # branches off the stem at several depths
-            cut = j % 4
-            matcher.rollback(len(stem) - cut)
-            path = stem[:cut]
-            for _ in range(2):
-                t = int(rng.choice(legal(matcher)))
-                matcher.accept_token(t)
-                path.append(t)
-            matcher.rollback(len(path))
-            matcher.accept_tokens(stem)
-            paths.append(path)
-        matcher.rollback(len(stem))
-        paths.append([0, 0])  # illegal at once
-        live = np.array([True] * 6 + [True])
-        live[2] = False
-        got = torch.full((len(paths), 1536), -1, dtype=torch.int32)
-        _fill_rows(matcher, paths, live, got, 0)
-        want = torch.zeros_like(got)
-        for j, path in enumerate(paths):
-            took = matcher.accept_tokens(path)
-            if live[j] and took == len(path):
-                matcher.fill_bitmask(want, j)
-            matcher.rollback(took)
-        assert torch.equal(got, want)
-        assert [int(t) for t in legal(matcher)] == [int(t) for t in np.nonzero(_allowed(backend.matcher(
-            backend.compile(GrammarSpec.json_schema(SCHEMA)))))[0]]
+        legal_now = np.nonzero(_allowed(matcher))[0]
+        # a candidate tree as the drafter makes it: 3 roots' children, then 3 children per kept node
+        tok, parent, depth, score = [], [], [], []
+        for c in range(40):
+            p = -1 if c < 3 else int(rng.integers(0, c))
+            pick_legal = rng.random() < 0.7
+            tok.append(int(rng.choice(legal_now)) if pick_legal else int(rng.integers(0, 49152)))
+            parent.append(p)
+            depth.append(1 if p < 0 else depth[p] + 1)
+            score.append((0.0 if p < 0 else score[p]) - float(rng.exponential(0.5)))
+        tok, parent, depth, score = map(np.array, (tok, parent, depth, score))
+        score[5] = -np.inf  # a dead candidate is never kept
+        for limit in (3, 7, 40):
+            got = _legal_best(matcher, tok, score, parent, depth, limit)
+            want = np.zeros(len(tok), bool)
+            for c in np.lexsort((depth, -score)):
+                if want.sum() == limit or not np.isfinite(score[c]):
+                    break
+                if parent[c] >= 0 and not want[parent[c]]:
+                    continue
+                path = [c]
+                while parent[path[-1]] >= 0:
+                    path.append(parent[path[-1]])
+                path = [int(tok[x]) for x in reversed(path)]
+                took = matcher.accept_tokens(path)
+                matcher.rollback(took)
+                want[c] = took == len(path)
+            assert np.array_equal(got, want), limit
+            assert want.sum() > 2 and (~want & np.isfinite(score)).sum() > 2  # the case is not trivial
+            assert np.array_equal(np.nonzero(_allowed(matcher))[0], legal_now)  # the matcher is back
     finally:
         backend.close()
+
+
+def test_select_trees_matches_the_path_by_path_layout():
+    """The vectorized tree selection lays out what picking candidate by candidate does: the best
+    width-1 finite candidates, parents first, children best first, siblings linked in order."""
+    from constrained_spec.speculative.eagle import _candidates, _select_trees
+    rng = np.random.default_rng(3)
+    B, D, K, W = 12, 5, 3, 8
+    tok = rng.integers(0, 1000, (B, D, K * K))
+    logp = np.log(rng.dirichlet(np.ones(K * K), (B, D)))
+    score = np.full_like(logp, -np.inf)
+    best = np.zeros((B, D, K), np.int64)
+    score[:, 0, :K] = logp[:, 0, :K]  # depth 1: the root's K children, all of them the frontier
+    best[:, 0] = np.arange(K)
+    for t in range(1, D):  # as the draft step does: children add their log-probability to the parent's
+        parent_score = np.take_along_axis(score[:, t - 1], best[:, t - 1], 1)
+        score[:, t] = np.repeat(parent_score, K, 1) + logp[:, t]
+        best[:, t] = np.argsort(-score[:, t], -1)[:, :K]
+    cand = _candidates(tok, score, best, K)
+    cand[1][0, :] = -np.inf  # a request with nothing to draft
+    cand[1][1, 1:] = -np.inf  # and one with a single node
+    got = _select_trees(*cand, W)
+    for b in range(B):
+        want = _select_one(*(x[b] for x in cand), W)
+        for g, w in zip(got, want):
+            assert np.array_equal(g[b], w), b
+    assert list(got[3][:2]) == [1, 2] and (got[3][2:] > 2).all()
+
+
+def _select_one(tok, score, parent, depth, width):
+    """The reference: one request, candidate by candidate."""
+    tokens, nxt, sib = np.zeros(width, np.int64), np.full(width, -1), np.full(width, -1)
+    picked = [c for c in np.lexsort((depth, -score))[:width - 1] if np.isfinite(score[c])]
+    picked.sort(key=lambda c: (depth[c], -score[c]))
+    node_of, last_child = {-1: 0}, {}
+    for i, c in enumerate(picked, 1):
+        p = node_of[int(parent[c])]
+        node_of[int(c)] = i
+        tokens[i] = tok[c]
+        if p in last_child:
+            sib[last_child[p]] = i
+        else:
+            nxt[p] = i
+        last_child[p] = i
+    return tokens, nxt, sib, 1 + len(picked)
 
 
 def _allowed(matcher) -> np.ndarray:
@@ -315,7 +359,8 @@ def _allowed(matcher) -> np.ndarray:
 
 def test_staged_start_equals_eager_start(engines, tiny_head_dir):
     """The start of a draft step read from the staged block (the layout its CUDA graph replays) gives
-    what the eager start gives from packed tensors: same first frontier, scores and root state."""
+    what the eager start gives from packed tensors: same first frontier, scores and root state; so
+    does an eager catch-up of the positions the staged start cannot take, followed by it."""
     spec = engines("eagle34", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
                    speculative_policy="always", speculative_min_accept=0.0)
     runner, io = spec.runner, spec.spec.drafter.io
@@ -343,6 +388,29 @@ def test_staged_start_equals_eager_start(engines, tiny_head_dir):
                                                 io.out_tok[:B, 0], io._n_rep[:B * 3])])
         for a, b in zip(*results):
             torch.testing.assert_close(a, b)
+        # a request further behind than the graph's width: the positions before the last N are caught
+        # up eagerly first (their K/V), then the staged start reads the last N: the same as one eager
+        # start over everything the head has not seen
+        whole = np.concatenate([np.arange(0, k) for k in n])
+        slots_whole = np.concatenate(slots_all)
+        ids_whole = np.random.default_rng(1).integers(0, runner.vocab_size, len(whole))
+        last_n = np.concatenate([np.arange(o + k - N, o + k) for o, k in zip([0, n[0]], n)])
+        runs = []
+        for caught_up in (False, True):
+            io.kv.k.zero_()  # nothing the other run wrote
+            io.kv.v.zero_()
+            with torch.inference_mode():
+                if caught_up:
+                    behind = np.concatenate([np.arange(o, o + k - N) for o, k in zip([0, n[0]], n)])
+                    io.catch_up(rows, n - N, ids_whole[behind], whole[behind], slots_whole[behind], n - N, int(n.max()))
+                    io.set_inputs(B, rows, n, ids_whole[last_n], whole[last_n], slots_whole[last_n], q_lens, True)
+                    io.start(B, False)
+                else:
+                    eager = io.set_inputs(B, rows, n, ids_whole, whole, slots_whole, n, False)
+                    io.start(B, False, eager, int(n.max()), int(n.max()))
+            runs.append([x.clone() for x in (io.front_tok[:B * 3], io.front_score[:B * 3], io.parent_hidden[:B * 3])])
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     finally:
         for r, s in zip(rows, slots_all):
             runner.table.release_row(int(r))

@@ -26,6 +26,7 @@ prefill, run eagerly) and each expansion step replay CUDA graphs (`CudaGraphRunn
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -41,7 +42,7 @@ from .tree import DraftTrees
 __all__ = ["DraftProfile", "EagleDrafter"]
 
 
-DRAFT_PHASES = ("inputs", "root_mask", "start", "depth_masks", "steps", "read", "select")
+DRAFT_PHASES = ("catch_up", "inputs", "root_mask", "start", "steps", "read", "legal", "select")
 
 
 @dataclass
@@ -104,56 +105,42 @@ class EagleDrafter(Drafter):
         B, K, D, io, prof = len(reqs), self.topk, self.depth, self.io, self.profile
         prof.begin()
         rows = np.fromiter((r.row for r in reqs), np.int64, B)
-        n, start = self._unseen(reqs)
-        q_lens = n - start
+        n, start = self._unseen(reqs, rows)
         graphs = self.runner.graphs
-        graphed = graphs is not None and graphs.can_draft(B) and int(q_lens.max()) <= io.width
-        bs = graphs.padded_size(B) if graphed else B
+        graphed = graphs is not None and graphs.can_draft(B)
+        max_kv = int(n.max()) + D if self.device.type == "cpu" else None  # the torch backend's masks scale with it
+        if graphed and int((n - start).max()) > io.width:  # after a prefill or plain steps
+            start = self._catch_up(reqs, rows, n, start, max_kv)
+            prof.lap("catch_up")
         prof.eager += not graphed
-        table = self.runner.table.host
-        pos = np.concatenate([np.arange(s, e) for s, e in zip(start, n)])
-        slots = table[np.repeat(rows, q_lens), pos]
-        ids = np.concatenate([np.asarray(_tokens(r, s + 1, e + 1), np.int64) for r, s, e in zip(reqs, start, n)])
-        grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
-        masks = io.bitmask_host
+        bs = graphs.padded_size(B) if graphed else B
+        q_lens = n - start
+        ids, pos, slots = self._packed(reqs, rows, start, n)
         prof.lap("inputs")
-        if grammar:  # depth 1: the root's children, masked by the request's grammar as it stands
-            masks[:bs] = -1
-            for b in grammar:
-                reqs[b].matcher.fill_bitmask(masks, b)
+        masked = self._fill_root_masks(reqs, bs)
         prof.lap("root_mask")
         eager = io.set_inputs(bs, rows, n, ids, pos, slots, q_lens, graphed)
-        prof.lap("inputs")
-        on_cpu = self.device.type == "cpu"
         if graphed:
-            graphs.replay_draft("start", bs, bool(grammar))
+            graphs.replay_draft("start", bs, masked)
         else:
-            io.start(bs, bool(grammar), eager, int(q_lens.max()), int(n.max()) if on_cpu else None)
-        max_kv = int(n.max()) + D if on_cpu else None
+            io.start(bs, masked, eager, int(q_lens.max()), max_kv)
         prof.lap("start")
-        paths = None
-        for t in range(1, D):
-            if grammar:  # the frontier's rows: each node's path accepted into its matcher, then rolled back
-                tok, score, chosen = io.frontier_host(B)
-                prof.syncs += 1
-                if paths is None:
-                    paths = [[[int(x)] for x in tok[b]] for b in range(B)]
-                else:
-                    parent = chosen // K
-                    paths = [[paths[b][parent[b, j]] + [int(tok[b, j])] for j in range(K)] for b in range(B)]
-                masks[:bs * K] = -1
-                for b in grammar:
-                    _fill_rows(reqs[b].matcher, paths[b], np.isfinite(score[b]), masks, b * K)
-                prof.lap("depth_masks")
+        for _ in range(1, D):  # no host work between the depths: they run back to back on the device
             if graphed:
-                graphs.replay_draft("step", bs, bool(grammar))
+                graphs.replay_draft("step", bs)
             else:
-                io.step(bs, bool(grammar), max_kv)
-            prof.lap("steps")
-        tok, score, best = io.outputs_host(B, D)
+                io.step(bs, max_kv)
+        prof.lap("steps")
+        tok, score, best = io.outputs_host(B, D)  # the one read of the drafting
         prof.syncs += 1
         prof.lap("read")
-        trees = _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
+        tok, score, parent, depth = _candidates(tok, score, best, K)
+        for b, r in enumerate(reqs):  # per request: its matcher is a host object
+            if r.matcher is not None:
+                legal = _legal_best(r.matcher, tok[b], score[b], parent[b], depth[b], self.num_draft_tokens - 1)
+                score[b, ~legal] = -np.inf
+        prof.lap("legal")
+        trees = _select_trees(tok, score, parent, depth, self.num_draft_tokens)
         prof.lap("select")
         return trees
 
@@ -164,25 +151,60 @@ class EagleDrafter(Drafter):
         self._seen.clear()
         return True
 
-    def _unseen(self, reqs) -> tuple[np.ndarray, np.ndarray]:
+    def _unseen(self, reqs, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(cached lengths n, first position the head has not seen) per request, and the record
         updated as if it had seen them all: it will, in this step. The head re-reads a request
         from its start when its row or slots changed (a retraction), and always reads the last
         cached position again (its output is the root's hidden state)."""
         table = self.runner.table.host
         B = len(reqs)
+        ids = [r.request_id for r in reqs]
         n = np.fromiter((r.num_cached for r in reqs), np.int64, B)
-        start = np.empty(B, np.int64)
-        for b, r in enumerate(reqs):
-            seen = self._seen.get(r.request_id)
-            d = 0
-            if seen is not None:
-                row, first, count, last = seen
-                if row == r.row and first == table[r.row, 0] and 0 < count <= n[b] and table[r.row, count - 1] == last:
-                    d = count
-            start[b] = min(d, n[b] - 1)
-            self._seen[r.request_id] = (r.row, int(table[r.row, 0]), int(n[b]), int(table[r.row, n[b] - 1]))
+        seen = np.array([self._seen.get(i, _NOTHING_SEEN) for i in ids], np.int64).reshape(B, 4)
+        count = seen[:, 2]
+        first = table[rows, 0]
+        same = ((seen[:, 0] == rows) & (seen[:, 1] == first) & (count > 0) & (count <= n)
+                & (table[rows, np.maximum(count - 1, 0)] == seen[:, 3]))
+        start = np.minimum(np.where(same, count, 0), n - 1)
+        self._seen.update(zip(ids, np.stack([rows, first, n, table[rows, n - 1]], 1).tolist()))
         return n, start
+
+    def _packed(self, reqs, rows: np.ndarray, start: np.ndarray, stop: np.ndarray):
+        """The positions [start, stop) of each request, packed: the next token at each (the head's
+        input beside the feature there), the position, its KV slot."""
+        q_lens = stop - start
+        first = np.zeros(len(q_lens), np.int64)
+        np.cumsum(q_lens[:-1], out=first[1:])
+        pos = np.arange(int(q_lens.sum())) + np.repeat(start - first, q_lens)
+        slots = self.runner.table.host[np.repeat(rows, q_lens), pos]
+        ids = np.fromiter(itertools.chain.from_iterable(
+            _tokens(r, s + 1, e + 1) for r, s, e in zip(reqs, start.tolist(), stop.tolist())), np.int64, len(pos))
+        return ids, pos, slots
+
+    def _catch_up(self, reqs, rows, n, start, max_kv) -> np.ndarray:
+        """Runs the head eagerly over all but the last `width` unseen positions of each request
+        (after a prefill or plain steps), so that the step's start fits its CUDA graph. Returns the
+        new first unseen positions."""
+        stop = np.maximum(start, n - self.io.width)
+        behind = np.nonzero(stop > start)[0]
+        ids, pos, slots = self._packed([reqs[b] for b in behind], rows[behind], start[behind], stop[behind])
+        self.io.catch_up(rows[behind], stop[behind], ids, pos, slots, stop[behind] - start[behind], max_kv)
+        return stop
+
+    def _fill_root_masks(self, reqs, bs: int) -> bool:
+        """Depth 1's grammar rows: the tokens each request's grammar allows after its root. Returns
+        whether any request has a grammar (the start then masks)."""
+        grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
+        if not grammar:
+            return False
+        masks = self.io.bitmask_host
+        masks[:bs] = -1
+        for b in grammar:
+            reqs[b].matcher.fill_bitmask(masks, b)
+        return True
+
+
+_NOTHING_SEEN = (-1, -1, 0, -1)  # a request the head has not seen: no row matches -1
 
 
 def _tokens(req, start: int, stop: int) -> list[int]:
@@ -193,28 +215,37 @@ def _tokens(req, start: int, stop: int) -> list[int]:
     return req.prompt_ids[start:stop] + req.output_ids[:max(stop - p, 0)]
 
 
-def _fill_rows(matcher, paths, live, bitmask: torch.Tensor, first_row: int) -> None:
-    """Row first_row + j: the tokens the grammar allows after frontier node j's path (none for a
-    dead node, or a path the grammar ended). The paths are walked in sorted order, rolling back only
-    to the prefix the next one shares, so a common stem is accepted once."""
+def _legal_best(matcher, tok: np.ndarray, score: np.ndarray, parent: np.ndarray, depth: np.ndarray,
+                limit: int) -> np.ndarray:
+    """[C] bool: the `limit` best candidates (by path score, the shallower first among equals) whose
+    whole path the grammar allows, found by walking them best first through the matcher (a
+    candidate's parent's path accepted, sharing the stem with the last one walked, then its token
+    tried); the matcher ends where it started. A candidate whose parent was not kept is never
+    tried: the kept set is a tree. This is the drafting's only grammar work: no bitmask row is
+    filled (the worker's traversal fills the verify rows and checks the tree again)."""
+    keep = np.zeros(len(tok), bool)
+    path_of: dict[int, list[int]] = {-1: []}
     on: list[int] = []  # the tokens the matcher has accepted beyond where it started
-    for j in sorted(range(len(paths)), key=lambda j: paths[j]):
-        row, path = first_row + j, paths[j]
-        if not live[j]:
-            bitmask[row] = 0
+    for c in np.lexsort((depth, -score)).tolist():
+        if limit == 0 or not np.isfinite(score[c]):
+            break
+        stem = path_of.get(int(parent[c]))
+        if stem is None:
             continue
-        keep = 0
-        while keep < min(len(on), len(path)) and on[keep] == path[keep]:
-            keep += 1
-        matcher.rollback(len(on) - keep)
-        del on[keep:]
-        took = matcher.accept_tokens(path[keep:])
-        on += path[keep:keep + took]
-        if len(on) == len(path) and not matcher.is_terminated():
-            matcher.fill_bitmask(bitmask, row)
-        else:
-            bitmask[row] = 0
+        same = 0
+        while same < min(len(on), len(stem)) and on[same] == stem[same]:
+            same += 1
+        matcher.rollback(len(on) - same)
+        del on[same:]
+        on += stem[same:same + matcher.accept_tokens(stem[same:])]  # a kept path: all of it is accepted
+        t = int(tok[c])
+        if len(on) == len(stem) and not matcher.is_terminated() and matcher.accept_token(t):
+            on.append(t)
+            path_of[c] = list(on)
+            keep[c] = True
+            limit -= 1
     matcher.rollback(len(on))
+    return keep
 
 
 def _candidates(tok: np.ndarray, score: np.ndarray, best: np.ndarray, K: int):
@@ -237,32 +268,38 @@ def _candidates(tok: np.ndarray, score: np.ndarray, best: np.ndarray, K: int):
 
 
 def _select_trees(tok: np.ndarray, score: np.ndarray, parent: np.ndarray, depth: np.ndarray, width: int):
-    """The `width - 1` best candidates of each request by path score, as trees in xgrammar's layout
-    (node 0 the root, token 0 there: the worker sets it); parents before children, children best first."""
+    """The `width - 1` best candidates of each request by path score (finite ones only), as trees
+    in xgrammar's layout (node 0 the root, token 0 there: the worker sets it); parents before
+    children, children best first. Vectorized over the batch: a child never outscores its parent
+    (its score adds a log-probability) and ties go to the shallower, so the picks are closed
+    under parents."""
     B, C = tok.shape
     tokens = np.zeros((B, width), np.int64)
     next_token = np.full((B, width), -1, np.int64)
     next_sibling = np.full((B, width), -1, np.int64)
-    num_nodes = np.ones(B, np.int64)
-    # best first; among equal scores the shallower first, so a parent always precedes its child
-    order = np.lexsort((depth, -score), axis=1) if B else np.empty((0, C), np.int64)
-    for b in range(B):
-        picked = [c for c in order[b, :width - 1] if np.isfinite(score[b, c])]
-        picked.sort(key=lambda c: (depth[b, c], -score[b, c]))  # parents first
-        node_of = {-1: 0}
-        last_child = {}
-        i = 0
-        for c in picked:
-            p = node_of.get(int(parent[b, c]))
-            if p is None:  # its parent was not picked (cannot happen with exact scores): drop it
-                continue
-            i += 1
-            node_of[int(c)] = i
-            tokens[b, i] = tok[b, c]
-            if p in last_child:
-                next_sibling[b, last_child[p]] = i
-            else:
-                next_token[b, p] = i
-            last_child[p] = i
-        num_nodes[b] = 1 + i
-    return tokens, next_token, next_sibling, num_nodes
+    if B == 0:
+        return tokens, next_token, next_sibling, np.ones(0, np.int64)
+    take = lambda a, i: np.take_along_axis(a, i, 1)
+    best = np.lexsort((depth, -score), axis=1)[:, :width - 1]  # best first; a parent before its child
+    picked = np.isfinite(take(score, best))
+    # lay the picks out parents first (by depth, then best first), unpicked at the end
+    layout = np.lexsort((-take(score, best), np.where(picked, take(depth, best), C)), axis=1)
+    cand, picked = take(best, layout), take(picked, layout)
+    b, i = np.nonzero(picked)  # node i + 1 of request b is candidate cand[b, i]
+    node_of = np.full((B, C + 1), -1, np.int64)  # column C: the root (parent -1)
+    node_of[:, C] = 0
+    node_of[b, cand[b, i]] = i + 1
+    par = parent[b, cand[b, i]]
+    pnode = node_of[b, np.where(par < 0, C, par)]  # -1: its parent was not picked (cannot happen: left unlinked)
+    tokens[b, i + 1] = tok[b, cand[b, i]]
+    linked = pnode >= 0
+    b, i, pnode = b[linked], i[linked], pnode[linked]
+    first_child = np.full((B, width), width, np.int64)
+    np.minimum.at(first_child, (b, pnode), i + 1)
+    next_token[first_child < width] = first_child[first_child < width]
+    order = np.lexsort((i, pnode, b))  # siblings in node order: the next one with the same parent
+    bo, io, po = b[order], i[order], pnode[order]
+    same = (bo[1:] == bo[:-1]) & (po[1:] == po[:-1])
+    next_sibling[bo[:-1][same], io[:-1][same] + 1] = io[1:][same] + 1
+    return tokens, next_token, next_sibling, 1 + picked.sum(1)
+

@@ -66,8 +66,8 @@ class DraftIO:
         self._q_starts = torch.arange(C * K + 1, dtype=torch.int32, device=dev)
         self._q_lens = torch.ones(C * K, dtype=torch.int32, device=dev)
         self._row_of = torch.arange(C, device=dev)[:, None] * K  # flat index of each request's first node
-        # grammar rows of the frontier (the host fills them, the masked step copies them)
-        self._masks = PinnedBlock({"bitmask": ((C * K, W), np.int32)}, dev)
+        # the roots' grammar rows (the host fills them, the masked start copies them)
+        self._masks = PinnedBlock({"bitmask": ((C, W), np.int32)}, dev)
         self.bitmask_host = self._masks.host_tensor["bitmask"]
         self._bitmask = self._masks.device["bitmask"]
         self._row_bytes = W * 4
@@ -75,11 +75,6 @@ class DraftIO:
         self.out_tok = torch.zeros(C, D, K * K, dtype=torch.int64, device=dev)
         self.out_score = torch.full((C, D, K * K), -torch.inf, dtype=torch.float32, device=dev)
         self.out_best = torch.zeros(C, D, K, dtype=torch.int64, device=dev)
-        pinned = dev.type == "cuda"
-        self._f_tok = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
-        self._f_score = torch.zeros(C * K, dtype=torch.float32, pin_memory=pinned)
-        self._f_best = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
-        self._host_t = 0  # the depth whose frontier `frontier_host` reads next
 
     # -- the start of a step: the head over the unseen positions, then depth 1 ------------------------
     def _pad_inputs(self, start: int, stop: int) -> None:
@@ -99,7 +94,6 @@ class DraftIO:
         """Stages a step's start for B = len(rows) requests, padded to `bs` when `graphed`. Returns the
         packed token fields as device tensors for an eager start (None: the graph reads the block)."""
         B, h = len(rows), self._host
-        self._host_t = 0
         h["rows"][:B], h["n"][:B] = rows, n
         starts = np.zeros(B + 1, np.int64)
         np.cumsum(q_lens, out=starts[1:])
@@ -131,15 +125,7 @@ class DraftIO:
         else:
             ids, pos, slots, q_starts, last = (eager[k] for k in ("ids", "pos", "slots", "q_starts", "last"))
         rows, n = self._rows[:bs], self._n[:bs]
-        table = self.r.table.device_table[rows]
-        if max_kv is not None:
-            table = table[:, :max_kv]
-        meta = AttentionMetadata(
-            mode=ForwardMode.EXTEND, out_slots=slots, q_starts=q_starts.to(torch.int32),
-            q_lens=(q_starts[1:] - q_starts[:-1]).to(torch.int32), kv_lens=n.to(torch.int32), slot_table=table,
-            max_q_len=max_q, max_kv_len=table.shape[1])
-        hidden = self.head(self.target, self.r.features.index_select(0, slots), ids, pos, self.kv, meta,
-                           self.r.backend)
+        hidden = self._extend(rows, n, ids, pos, slots, q_starts, max_q, max_kv)
         root_hidden = hidden.index_select(0, last)
         logits = self.head.logits(self.target, root_hidden)
         if masked:
@@ -161,8 +147,32 @@ class DraftIO:
         self.draft_table[:bs * K] = self.r.table.device_table[rows].repeat_interleave(K, 0)
         self.t.fill_(1)
 
-    # -- one depth (captured per batch size and masking on CUDA) --------------------------------------
-    def step(self, bs: int, masked: bool, max_kv: int | None = None) -> None:
+    def catch_up(self, rows: np.ndarray, kv_lens: np.ndarray, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray,
+                 q_lens: np.ndarray, max_kv: int | None = None) -> None:
+        """The head over packed positions (per request the `q_lens` before `kv_lens`), eagerly, for
+        their K/V alone: what a request's start cannot take in the graph (`width` positions) after
+        a prefill or plain steps, so that the start and every depth still replay their graphs."""
+        dev = self.device
+        starts = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        t = lambda x: torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(dev, non_blocking=True)
+        self._extend(t(rows), t(kv_lens), t(ids), t(pos), t(slots), t(starts), int(q_lens.max()), max_kv)
+
+    def _extend(self, rows, kv_lens, ids, pos, slots, q_starts, max_q: int, max_kv: int | None) -> torch.Tensor:
+        """The head over packed new positions of the requests on table `rows` (each sees its first
+        kv_lens slots; its new positions are the last q of them); writes their K/V, returns its output."""
+        table = self.r.table.device_table[rows]
+        if max_kv is not None:
+            table = table[:, :max_kv]
+        meta = AttentionMetadata(
+            mode=ForwardMode.EXTEND, out_slots=slots, q_starts=q_starts.to(torch.int32),
+            q_lens=(q_starts[1:] - q_starts[:-1]).to(torch.int32), kv_lens=kv_lens.to(torch.int32),
+            slot_table=table, max_q_len=max_q, max_kv_len=table.shape[1])
+        return self.head(self.target, self.r.features.index_select(0, slots), ids, pos, self.kv, meta,
+                         self.r.backend)
+
+    # -- one depth (captured per batch size on CUDA) --------------------------------------------------
+    def step(self, bs: int, max_kv: int | None = None) -> None:
         K, D = self.K, self.D
         BK = bs * K
         t = self.t
@@ -178,12 +188,7 @@ class DraftIO:
             kv_lens=(n_rep + t).to(torch.int32), slot_table=table, max_q_len=1, max_kv_len=table.shape[1])
         hidden = self.head(self.target, self.parent_hidden[:BK], self.front_tok[:BK], n_rep + t - 1, self.kv, meta,
                            self.r.backend)
-        logits = self.head.logits(self.target, hidden)
-        if masked:
-            self._masks.upload("bitmask", BK * self._row_bytes)
-            logits = mask_logits(logits, self._bitmask[:BK])
-        scores = torch.log_softmax(logits, -1)
-        scores = torch.where(scores.isnan(), -torch.inf, scores) + self.front_score[:BK, None]
+        scores = torch.log_softmax(self.head.logits(self.target, hidden), -1) + self.front_score[:BK, None]
         child_s, child_t = scores.topk(K, -1)  # [BK, K]
         child_s, child_t = child_s.view(bs, K * K), child_t.view(bs, K * K)
         best_s, best_i = child_s.topk(K, -1)  # the next frontier among each request's K*K children
@@ -197,19 +202,6 @@ class DraftIO:
         self.parent_hidden[:BK] = hidden.index_select(0, parent)
         anc.copy_(anc.index_select(0, parent))
         t.add_(1)
-
-    def frontier_host(self, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The frontier's tokens and path scores, and the last step's choices (each new frontier
-        node's index among the children), [B, K] on the host: three copies, one sync."""
-        K, t = self.K, self._host_t
-        for dst, src in ((self._f_tok, self.front_tok[:B * K]), (self._f_score, self.front_score[:B * K]),
-                         (self._f_best, self.out_best[:B, t].reshape(-1))):
-            dst[:B * K].copy_(src, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._host_t += 1
-        view = lambda x: x[:B * K].numpy().reshape(B, K)
-        return view(self._f_tok), view(self._f_score), view(self._f_best)
 
     def outputs_host(self, B: int, depth: int):
         """(tokens, scores [B, depth, K*K], chosen [B, depth, K]) on the host: the step's one read-back
