@@ -242,7 +242,23 @@ def table(records, title):
             "by tests/test_engine_gpu.py against an fp32 reference, token by token).\n\n"
             + markdown_table(["workload", "batch", "engine", "tok/s", "speedup", "cold tok/s", "cold speedup",
                               "mean accepted len", "spec share",
-                              "CPU draft+mask ms/step", "identical to plain", "tok/s of each run"], rows))
+                              "CPU draft+mask ms/step", "identical to plain", "tok/s of each run"], rows)
+            + eagle_table(records))
+
+
+def eagle_table(records) -> str:
+    """Where an EAGLE engine's drafting goes: host ms per speculative step by phase
+    (`eagle.DraftProfile`; on CUDA "read" holds the wait for the device's draft work), the
+    host-device syncs per step, and the share of steps that ran eagerly instead of from graphs."""
+    eagle = [r for r in records if "draft_phase_ms" in r]
+    if not eagle:
+        return ""
+    phases = list(eagle[0]["draft_phase_ms"])
+    rows = [[r["workload"], r["batch"], r["engine"], *(r["draft_phase_ms"][p] for p in phases),
+             round(r["draft_syncs_per_step"], 2), round(r["draft_eager_share"], 2)] for r in eagle]
+    return ("\n\nEAGLE drafting, host ms per speculative step by phase (the median warm run; on CUDA `read` "
+            "includes waiting for the draft graphs), syncs per step, share of steps drafted eagerly:\n\n"
+            + markdown_table(["workload", "batch", "engine", *phases, "syncs/step", "eager share"], rows))
 
 
 def plot(records, path, title):

@@ -111,48 +111,60 @@ def test_eagle_seeded_sampling_equals_plain(engines, tiny_head_dir):
         assert got == ref
 
 
-def test_drafts_are_legal_trees(engines, tiny_head_dir):
-    """Every drafted node of a grammar request is legal on its path (the drafter masks while it
-    drafts), and every tree is well formed (parents before children, within the width)."""
+def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir):
+    """The drafter masks depth 1 by the grammar (the root's row) and drafts deeper unmasked; every
+    tree is well formed (parents before children, within the width, every node linked), its depth-1
+    nodes are legal, and what the worker verifies after its grammar traversal holds only legal
+    paths: the illegal deeper nodes (a random head drafts some) are pruned."""
     from constrained_spec.speculative.tree import HostTrees
     spec = engines("eagle34", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
                    speculative_policy="always", speculative_min_accept=0.0)
-    drafter = spec.spec.drafter
-    seen, illegal = [], []  # recorded on the engine thread, asserted here
-    original = drafter.propose_arrays
+    worker, drafter = spec.spec, spec.spec.drafter
+    seen, bad, pruned = [], [], []  # recorded on the engine thread, asserted here
+    propose, mask_trees = drafter.propose_arrays, worker._mask_trees
 
-    def spy(batch):
-        out = original(batch)
+    def path_to(trees, b, j):
+        path = [j]
+        while trees.parents[b, path[-1]] > 0:
+            path.append(int(trees.parents[b, path[-1]]))
+        return [int(trees.tokens[b, i]) for i in reversed(path)]
+
+    def legal(m, path):
+        took = m.accept_tokens(path)
+        m.rollback(took)
+        return took == len(path)
+
+    def spy_propose(batch):
+        out = propose(batch)
         tokens, nxt, sib, count = out
-        roots = [r.output_ids[-1] for r in batch.requests]
         for b, r in enumerate(batch.requests):
-            m = r.matcher
-            if m is None:
-                continue
             n = int(count[b])
             toks = tokens[b, :n].copy()
-            toks[0] = roots[b]
+            toks[0] = r.output_ids[-1]
             trees = HostTrees.build(toks[None], nxt[b:b + 1, :n], sib[b:b + 1, :n], np.array([n]))
-            if not trees.live.all():
-                illegal.append(("unlinked", n))
-            for j in range(1, n):  # walk the path root -> j
-                path = [j]
-                while trees.parents[0, path[-1]] > 0:
-                    path.append(int(trees.parents[0, path[-1]]))
-                path = [int(toks[i]) for i in reversed(path)]
-                took = m.accept_tokens(path)
-                m.rollback(took)
-                if took != len(path):
-                    illegal.append((path, took))
+            if not trees.live.all() or (trees.parents[0, 1:] >= np.arange(1, n)).any():
+                bad.append(("malformed", n))
+            if r.matcher is not None:
+                bad.extend(("depth 1", j) for j in range(1, n) if trees.depth[0, j] == 1
+                           and not legal(r.matcher, path_to(trees, 0, j)))
             seen.append(n)
         return out
-    drafter.propose_arrays = spy
+
+    def spy_mask(reqs, trees, io):
+        out = mask_trees(reqs, trees, io)
+        for b, r in enumerate(reqs):
+            live = np.nonzero(out.live[b])[0]
+            bad.extend(("verified", j) for j in live[1:] if not legal(r.matcher, path_to(out, b, j)))
+            pruned.append(int(trees.live[b].sum() - len(live)))
+        return out
+    drafter.propose_arrays, worker._mask_trees = spy_propose, spy_mask
     try:
-        _greedy(spec, PROMPTS[:2], GrammarSpec.json_schema(SCHEMA), n=24)
+        outs = spec.generate(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0), GrammarSpec.json_schema(SCHEMA))
+        assert all(o.finish_reason in ("length", "stop") for o in outs), outs  # no spy failed a request
     finally:
-        drafter.propose_arrays = original
-    assert not illegal
-    assert seen and max(seen) > 1
+        drafter.propose_arrays, worker._mask_trees = propose, mask_trees
+    assert not bad, bad[:5]
+    assert seen and max(seen) > 1 and sum(pruned) > 0
 
 
 def test_train_eagle_end_to_end(tiny_llama_dir, tmp_path):
@@ -258,51 +270,6 @@ def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engin
         assert small.scheduler.num_retractions > 0 and small.spec.stats.steps > 0
     finally:
         small.shutdown()
-
-
-def test_legal_best_keeps_the_best_legal_candidates_as_a_tree(tokenizer):
-    """`_legal_best` (the drafting's grammar check) keeps, best first, the candidates whose whole path
-    the grammar allows and whose parent it kept, up to the limit: what checking every path alone
-    from the start gives; the matcher ends where it started."""
-    from constrained_spec.grammar import GrammarBackend
-    from constrained_spec.speculative.eagle import _legal_best
-    backend = GrammarBackend(tokenizer, 49152)  # no disk cache (cache_dir None)
-    try:
-        matcher = backend.matcher(backend.compile(GrammarSpec.json_schema(SCHEMA)))
-        matcher.accept_tokens(tokenizer.encode('{"name": "B', add_special_tokens=False))
-        rng = np.random.default_rng(0)
-        legal_now = np.nonzero(_allowed(matcher))[0]
-        # a candidate tree as the drafter makes it: 3 roots' children, then 3 children per kept node
-        tok, parent, depth, score = [], [], [], []
-        for c in range(40):
-            p = -1 if c < 3 else int(rng.integers(0, c))
-            pick_legal = rng.random() < 0.7
-            tok.append(int(rng.choice(legal_now)) if pick_legal else int(rng.integers(0, 49152)))
-            parent.append(p)
-            depth.append(1 if p < 0 else depth[p] + 1)
-            score.append((0.0 if p < 0 else score[p]) - float(rng.exponential(0.5)))
-        tok, parent, depth, score = map(np.array, (tok, parent, depth, score))
-        score[5] = -np.inf  # a dead candidate is never kept
-        for limit in (3, 7, 40):
-            got = _legal_best(matcher, tok, score, parent, depth, limit)
-            want = np.zeros(len(tok), bool)
-            for c in np.lexsort((depth, -score)):
-                if want.sum() == limit or not np.isfinite(score[c]):
-                    break
-                if parent[c] >= 0 and not want[parent[c]]:
-                    continue
-                path = [c]
-                while parent[path[-1]] >= 0:
-                    path.append(parent[path[-1]])
-                path = [int(tok[x]) for x in reversed(path)]
-                took = matcher.accept_tokens(path)
-                matcher.rollback(took)
-                want[c] = took == len(path)
-            assert np.array_equal(got, want), limit
-            assert want.sum() > 2 and (~want & np.isfinite(score)).sum() > 2  # the case is not trivial
-            assert np.array_equal(np.nonzero(_allowed(matcher))[0], legal_now)  # the matcher is back
-    finally:
-        backend.close()
 
 
 def test_select_trees_matches_the_path_by_path_layout():

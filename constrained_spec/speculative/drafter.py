@@ -77,6 +77,10 @@ class Drafter(ABC):
         for rid, toks in zip(request_ids, token_lists):
             self.observe(rid, toks)
 
+    def use_mask_filler(self, filler) -> None:
+        """The engine's grammar pool (`MaskFiller`), for drafters that fill bitmask rows while they
+        draft; the others ignore it."""
+
     def finish(self, request_id: Hashable) -> None:
         """Drop the request's state."""
 

@@ -42,7 +42,7 @@ from .tree import DraftTrees
 __all__ = ["DraftProfile", "EagleDrafter"]
 
 
-DRAFT_PHASES = ("catch_up", "inputs", "root_mask", "start", "steps", "read", "legal", "select")
+DRAFT_PHASES = ("catch_up", "inputs", "root_mask", "start", "steps", "read", "select")
 
 
 @dataclass
@@ -92,6 +92,7 @@ class EagleDrafter(Drafter):
         # request id -> (row, slot of position 0, positions the head has seen, slot of the last of them)
         self._seen: dict[Hashable, tuple[int, int, int, int]] = {}
         self.profile = DraftProfile()
+        self._filler = None  # `use_mask_filler`
 
     # -- the Drafter interface -------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> DraftTrees:
@@ -134,13 +135,7 @@ class EagleDrafter(Drafter):
         tok, score, best = io.outputs_host(B, D)  # the one read of the drafting
         prof.syncs += 1
         prof.lap("read")
-        tok, score, parent, depth = _candidates(tok, score, best, K)
-        for b, r in enumerate(reqs):  # per request: its matcher is a host object
-            if r.matcher is not None:
-                legal = _legal_best(r.matcher, tok[b], score[b], parent[b], depth[b], self.num_draft_tokens - 1)
-                score[b, ~legal] = -np.inf
-        prof.lap("legal")
-        trees = _select_trees(tok, score, parent, depth, self.num_draft_tokens)
+        trees = _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
         prof.lap("select")
         return trees
 
@@ -191,16 +186,28 @@ class EagleDrafter(Drafter):
         self.io.catch_up(rows[behind], stop[behind], ids, pos, slots, stop[behind] - start[behind], max_kv)
         return stop
 
+    def use_mask_filler(self, filler) -> None:
+        """Fill the roots' rows on the engine's grammar pool (`MaskFiller.fill_chains`, a chain of
+        the root alone per request), in parallel, instead of one after another here."""
+        self._filler = filler
+
     def _fill_root_masks(self, reqs, bs: int) -> bool:
-        """Depth 1's grammar rows: the tokens each request's grammar allows after its root. Returns
-        whether any request has a grammar (the start then masks)."""
+        """Depth 1's grammar rows: the tokens each request's grammar allows after its root (the
+        only grammar work of the drafting). Returns whether any request has a grammar (the start
+        then masks)."""
         grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
         if not grammar:
             return False
         masks = self.io.bitmask_host
         masks[:bs] = -1
-        for b in grammar:
-            reqs[b].matcher.fill_bitmask(masks, b)
+        matchers = [reqs[b].matcher for b in grammar]
+        if self._filler is not None:
+            # a chain of the root alone: its row filled, no token accepted (so no stop tokens to know)
+            self._filler.fill_chains(matchers, [[reqs[b].output_ids[-1]] for b in grammar], masks, grammar,
+                                     frozenset())
+        else:
+            for b, m in zip(grammar, matchers):
+                m.fill_bitmask(masks, b)
         return True
 
 
@@ -213,39 +220,6 @@ def _tokens(req, start: int, stop: int) -> list[int]:
     if start >= p:
         return req.output_ids[start - p:stop - p]
     return req.prompt_ids[start:stop] + req.output_ids[:max(stop - p, 0)]
-
-
-def _legal_best(matcher, tok: np.ndarray, score: np.ndarray, parent: np.ndarray, depth: np.ndarray,
-                limit: int) -> np.ndarray:
-    """[C] bool: the `limit` best candidates (by path score, the shallower first among equals) whose
-    whole path the grammar allows, found by walking them best first through the matcher (a
-    candidate's parent's path accepted, sharing the stem with the last one walked, then its token
-    tried); the matcher ends where it started. A candidate whose parent was not kept is never
-    tried: the kept set is a tree. This is the drafting's only grammar work: no bitmask row is
-    filled (the worker's traversal fills the verify rows and checks the tree again)."""
-    keep = np.zeros(len(tok), bool)
-    path_of: dict[int, list[int]] = {-1: []}
-    on: list[int] = []  # the tokens the matcher has accepted beyond where it started
-    for c in np.lexsort((depth, -score)).tolist():
-        if limit == 0 or not np.isfinite(score[c]):
-            break
-        stem = path_of.get(int(parent[c]))
-        if stem is None:
-            continue
-        same = 0
-        while same < min(len(on), len(stem)) and on[same] == stem[same]:
-            same += 1
-        matcher.rollback(len(on) - same)
-        del on[same:]
-        on += stem[same:same + matcher.accept_tokens(stem[same:])]  # a kept path: all of it is accepted
-        t = int(tok[c])
-        if len(on) == len(stem) and not matcher.is_terminated() and matcher.accept_token(t):
-            on.append(t)
-            path_of[c] = list(on)
-            keep[c] = True
-            limit -= 1
-    matcher.rollback(len(on))
-    return keep
 
 
 def _candidates(tok: np.ndarray, score: np.ndarray, best: np.ndarray, K: int):

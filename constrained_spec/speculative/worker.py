@@ -106,6 +106,7 @@ class SpeculativeWorker:
         self.engine = engine
         self.runner = engine.runner
         self.drafter = drafter
+        drafter.use_mask_filler(engine.masks)
         self.width = drafter.num_draft_tokens
         self.stats = SpecStats()
         self._observed: dict[str, int] = {}  # request id -> output tokens already given to the drafter
@@ -172,6 +173,7 @@ class SpeculativeWorker:
             raise RuntimeError("reset_drafter while requests are running")
         if not self.drafter.reset():  # the EAGLE drafter keeps its head and buffers (graphs read them)
             self.drafter = make_drafter(self.engine.config, self.runner)
+            self.drafter.use_mask_filler(self.engine.masks)
         if policy:
             self.policy = self._new_policy()
 
