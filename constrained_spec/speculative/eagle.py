@@ -1,5 +1,5 @@
-"""EAGLE drafter: a draft tree per request from the EAGLE head (`models/eagle.py`), grammar-masked
-while it is drafted (EAGLE-2's dynamic tree).
+"""EAGLE drafter: a draft tree per request from the EAGLE head (`models/eagle.py`), EAGLE-2's
+dynamic tree, masked by the request's grammar at depth 1 and checked by it before verification.
 
 Per speculative step, for the requests of the batch:
   extend  the head runs over the positions it has not seen yet (the last step's accepted tokens,
@@ -7,22 +7,34 @@ Per speculative step, for the requests of the batch:
           that every forward leaves at position i's KV slot (`ModelRunner.features`), and the token
           at i + 1; its K/V go to the same slot of the head's own one-layer KV cache, so the head
           shares the target's slot table and needs no bookkeeping of its own. Its output at the
-          last position is the guess of the root's hidden state.
-  expand  depth by depth (`eagle_step.DraftIO`: one CUDA graph per batch size serves every depth): the
-          frontier's logits (target norm + LM head) are masked by the request's grammar (each
-          frontier node's path accepted into its matcher, one bitmask row filled, rolled back),
-          log-softmaxed and added to the node's path score; every node gets its top-k children as
-          candidates, and the k best candidates become the next frontier, which the head runs on as
-          a decode step over its context and its ancestors in the tree. A token the grammar forbids
-          scores -inf and is never drafted; a forced token scores its parent's score, so forced runs
-          are drafted whole. Without a grammar in the batch the host reads the records once at the
-          end; with one it reads each depth's frontier (its mask rows depend on it).
+          last position is the guess of the root's hidden state. On CUDA the start graph takes up
+          to N such positions per request; a request further behind is caught up eagerly first
+          (`_catch_up`, its K/V only), so the start and every depth still replay their graphs.
+  expand  depth by depth (`eagle_step.DraftIO`: one CUDA graph per batch size serves every depth):
+          the frontier's logits (target norm + LM head) are log-softmaxed and added to the node's
+          path score; every node gets its top-k children as candidates, and the k best candidates
+          become the next frontier, which the head runs on as a decode step over its context and
+          its ancestors in the tree. Depth 1 (the root's children) is masked by the grammar: one
+          row per request, filled on the engine's grammar pool before the start. Deeper depths are
+          not masked, so they run back to back on the device and the host reads the records once,
+          at the end: one sync per step.
   select  the N - 1 best candidates by path score (a child never outscores its parent, so the
-          choice is a tree), laid out parents first in xgrammar's layout.
-The worker still checks every tree with the grammar's traversal before verifying it. Drafts are
-deterministic (top-k), so the worker's path-matching verification stays lossless at any temperature.
-On CUDA the extend with depth 1 (up to N unseen positions per request; more, after plain steps or a
-prefill, run eagerly) and each expansion step replay CUDA graphs (`CudaGraphRunner.capture_draft`).
+          choice is a tree), laid out parents first in xgrammar's layout, vectorized over the batch.
+The worker then checks every tree with the grammar's traversal (which fills the verify rows anyway)
+and prunes the nodes the grammar forbids with their subtrees, so only legal tokens are verified and
+the bonus token is legal too. Drafts are deterministic (top-k), so the worker's path-matching
+verification stays lossless at any temperature.
+
+Why deeper depths are unmasked (measured, issue 23): masking depth t needs the frontier of depth
+t - 1 on the host (a sync), then each frontier node's path accepted into its matcher, a row filled
+and rolled back, before the next replay: with depth 6 and top-k 4 that was 6 syncs and 21 row fills
+a request per step, 7-24 ms of host time a step on the H100 host against a ~1 ms plain decode step,
+so the measured policy never speculated. Overlapping the fills on another thread does not help: each
+depth's rows depend on the depth before, which depends on its rows. Unmasked, SmolLM2's shipped head
+on the 30 JSON tasks (float32, CPU, batch 1) emits 2.05 tokens per verify step against 2.41 with
+every depth masked, and 2.00 with depth 1 unmasked too (so depth 1 keeps its row, filled in
+parallel on the pool). Choosing the best *legal* candidates (walking them through the matcher
+before the tree is picked) gave 2.08: not worth its host time, the traversal prunes instead.
 """
 from __future__ import annotations
 

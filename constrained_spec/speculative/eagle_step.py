@@ -1,11 +1,15 @@
 """The device side of EAGLE drafting: static buffers and the device work of a draft step, the same
-code run eagerly (CPU, CUDA without graphs) or replayed as CUDA graphs per batch size and masking
-(`CudaGraphRunner.capture_draft`), like `verify_step.py` for the verify step. Two parts:
+code run eagerly (CPU, CUDA without graphs) or replayed as CUDA graphs per batch size
+(`CudaGraphRunner.capture_draft`), like `verify_step.py` for the verify step. Three parts:
 
 `start`: the head over each request's unseen positions (packed; in the graph, up to `width` per
 request, padding requests on the spare table row and a tail that belongs to no sequence, written
 to slot 0, as in the prefill graphs), its output at the last one (the root's hidden state), the
-root's grammar-masked log-probabilities and their top-k: the first frontier.
+root's log-probabilities, masked by the grammar rows the host filled (a graph with and one without
+the mask), and their top-k: the first frontier.
+
+`catch_up`: the head over the positions a start cannot take (a request more than `width` positions
+behind, after a prefill or plain steps), eagerly, for their K/V alone.
 
 `step`, one depth: expanding the tree is a decode step of the head for B*K *virtual sequences*, one
 per frontier node (K per request): sequence (b, j) is request b's context followed by node j's
@@ -13,14 +17,13 @@ ancestors in the tree and the node itself. Its slot-table row is request b's row
 n_b .. n_b + t - 1 replaced by the scratch slots of those tree nodes (depth t), so the head's
 attention is the target's own decode attention (triton on CUDA, split over the context) and needs
 no tree mask. Scratch slots lie past the target pool's slots in the head's one-layer KV cache: K
-per depth per request. The depth is a device-side counter, so one graph serves every depth:
+per depth per request. The depth is a device-side counter, so one graph serves every depth, and
+nothing of the host comes between two depths:
   the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
   (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
-  the grammar mask (rows copied from pinned host memory, filled by the host before the replay);
   log-softmax plus the node's path score; top-k children per node; the best K of the K*K children
   become the next frontier (their tokens, scores, parents' outputs and ancestor slots gathered);
-  children and choices recorded in `out_*` for the host, which reads them once at the end
-  (and, for grammar requests, the frontier before each step: its bitmask rows depend on it).
+  children and choices recorded in `out_*` for the host, which reads them once at the end.
 """
 from __future__ import annotations
 
