@@ -66,6 +66,9 @@ ENGINES = {  # name -> engine options on top of the common ones
     "eagle": dict(speculative_algorithm="eagle"),
     "eagle chain": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7),
     "eagle always": dict(speculative_algorithm="eagle", speculative_policy="always"),
+    # A/B of grammar masking while drafting: depths 1-2 masked (one more host sync a step), and every depth
+    "eagle mask2": dict(speculative_algorithm="eagle", eagle_masked_depths=2),
+    "eagle mask all": dict(speculative_algorithm="eagle", eagle_masked_depths=6),
 }
 DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith("eagle")]  # EAGLE needs a head: asked for by name
 

@@ -161,6 +161,11 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "eagle_topk": ("spec", dict(metavar="K", help="EAGLE draft tree: children per node and nodes expanded per "
                                                   "depth (default: %(default)s)")),
     "eagle_depth": ("spec", dict(metavar="D", help="EAGLE draft tree: deepest node (default: %(default)s)")),
+    "eagle_masked_depths": ("spec", dict(metavar="M", help="EAGLE draft tree: depths 1..M masked by the grammar "
+                                                           "while drafted; each past the first costs a host sync "
+                                                           "and a row fill per frontier node, deeper nodes the "
+                                                           "grammar forbids are pruned before verify "
+                                                           "(default: %(default)s)")),
     "speculative_num_draft_tokens": ("spec", dict(metavar="N", help="nodes per draft tree, the last verified token "
                                                                     "included (default: %(default)s)")),
     "speculative_max_batch": ("spec", dict(metavar="N", help="decode batches larger than this run plainly "

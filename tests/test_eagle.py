@@ -85,11 +85,12 @@ def _greedy(engine, prompts, grammar=None, n=32):
     return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0), grammar)]
 
 
-@pytest.mark.parametrize("topk,depth", [(1, 4), (3, 4), (2, 1)])
-def test_eagle_greedy_is_lossless(engines, tiny_head_dir, topk, depth):
+@pytest.mark.parametrize("topk,depth,masked", [(1, 4, 1), (3, 4, 1), (2, 1, 1), (3, 4, 2), (1, 4, 4)])
+def test_eagle_greedy_is_lossless(engines, tiny_head_dir, topk, depth, masked):
     plain = engines("plain")
-    spec = engines(f"eagle{topk}{depth}", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=topk,
-                   eagle_depth=depth, speculative_policy="always", speculative_min_accept=0.0)
+    spec = engines(f"eagle{topk}{depth}" + (f"m{masked}" if masked > 1 else ""), speculative_algorithm="eagle",
+                   eagle_head=tiny_head_dir, eagle_topk=topk, eagle_depth=depth, eagle_masked_depths=masked,
+                   speculative_policy="always", speculative_min_accept=0.0)
     grammar = GrammarSpec.json_schema(SCHEMA)
     for g in (None, grammar):
         ref = _greedy(plain, PROMPTS, g)
@@ -111,13 +112,15 @@ def test_eagle_seeded_sampling_equals_plain(engines, tiny_head_dir):
         assert got == ref
 
 
-def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir):
-    """The drafter masks depth 1 by the grammar (the root's row) and drafts deeper unmasked; every
-    tree is well formed (parents before children, within the width, every node linked), its depth-1
-    nodes are legal, and what the worker verifies after its grammar traversal holds only legal
-    paths: the illegal deeper nodes (a random head drafts some) are pruned."""
+@pytest.mark.parametrize("masked", [1, 2, 4])
+def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir, masked):
+    """The drafter masks depths 1..M by the grammar (`eagle_masked_depths`) and drafts deeper
+    unmasked; every tree is well formed (parents before children, within the width, every node
+    linked), its nodes at masked depths are legal, and what the worker verifies after its grammar
+    traversal holds only legal paths: the illegal deeper nodes (a random head drafts some) are pruned."""
     from constrained_spec.speculative.tree import HostTrees
-    spec = engines("eagle34", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
+    spec = engines("eagle34" + (f"m{masked}" if masked > 1 else ""), speculative_algorithm="eagle",
+                   eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4, eagle_masked_depths=masked,
                    speculative_policy="always", speculative_min_accept=0.0)
     worker, drafter = spec.spec, spec.spec.drafter
     seen, bad, pruned = [], [], []  # recorded on the engine thread, asserted here
@@ -145,7 +148,7 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
             if not trees.live.all() or (trees.parents[0, 1:] >= np.arange(1, n)).any():
                 bad.append(("malformed", n))
             if r.matcher is not None:
-                bad.extend(("depth 1", j) for j in range(1, n) if trees.depth[0, j] == 1
+                bad.extend(("masked depth", j) for j in range(1, n) if trees.depth[0, j] <= masked
                            and not legal(r.matcher, path_to(trees, 0, j)))
             seen.append(n)
         return out
@@ -164,7 +167,8 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
     finally:
         drafter.propose_arrays, worker._mask_trees = propose, mask_trees
     assert not bad, bad[:5]
-    assert seen and max(seen) > 1 and sum(pruned) > 0
+    assert seen and max(seen) > 1
+    assert (sum(pruned) > 0) == (masked < 4)  # every depth masked: nothing left to prune
 
 
 def test_train_eagle_end_to_end(tiny_llama_dir, tmp_path):
@@ -242,7 +246,7 @@ def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
                   speculative_policy="always", speculative_min_accept=0.0)
     try:
         assert spec.runner.graphs.can_draft(4)
-        assert {("draft", "start", 4, False), ("draft", "start", 4, True), ("draft", "step", 4)} <= \
+        assert {("draft", "start", 4, False), ("draft", "start", 4, True), ("draft", "step", 4, False)} <= \
             set(spec.runner.graphs.graphs)
         for g in (None, GrammarSpec.json_schema(SCHEMA)):
             assert _greedy(spec, PROMPTS, g) == _greedy(plain, PROMPTS, g)
@@ -315,6 +319,53 @@ def _select_one(tok, score, parent, depth, width):
             nxt[p] = i
         last_child[p] = i
     return tokens, nxt, sib, 1 + len(picked)
+
+
+def test_frontier_rows_share_prefixes_and_match_path_by_path_fills(tokenizer):
+    """`_fill_rows` walks the frontier's paths in sorted order, accepting a shared stem once; every
+    row equals a fill after accepting that path alone, dead or illegal paths get empty rows, and
+    the matcher ends where it started."""
+    from constrained_spec.grammar import GrammarBackend
+    from constrained_spec.speculative.eagle import _fill_rows
+    backend = GrammarBackend(tokenizer, 49152)  # no disk cache (cache_dir None)
+    try:
+        matcher = backend.matcher(backend.compile(GrammarSpec.json_schema(SCHEMA)))
+        rng = np.random.default_rng(0)
+        legal = lambda m: np.nonzero(_allowed(m))[0]
+        stem = []
+        for _ in range(3):
+            t = int(rng.choice(legal(matcher)))
+            matcher.accept_token(t)
+            stem.append(t)
+        paths = []
+        for j in range(6):  # branches off the stem at several depths
+            cut = j % 4
+            matcher.rollback(len(stem) - cut)
+            path = stem[:cut]
+            for _ in range(2):
+                t = int(rng.choice(legal(matcher)))
+                matcher.accept_token(t)
+                path.append(t)
+            matcher.rollback(len(path))
+            matcher.accept_tokens(stem)
+            paths.append(path)
+        matcher.rollback(len(stem))
+        paths.append([0, 0])  # illegal at once
+        live = np.array([True] * 6 + [True])
+        live[2] = False
+        got = torch.full((len(paths), 1536), -1, dtype=torch.int32)
+        _fill_rows(matcher, paths, live, got, 0)
+        want = torch.zeros_like(got)
+        for j, path in enumerate(paths):
+            took = matcher.accept_tokens(path)
+            if live[j] and took == len(path):
+                matcher.fill_bitmask(want, j)
+            matcher.rollback(took)
+        assert torch.equal(got, want)
+        assert [int(t) for t in legal(matcher)] == [int(t) for t in np.nonzero(_allowed(backend.matcher(
+            backend.compile(GrammarSpec.json_schema(SCHEMA)))))[0]]
+    finally:
+        backend.close()
 
 
 def _allowed(matcher) -> np.ndarray:

@@ -47,6 +47,8 @@ class EngineConfig:
     eagle_head: str | None = None  # EAGLE head folder; None: the head shipped for the default model
     eagle_topk: int = 4  # EAGLE tree: children drafted per node, and nodes expanded per depth
     eagle_depth: int = 6  # EAGLE tree: deepest draft node (head steps per speculative step)
+    eagle_masked_depths: int = 1  # EAGLE tree: depths masked by the grammar while drafted (each past the first
+    #   costs a host sync and a row fill per frontier node; the traversal before verify prunes the rest)
     ngram_branches: int = 1  # children per draft node: 1 = chain, >1 = tree
     ngram_max_match: int = 8  # longest context suffix the trie matches
     ngram_min_match: int = 1

@@ -163,8 +163,9 @@ class CudaGraphRunner:
     def capture_draft(self, drafter, max_batch: int) -> None:
         """The EAGLE draft work (`speculative/eagle_step.DraftIO`) per batch size up to `max_batch`:
         its start (the head over up to `width` unseen positions per request, then depth 1, with and
-        without the roots' grammar masks) and its step (one depth, unmasked; the depth is a device
-        counter, so one graph serves every depth). Drafters without device steps have no `io`:
+        without the roots' grammar masks) and its step (one depth, unmasked, and masked when the
+        drafter masks depths past the first; the depth is a device counter, so one graph serves
+        every depth). Drafters without device steps have no `io`:
         nothing to capture. A capture that fails leaves the drafter eager (logged), since drafting
         is an optimization of its own."""
         io = getattr(drafter, "io", None)
@@ -176,7 +177,10 @@ class CudaGraphRunner:
             for bs in reversed(sizes):
                 for masked in (False, True):
                     self._capture(("draft", "start", bs, masked), lambda bs=bs, m=masked: io.start(bs, m))
-                self._capture(("draft", "step", bs), lambda bs=bs: io.step(bs), before=lambda: io.t.fill_(1))
+                    if masked and not io.masked_steps:
+                        continue
+                    self._capture(("draft", "step", bs, masked), lambda bs=bs, m=masked: io.step(bs, m),
+                                  before=lambda: io.t.fill_(1))
         except Exception:
             log.exception("capturing the EAGLE draft step failed; it runs eagerly")
             for key in [k for k in self.graphs if k[0] == "draft"]:
@@ -187,12 +191,12 @@ class CudaGraphRunner:
 
     def can_draft(self, batch: int) -> bool:
         bs = self.padded_size(batch)
-        return bs is not None and ("draft", "step", bs) in self.graphs
+        return bs is not None and ("draft", "step", bs, False) in self.graphs
 
-    def replay_draft(self, part: str, bs: int, masked: bool = False) -> None:
-        """Replays the draft step's `part`: "start" (the head over the unseen positions, depth 1,
-        `masked` or not) or "step" (one depth)."""
-        self.graphs[("draft", part, bs) + ((masked,) if part == "start" else ())][0].replay()
+    def replay_draft(self, part: str, bs: int, masked: bool) -> None:
+        """Replays the draft step's `part`: "start" (the head over the unseen positions, depth 1)
+        or "step" (one depth), `masked` by the grammar rows the host staged or not."""
+        self.graphs[("draft", part, bs, masked)][0].replay()
 
     @torch.inference_mode()
     def capture_prefill(self, max_tokens: int, buckets=DEFAULT_PREFILL_TOKENS) -> None:

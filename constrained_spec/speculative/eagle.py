@@ -54,17 +54,18 @@ from .tree import DraftTrees
 __all__ = ["DraftProfile", "EagleDrafter"]
 
 
-DRAFT_PHASES = ("catch_up", "inputs", "root_mask", "start", "steps", "read", "select")
+DRAFT_PHASES = ("catch_up", "inputs", "root_mask", "start", "depth_masks", "steps", "read", "select")
 
 
 @dataclass
 class DraftProfile:
     """Host seconds per phase of `propose_arrays`, summed over its calls, and its host-device
     syncs: what a speculative step's drafting costs on the host (bench_spec reports it per step).
-    inputs: unseen positions, token ids, slots, staging; root_mask: depth 1's grammar rows;
-    start / steps: launching (CUDA) or computing (CPU) the head's extend and depth steps;
-    depth_masks: reading each depth's frontier and filling its grammar rows; read: the final
-    read-back; select: the trees from the candidates."""
+    catch_up: the eager extend of positions past the start graph's width; inputs: unseen
+    positions, token ids, slots, staging; root_mask: depth 1's grammar rows; start / steps:
+    launching (CUDA) or computing (CPU) the head's extend and depth steps; depth_masks: reading
+    the frontier and filling its rows for the masked depths past the first; read: the final
+    read-back (on CUDA, the wait for the draft work); select: the trees from the candidates."""
     calls: int = 0
     syncs: int = 0
     eager: int = 0  # calls whose device work ran eagerly (always on the CPU; on CUDA, no graph fitted)
@@ -84,10 +85,14 @@ class DraftProfile:
 class EagleDrafter(Drafter):
     needs_requests = True
 
-    def __init__(self, runner, head, num_draft_tokens: int = 8, topk: int = 4, depth: int = 6, capacity: int = 32):
+    def __init__(self, runner, head, num_draft_tokens: int = 8, topk: int = 4, depth: int = 6, capacity: int = 32,
+                 masked_depths: int = 1):
         if topk < 1 or not 1 <= depth < num_draft_tokens:
             raise ValueError(f"EAGLE needs topk >= 1 and 1 <= depth < draft tokens ({num_draft_tokens}); "
                              f"got topk {topk}, depth {depth}")
+        if masked_depths < 1:
+            raise ValueError(f"EAGLE masks at least depth 1 by the grammar; got masked depths {masked_depths}")
+        self.masked_depths = min(masked_depths, depth)
         self.runner, self.head, self.target = runner, head, runner.model
         if runner.features is None:
             raise ValueError("the model runner keeps no hidden states (speculative_algorithm must be 'eagle')")
@@ -100,7 +105,8 @@ class EagleDrafter(Drafter):
         capacity = max(1, min(capacity, runner.max_rows))
         self.kv = KVCache(1, self.pool_slots + capacity * self.scratch_per_request, cfg.num_kv_heads, cfg.head_dim,
                           runner.dtype, self.device)
-        self.io = DraftIO(runner, head, self.kv, topk, depth, capacity, width=num_draft_tokens)
+        self.io = DraftIO(runner, head, self.kv, topk, depth, capacity, width=num_draft_tokens,
+                          masked_steps=self.masked_depths > 1)
         # request id -> (row, slot of position 0, positions the head has seen, slot of the last of them)
         self._seen: dict[Hashable, tuple[int, int, int, int]] = {}
         self.profile = DraftProfile()
@@ -138,12 +144,20 @@ class EagleDrafter(Drafter):
         else:
             io.start(bs, masked, eager, int(q_lens.max()), max_kv)
         prof.lap("start")
-        for _ in range(1, D):  # no host work between the depths: they run back to back on the device
+        paths = None
+        for t in range(1, D):  # step t drafts depth t + 1: unmasked ones run back to back on the device
+            masked = masked and t < self.masked_depths
+            if masked:  # the frontier's rows: each node's path accepted into its matcher, then rolled back
+                front, front_score, chosen = io.frontier_host(B, t - 1)
+                prof.syncs += 1
+                paths = _extend_paths(paths, front, chosen, K)
+                self._fill_frontier_masks(reqs, paths, front_score, bs)
+                prof.lap("depth_masks")
             if graphed:
-                graphs.replay_draft("step", bs)
+                graphs.replay_draft("step", bs, masked)
             else:
-                io.step(bs, max_kv)
-        prof.lap("steps")
+                io.step(bs, masked, max_kv)
+            prof.lap("steps")
         tok, score, best = io.outputs_host(B, D)  # the one read of the drafting
         prof.syncs += 1
         prof.lap("read")
@@ -198,6 +212,15 @@ class EagleDrafter(Drafter):
         self.io.catch_up(rows[behind], stop[behind], ids, pos, slots, stop[behind] - start[behind], max_kv)
         return stop
 
+    def _fill_frontier_masks(self, reqs, paths, score: np.ndarray, bs: int) -> None:
+        """A masked depth past the first: row b * K + j holds the tokens request b's grammar allows
+        after frontier node j's path (`_fill_rows`); requests without a grammar allow all."""
+        masks, K = self.io.bitmask_host, self.topk
+        masks[:bs * K] = -1
+        for b, r in enumerate(reqs):
+            if r.matcher is not None:
+                _fill_rows(r.matcher, paths[b], np.isfinite(score[b]), masks, b * K)
+
     def use_mask_filler(self, filler) -> None:
         """Fill the roots' rows on the engine's grammar pool (`MaskFiller.fill_chains`, a chain of
         the root alone per request), in parallel, instead of one after another here."""
@@ -232,6 +255,39 @@ def _tokens(req, start: int, stop: int) -> list[int]:
     if start >= p:
         return req.output_ids[start - p:stop - p]
     return req.prompt_ids[start:stop] + req.output_ids[:max(stop - p, 0)]
+
+
+def _extend_paths(paths, front: np.ndarray, chosen: np.ndarray, K: int) -> list:
+    """Each request's frontier paths (tokens after the root) one depth on: new node j of request b
+    is a child of the old frontier node chosen[b, j] // K, with token front[b, j]."""
+    if paths is None:
+        return [[[x] for x in row] for row in front.tolist()]
+    parent = (chosen // K).tolist()
+    return [[paths[b][p] + [x] for p, x in zip(parent[b], row)] for b, row in enumerate(front.tolist())]
+
+
+def _fill_rows(matcher, paths, live, bitmask: torch.Tensor, first_row: int) -> None:
+    """Row first_row + j: the tokens the grammar allows after frontier node j's path (none for a
+    dead node, or a path the grammar ended). The paths are walked in sorted order, rolling back only
+    to the prefix the next one shares, so a common stem is accepted once."""
+    on: list[int] = []  # the tokens the matcher has accepted beyond where it started
+    for j in sorted(range(len(paths)), key=lambda j: paths[j]):
+        row, path = first_row + j, paths[j]
+        if not live[j]:
+            bitmask[row] = 0
+            continue
+        keep = 0
+        while keep < min(len(on), len(path)) and on[keep] == path[keep]:
+            keep += 1
+        matcher.rollback(len(on) - keep)
+        del on[keep:]
+        took = matcher.accept_tokens(path[keep:])
+        on += path[keep:keep + took]
+        if len(on) == len(path) and not matcher.is_terminated():
+            matcher.fill_bitmask(bitmask, row)
+        else:
+            bitmask[row] = 0
+    matcher.rollback(len(on))
 
 
 def _candidates(tok: np.ndarray, score: np.ndarray, best: np.ndarray, K: int):

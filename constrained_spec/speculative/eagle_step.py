@@ -1,5 +1,5 @@
 """The device side of EAGLE drafting: static buffers and the device work of a draft step, the same
-code run eagerly (CPU, CUDA without graphs) or replayed as CUDA graphs per batch size
+code run eagerly (CPU, CUDA without graphs) or replayed as CUDA graphs per batch size and masking
 (`CudaGraphRunner.capture_draft`), like `verify_step.py` for the verify step. Three parts:
 
 `start`: the head over each request's unseen positions (packed; in the graph, up to `width` per
@@ -18,10 +18,11 @@ n_b .. n_b + t - 1 replaced by the scratch slots of those tree nodes (depth t), 
 attention is the target's own decode attention (triton on CUDA, split over the context) and needs
 no tree mask. Scratch slots lie past the target pool's slots in the head's one-layer KV cache: K
 per depth per request. The depth is a device-side counter, so one graph serves every depth, and
-nothing of the host comes between two depths:
+nothing of the host comes between two unmasked depths:
   the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
   (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
-  log-softmax plus the node's path score; top-k children per node; the best K of the K*K children
+  for a masked depth (`eagle_masked_depths` > 1), the grammar rows the host filled after reading the
+  frontier (`frontier_host`, a sync); log-softmax plus the node's path score; top-k children per node; the best K of the K*K children
   become the next frontier (their tokens, scores, parents' outputs and ancestor slots gathered);
   children and choices recorded in `out_*` for the host, which reads them once at the end.
 """
@@ -38,8 +39,10 @@ from ..kernels import mask_logits
 class DraftIO:
     """Buffers and device work of the EAGLE draft steps for up to `capacity` requests."""
 
-    def __init__(self, runner, head, kv, topk: int, depth: int, capacity: int, width: int):
+    def __init__(self, runner, head, kv, topk: int, depth: int, capacity: int, width: int,
+                 masked_steps: bool = False):
         self.r, self.head, self.target, self.kv = runner, head, runner.model, kv
+        self.masked_steps = masked_steps  # whether a depth past the first is ever masked (its graphs)
         self.K, self.D, self.capacity = K, D, C = topk, depth, capacity
         self.width = N = width  # most unseen positions per request that the graphed start takes
         dev = self.device = runner.device
@@ -69,8 +72,9 @@ class DraftIO:
         self._q_starts = torch.arange(C * K + 1, dtype=torch.int32, device=dev)
         self._q_lens = torch.ones(C * K, dtype=torch.int32, device=dev)
         self._row_of = torch.arange(C, device=dev)[:, None] * K  # flat index of each request's first node
-        # the roots' grammar rows (the host fills them, the masked start copies them)
-        self._masks = PinnedBlock({"bitmask": ((C, W), np.int32)}, dev)
+        # grammar rows (the host fills them, a masked start or step copies them): the roots', or
+        # the frontier's for a masked depth past the first
+        self._masks = PinnedBlock({"bitmask": ((C * K, W), np.int32)}, dev)
         self.bitmask_host = self._masks.host_tensor["bitmask"]
         self._bitmask = self._masks.device["bitmask"]
         self._row_bytes = W * 4
@@ -78,6 +82,10 @@ class DraftIO:
         self.out_tok = torch.zeros(C, D, K * K, dtype=torch.int64, device=dev)
         self.out_score = torch.full((C, D, K * K), -torch.inf, dtype=torch.float32, device=dev)
         self.out_best = torch.zeros(C, D, K, dtype=torch.int64, device=dev)
+        pinned = dev.type == "cuda"  # the frontier, read by the host before a masked depth
+        self._f_tok = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
+        self._f_score = torch.zeros(C * K, dtype=torch.float32, pin_memory=pinned)
+        self._f_best = torch.zeros(C * K, dtype=torch.int64, pin_memory=pinned)
 
     # -- the start of a step: the head over the unseen positions, then depth 1 ------------------------
     def _pad_inputs(self, start: int, stop: int) -> None:
@@ -174,8 +182,8 @@ class DraftIO:
         return self.head(self.target, self.r.features.index_select(0, slots), ids, pos, self.kv, meta,
                          self.r.backend)
 
-    # -- one depth (captured per batch size on CUDA) --------------------------------------------------
-    def step(self, bs: int, max_kv: int | None = None) -> None:
+    # -- one depth (captured per batch size and masking on CUDA) -------------------------------------
+    def step(self, bs: int, masked: bool = False, max_kv: int | None = None) -> None:
         K, D = self.K, self.D
         BK = bs * K
         t = self.t
@@ -191,7 +199,12 @@ class DraftIO:
             kv_lens=(n_rep + t).to(torch.int32), slot_table=table, max_q_len=1, max_kv_len=table.shape[1])
         hidden = self.head(self.target, self.parent_hidden[:BK], self.front_tok[:BK], n_rep + t - 1, self.kv, meta,
                            self.r.backend)
-        scores = torch.log_softmax(self.head.logits(self.target, hidden), -1) + self.front_score[:BK, None]
+        logits = self.head.logits(self.target, hidden)
+        if masked:
+            self._masks.upload("bitmask", BK * self._row_bytes)
+            logits = mask_logits(logits, self._bitmask[:BK])
+        scores = torch.log_softmax(logits, -1)
+        scores = torch.where(scores.isnan(), -torch.inf, scores) + self.front_score[:BK, None]
         child_s, child_t = scores.topk(K, -1)  # [BK, K]
         child_s, child_t = child_s.view(bs, K * K), child_t.view(bs, K * K)
         best_s, best_i = child_s.topk(K, -1)  # the next frontier among each request's K*K children
@@ -205,6 +218,19 @@ class DraftIO:
         self.parent_hidden[:BK] = hidden.index_select(0, parent)
         anc.copy_(anc.index_select(0, parent))
         t.add_(1)
+
+    def frontier_host(self, B: int, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The frontier's tokens and path scores, and the choices that made it (each node's index
+        among its depth's children), [B, K] on the host, after the step that recorded depth
+        index `depth` (0: the start): three copies, one sync."""
+        K = self.K
+        for dst, src in ((self._f_tok, self.front_tok[:B * K]), (self._f_score, self.front_score[:B * K]),
+                         (self._f_best, self.out_best[:B, depth].reshape(-1))):
+            dst[:B * K].copy_(src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        view = lambda x: x[:B * K].numpy().reshape(B, K)
+        return view(self._f_tok), view(self._f_score), view(self._f_best)
 
     def outputs_host(self, B: int, depth: int):
         """(tokens, scores [B, depth, K*K], chosen [B, depth, K]) on the host: the step's one read-back

@@ -92,7 +92,8 @@ def make_drafter(config, runner=None) -> Drafter | None:
         path = config.eagle_head or default_head_dir(config.model)
         head = load_head(path, runner.mcfg, runner.dtype, runner.device)
         return EagleDrafter(runner, head, num_draft_tokens=config.speculative_num_draft_tokens,
-                            topk=config.eagle_topk, depth=config.eagle_depth, capacity=config.speculative_max_batch)
+                            topk=config.eagle_topk, depth=config.eagle_depth, capacity=config.speculative_max_batch,
+                            masked_depths=config.eagle_masked_depths)
     raise ValueError(f"unknown speculative algorithm {algo!r}; available: ngram, eagle")
 
 
