@@ -92,7 +92,7 @@ def test_eagle_greedy_is_lossless(engines, tiny_head_dir, topk, depth, masked):
                    eagle_head=tiny_head_dir, eagle_topk=topk, eagle_depth=depth, eagle_masked_depths=masked,
                    speculative_policy="always", speculative_min_accept=0.0)
     grammar = GrammarSpec.json_schema(SCHEMA)
-    for g in (None, grammar):
+    for g in (None, grammar, grammar.with_backend("llguidance")):
         ref = _greedy(plain, PROMPTS, g)
         got = _greedy(spec, PROMPTS, g)
         assert got == ref

@@ -35,10 +35,11 @@ def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
         results = json.loads((out / f"spec_cpu_eagle_{workload}.json").read_text())["results"]
         assert sorted({r["batch"] for r in results}) == batches
         engines = {r["engine"] for r in results}
-        assert engines == {"plain", "ngram chain", "eagle", "eagle chain", "eagle always"}
+        assert engines == {"plain", "ngram chain", "eagle", "eagle mask2", "eagle chain", "eagle always"}
         for r in results:  # EAGLE's host phases per step, for the H100 run to show where drafting goes
             if r["engine"].startswith("eagle") and r.get("spec_steps"):
-                assert r["draft_syncs_per_step"] == 1.0 and set(r["draft_phase_ms"]) >= {"inputs", "steps", "read"}
+                syncs = 2.0 if r["engine"] == "eagle mask2" and workload == "json" else 1.0
+                assert r["draft_syncs_per_step"] == syncs and set(r["draft_phase_ms"]) >= {"inputs", "steps", "read"}
         for r in results:
             if r["engine"] != "plain":  # float32 on the CPU: speculation is lossless
                 assert r["identical_to_plain"] == r["requests"], r

@@ -15,9 +15,11 @@ Per speculative step, for the requests of the batch:
           path score; every node gets its top-k children as candidates, and the k best candidates
           become the next frontier, which the head runs on as a decode step over its context and
           its ancestors in the tree. Depth 1 (the root's children) is masked by the grammar: one
-          row per request, filled on the engine's grammar pool before the start. Deeper depths are
-          not masked, so they run back to back on the device and the host reads the records once,
-          at the end: one sync per step.
+          row per request, filled on the engine's grammar pool before the start. Depths 2..M
+          (`eagle_masked_depths`, default 1: none) are masked too: the host reads the frontier (a
+          sync), accepts each frontier node's path into its matcher, fills its row and rolls back,
+          before the step's replay. Deeper depths are not masked, so they run back to back on the
+          device, and the host reads the records once, at the end: one sync per step at M = 1.
   select  the N - 1 best candidates by path score (a child never outscores its parent, so the
           choice is a tree), laid out parents first in xgrammar's layout, vectorized over the batch.
 The worker then checks every tree with the grammar's traversal (which fills the verify rows anyway)
@@ -25,16 +27,20 @@ and prunes the nodes the grammar forbids with their subtrees, so only legal toke
 the bonus token is legal too. Drafts are deterministic (top-k), so the worker's path-matching
 verification stays lossless at any temperature.
 
-Why deeper depths are unmasked (measured, issue 23): masking depth t needs the frontier of depth
+Why most depths are unmasked (measured, issue 23): masking depth t needs the frontier of depth
 t - 1 on the host (a sync), then each frontier node's path accepted into its matcher, a row filled
-and rolled back, before the next replay: with depth 6 and top-k 4 that was 6 syncs and 21 row fills
-a request per step, 7-24 ms of host time a step on the H100 host against a ~1 ms plain decode step,
-so the measured policy never speculated. Overlapping the fills on another thread does not help: each
-depth's rows depend on the depth before, which depends on its rows. Unmasked, SmolLM2's shipped head
-on the 30 JSON tasks (float32, CPU, batch 1) emits 2.05 tokens per verify step against 2.41 with
-every depth masked, and 2.00 with depth 1 unmasked too (so depth 1 keeps its row, filled in
-parallel on the pool). Choosing the best *legal* candidates (walking them through the matcher
-before the tree is picked) gave 2.08: not worth its host time, the traversal prunes instead.
+and rolled back, before the next replay: with every one of 6 depths masked at top-k 4 that was 6
+syncs and 21 row fills a request per step, 7-24 ms of host time a step on the H100 host against a
+~1 ms plain decode step (part of it eager draft steps after plain ones: now caught up instead), so
+the measured policy never speculated. Overlapping the fills on another thread does not help: each
+depth's rows depend on the depth before, which depends on its rows. SmolLM2's shipped head on the
+JSON tasks (4 tasks x 64 tokens, float32, CPU, batch 1) emits per verify step: 2.41 tokens with
+every depth masked, 2.41 with depths 1-2 (M = 2: one more sync, 4 rows a request), 2.05 with depth
+1 alone (M = 1), 2.00 with none. Depth 1 is therefore always masked (its rows cost no sync); M = 2
+buys a sixth more tokens per step for a sync and k fills a request, which pays where a fill is cheap
+against the device step (the H100 decides: bench_spec's "eagle mask2" beside "eagle"). Choosing
+the best *legal* candidates instead (walking them through the matcher before the tree is picked)
+gave 2.08 at M = 1: not worth its host time; the traversal prunes instead.
 """
 from __future__ import annotations
 
@@ -227,9 +233,9 @@ class EagleDrafter(Drafter):
         self._filler = filler
 
     def _fill_root_masks(self, reqs, bs: int) -> bool:
-        """Depth 1's grammar rows: the tokens each request's grammar allows after its root (the
-        only grammar work of the drafting). Returns whether any request has a grammar (the start
-        then masks)."""
+        """Depth 1's grammar rows: the tokens each request's grammar allows after its root (all the
+        drafting's grammar work at one masked depth). Returns whether any request has a grammar
+        (the start then masks)."""
         grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
         if not grammar:
             return False
