@@ -248,9 +248,13 @@ def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
         assert spec.runner.graphs.can_draft(4)
         assert {("draft", "start", 4, False), ("draft", "start", 4, True), ("draft", "step", 4, False)} <= \
             set(spec.runner.graphs.graphs)
+        # a prompt longer than the start graph's width: its first draft catches up eagerly, then replays
+        prompts = PROMPTS[:3] + [" ".join(PROMPTS) * 3]
         for g in (None, GrammarSpec.json_schema(SCHEMA)):
-            assert _greedy(spec, PROMPTS, g) == _greedy(plain, PROMPTS, g)
-        assert spec.spec.stats.steps > 0
+            assert _greedy(spec, prompts, g) == _greedy(plain, prompts, g)
+        profile = spec.spec.drafter.profile
+        assert spec.spec.stats.steps > 0 and profile.eager == 0 and profile.seconds["catch_up"] > 0
+        assert profile.syncs == profile.calls  # one read per draft
     finally:
         plain.shutdown()
         spec.shutdown()
