@@ -22,9 +22,10 @@ nothing of the host comes between two unmasked depths:
   the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
   (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
   for a masked depth (`eagle_masked_depths` > 1), the grammar rows the host filled after reading the
-  frontier (`frontier_host`, a sync); log-softmax plus the node's path score; top-k children per node; the best K of the K*K children
-  become the next frontier (their tokens, scores, parents' outputs and ancestor slots gathered);
-  children and choices recorded in `out_*` for the host, which reads them once at the end.
+  frontier (`frontier_host`, a sync); log-softmax plus the node's path score; top-k children per
+  node; the best K of the K*K children become the next frontier (their tokens, scores, parents'
+  outputs and ancestor slots gathered); children and choices recorded in `out_*` for the host,
+  which reads them once at the end.
 """
 from __future__ import annotations
 
