@@ -53,7 +53,7 @@ class PrefixCache:
 
     def admitted(self, req) -> None:
         """The request runs: count its hit (first admission only: a retracted request's second
-        match is no prompt served from cache) and remember to cache its prompt once prefilled."""
+        match is no prompt served from cache)."""
         if req.cached_tokens is None:
             req.cached_tokens = min(req.cache_len, len(req.prompt_ids))
             self.lookup_tokens += len(req.prompt_ids)
