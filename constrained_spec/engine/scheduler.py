@@ -195,11 +195,6 @@ def _shares_uncached(fresh: list[np.ndarray], req: Request) -> bool:
         return False
     key = np.asarray(req.prompt_ids, dtype=np.int64)
     need = req.cache_len + IN_STEP_SHARE
-    for prompt in fresh:
-        n = min(len(prompt), len(key))
-        if n < need:
-            continue
-        diff = np.flatnonzero(prompt[:need] != key[:need])
-        if not len(diff):
-            return True
-    return False
+    if len(key) < need:
+        return False
+    return any(len(prompt) >= need and np.array_equal(prompt[:need], key[:need]) for prompt in fresh)
