@@ -41,6 +41,7 @@ from ..speculative.grammar_draft import stable_forced_tokens
 from .config import EngineConfig
 from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer, NO_TEXT
+from . import mask_audit
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
 from .omp_pool import on_fresh_thread
@@ -117,6 +118,7 @@ class Engine:
             self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)
             self.runner.graphs.capture_draft(self.spec.drafter, max_batch=config.speculative_max_batch)
         self.stats = EngineStats()
+        self.audit = mask_audit.MaskAudit(self.grammar, self.tokenizer) if mask_audit.enabled() else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._compiling: list[Request] = []
@@ -286,6 +288,7 @@ class Engine:
                     inflight = None
                 fill = self._fill_bitmask(batch)
                 result = self.runner.sample(batch, logits, fill.bitmask, self.grammar.apply_bitmask, skip=fill.late)
+                result.masked = fill.bitmask is not None
                 if not self._overlapped():
                     self._launched = None
                     self._process(result)
@@ -377,6 +380,9 @@ class Engine:
                 req.discard_inflight = False
                 continue
             live.append(i)
+        if self.audit is not None and result.masked:
+            self.audit.check_step(reqs, [i for i in live if reqs[i].matcher is not None], tokens,
+                                  self.runner.bitmask_host, "overlapped" if launched is not None else "decode")
         if self.config.jump_forward:
             # forced strings move the matchers request by request: the plain sequential path
             for i in live:
@@ -582,6 +588,8 @@ class Engine:
             self.spec.forget(req)
         self._by_id.pop(req.request_id, None)
         self.stats.on_finish(req)
+        if self.audit is not None:
+            self.audit.replay(req, reason.value)
         self._emit(req, new_ids or [], logprobs, finished=True, reason=reason, matched=matched)
 
     def _fail_refused(self, req: Request, token: int, where: str) -> None:

@@ -46,6 +46,7 @@ class StepResult:
     tokens_host: torch.Tensor  # [n_sampling] int64, pinned on CUDA
     logprobs_host: tuple[torch.Tensor, ...] | None
     event: torch.cuda.Event | None
+    masked: bool = False  # sampled under the runner's bitmask rows (set by the engine)
 
     def wait(self) -> tuple[list[int], list[dict] | None]:
         if self.event is not None:
