@@ -254,3 +254,24 @@ def test_no_escaped_spelling_of_a_declared_name(backend, tokenizer):
         backend.compile(llg(GrammarSpec.json_schema({"const": "hello\u0000there"})))
     assert e.value.keyword == "const"
     assert backend.compile(GrammarSpec.json_schema({"const": "hello\u0000there"})).backend == "xgrammar"
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_dates_a_format_checker_takes(backend, tokenizer, name):
+    """llguidance's own "date" takes year 0000 and Feb 29 of any year (the H100 stress run under auto
+    answered "0000-01-01"); both backends now enforce the normalizer's patterns, as Python's
+    date (jsonschema's format checker) reads dates."""
+    import datetime
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "t": {"type": "string", "format": "date-time"}},
+              "required": ["d", "t"]}
+    compiled = backend.compile(GrammarSpec.json_schema(schema).with_backend(name))
+    assert compiled.backend == name
+    for day in ("0000-01-01", "2023-02-29", "1900-02-29", "2024-02-29", "2000-02-29", "0001-12-31", "2023-04-31"):
+        try:
+            ok = datetime.date.fromisoformat(day) is not None
+        except ValueError:
+            ok = False
+        m = backend.matcher(compiled)
+        t = ids(tokenizer, f'{{"d": "{day}", "t": "{day}T10:00:00Z"}}')
+        assert (m.accept_tokens(t) == len(t) and m.can_terminate()) is ok, (name, day)

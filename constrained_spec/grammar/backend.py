@@ -81,6 +81,7 @@ class GrammarBackend:
         self.xgrammar = XGrammarCompiler(self.tokenizer_info, self.vocab_size, max_threads, any_whitespace,
                                          max_whitespace_cnt, cache_dir, persist_min_s)
         self._llguidance: Optional[LLGuidanceCompiler] = None  # built on first use (~0.3-1.5 s)
+        self._llguidance_error: Optional[GrammarError] = None  # why it cannot serve this tokenizer
         self._llg_lock = threading.Lock()
         self._max_whitespace_cnt = max_whitespace_cnt
         self.queue = CompileQueue(self.compile_workers, self.compile_timeout_s, cache_size, max_queue)
@@ -97,10 +98,17 @@ class GrammarBackend:
     def llguidance(self) -> LLGuidanceCompiler:
         if self._llguidance is None:
             with self._llg_lock:
+                if self._llguidance_error is not None:  # every request under auto would ask again
+                    raise self._llguidance_error
                 if self._llguidance is None:
-                    self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids,
-                                                          self._special_ids | special_token_ids(self.tokenizer),
-                                                          self._max_whitespace_cnt)
+                    try:
+                        self._llguidance = LLGuidanceCompiler(
+                            self.tokenizer, self.vocab_size, self.stop_token_ids,
+                            self._special_ids | special_token_ids(self.tokenizer), self._max_whitespace_cnt)
+                    except GrammarError as e:
+                        log.warning("llguidance cannot serve this model (xgrammar serves every grammar): %s", e)
+                        self._llguidance_error = e
+                        raise
         return self._llguidance
 
     def backend_for(self, spec: GrammarSpec) -> str:

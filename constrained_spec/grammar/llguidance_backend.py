@@ -28,6 +28,7 @@ import torch
 
 from .errors import GrammarError
 from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
+from .schema import FORMAT_PATTERNS
 from .spec import GrammarSpec
 
 NAME = "llguidance"
@@ -56,7 +57,25 @@ def llg_tokenizer(tokenizer, vocab_size: int, stop_token_ids: Sequence[int], spe
             added[i] = {"id": i, "content": vocab_text[i], "single_word": False, "lstrip": False,
                         "rstrip": False, "normalized": False, "special": True}
     data["added_tokens"] = sorted(added.values(), key=lambda t: t["id"])
-    return llg.LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=[int(t) for t in stop_token_ids])
+    ll = llg.LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=[int(t) for t in stop_token_ids])
+    _check_reads_tokens(ll, tokenizer)
+    return ll
+
+
+# JSON text whose tokens llguidance must read back as these bytes
+_PROBE = ' {"name": "x y",\n "n": [1, 2.5e3], "ok": true}'
+
+
+def _check_reads_tokens(ll: "llg.LLTokenizer", tokenizer) -> None:
+    """GrammarError unless llguidance reads the tokenizer's tokens as the bytes they stand for. It
+    infers each token's bytes from the tokenizer's JSON; a byte-level BPE described with a
+    sentencepiece decoder (what transformers 5.17 made of SmolLM2's GGUF) reads as raw 'Ġ' text,
+    and masks computed that way let through tokens the grammar refuses."""
+    ids = tokenizer.encode(_PROBE, add_special_tokens=False)
+    got = bytes(ll.decode_bytes(ids))
+    if got != _PROBE.encode():
+        raise GrammarError(f"llguidance reads this tokenizer's tokens as other bytes ({_PROBE!r} reads as {got!r}); "
+                           "its tokenizer.json does not describe its vocabulary as llguidance expects")
 
 
 def close_objects(schema: Any) -> Any:
@@ -142,6 +161,29 @@ def _check_writable(schema: Any, path: str) -> None:
             _check_writable(v, f"{path}/{_escape(k)}")
 
 
+# formats llguidance enforces more loosely than a checker does (measured: "date" takes 0000-01-01 and
+# 2023-02-29, which Python's date, hence jsonschema's format checker, refuses), and the normalizer's
+# exact pattern for each
+_PATTERN_FORMATS = {name: FORMAT_PATTERNS[name] for name in ("date", "date-time", "time")}
+
+
+def formats_as_patterns(schema: Any) -> Any:
+    """The schema with each string `format` of _PATTERN_FORMATS written as its `pattern` (where the
+    subschema has no pattern of its own, which llguidance could not intersect with it)."""
+    if isinstance(schema, list):
+        return [formats_as_patterns(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        out[k] = v if k in ("enum", "const", "default", "examples") else formats_as_patterns(v)
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in _PATTERN_FORMATS and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = _PATTERN_FORMATS[fmt]
+    return out
+
+
 def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
@@ -189,6 +231,7 @@ class LLGuidanceCompiler:
             _check_writable(schema, "")
             if spec.strict:
                 schema = close_objects(schema)
+            schema = formats_as_patterns(schema)
             if schema is True:
                 schema = {}
             if schema is False:

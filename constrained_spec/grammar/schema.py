@@ -67,8 +67,9 @@ ENFORCED_FORMATS = {"date-time", "time", "date", "uri", "uri-reference", "hostna
 # standard formats xgrammar accepts anything for: refused (a checker would reject instances)
 UNENFORCED_FORMATS = {"iri", "iri-reference", "idn-hostname", "idn-email", "regex"}
 
-_YEAR = r"[0-9]{4}"
-_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+# years 0001-9999: RFC 3339 allows 0000, Python's date (hence jsonschema's format checker) does not
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][48]|[13579][26]|[2468]0)00)"
 _DATE = (r"(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
          r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
          r"|" + _LEAP_YEAR + r"-02-29)")

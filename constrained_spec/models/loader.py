@@ -32,7 +32,7 @@ from .registry import cache_dir
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: byte-level BPE tokenizer files settled (`_settle_byte_level_tokenizer`)
 # Models up to this many parameters are cached in float32 (exactly the dequantized values, so the
 # CPU reference runs on the GGUF's own numbers); bigger ones in bfloat16 to halve disk and RAM.
 FP32_CACHE_MAX_PARAMS = 1_000_000_000
@@ -183,6 +183,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> dict:
     t1 = time.perf_counter()
     reader = GGUFReader(str(gguf_path))
     architecture = read_field(reader, "general.architecture")[0]
+    tokenizer_fields = _gguf_tokenizer_fields(reader)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
     name_map = get_gguf_hf_weights_map(meta_model, processor)
     expected = {k for k in meta_model.state_dict() if not k.endswith("rotary_emb.inv_freq")}
@@ -213,9 +214,59 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> dict:
     t3 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
+    if tokenizer_fields.get("model") == "gpt2":
+        _settle_byte_level_tokenizer(out, tokenizer_fields)
     log.info("conversion phases: metadata+config %.1f s, dequantize %.1f s, write %.1f s, tokenizer %.1f s",
              t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
     return {"model_type": model_type, "parameters": n_params, "dtype": str(store_dtype).removeprefix("torch.")}
+
+
+def _gguf_tokenizer_fields(reader) -> dict:
+    """The GGUF's tokenizer kind ('gpt2': byte-level BPE) and its special token ids."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+    out = {}
+    for key, name in (("tokenizer.ggml.model", "model"), ("tokenizer.ggml.bos_token_id", "bos"),
+                      ("tokenizer.ggml.eos_token_id", "eos"), ("tokenizer.ggml.padding_token_id", "pad"),
+                      ("tokenizer.ggml.unknown_token_id", "unk")):
+        if key in reader.fields:
+            value = read_field(reader, key)
+            out[name] = value[0] if value else None
+    return out
+
+
+# The byte-level BPE a GGUF with tokenizer.ggml.model 'gpt2' describes, as tokenizers writes it
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_BPE_PLAIN = {"unk_token": None, "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
+              "byte_fallback": False}
+
+
+def _settle_byte_level_tokenizer(out: Path, fields: dict) -> None:
+    """Writes the tokenizer files of a byte-level BPE GGUF as the GGUF says they are, whatever the
+    transformers version made of them: transformers 5.17 gave SmolLM2's tokenizer a sentencepiece
+    decoder with byte fallback and <|im_start|> for its EOS (5.24 does not); llguidance, which reads
+    the tokenizer's JSON, then took <|im_start|> for a JSON string's opening quote and its masks
+    disagreed with its own accepts (the H100 stress run under `--grammar-backend auto`)."""
+    path = out / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["normalizer"] = None
+    data["pre_tokenizer"] = dict(_BYTE_LEVEL)
+    data["decoder"] = dict(_BYTE_LEVEL, add_prefix_space=True)
+    data["model"].update(_BPE_PLAIN)
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    texts = {int(t["id"]): t["content"] for t in data.get("added_tokens") or []}
+    vocab = {i: s for s, i in data["model"]["vocab"].items()}
+    for name in ("bos", "eos", "pad", "unk"):
+        config.pop(f"{name}_token_id", None)
+        token_id = fields.get(name)
+        text = None if token_id is None else texts.get(int(token_id), vocab.get(int(token_id)))
+        if text is not None:
+            config[f"{name}_token"] = text
+        elif name == "unk":
+            config.pop("unk_token", None)
+    config["clean_up_tokenization_spaces"] = False
+    config_path.write_text(json.dumps(config, indent=1, ensure_ascii=False))
 
 
 # -- HF folder → CausalLM --------------------------------------------------------------------------
