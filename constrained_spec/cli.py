@@ -133,10 +133,12 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "max_prefill_tokens": ("memory", dict(metavar="N", help="prompt tokens prefilled per step; longer prompts "
                                                             "are chunked (default: %(default)s)")),
     "grammar_backend": ("grammar", dict(choices=["auto", "xgrammar", "llguidance"],
-                                        help="which library enforces grammars; auto: llguidance for JSON schemas, "
-                                             "regexes and choices, xgrammar (after our schema normalizer) where "
-                                             "llguidance refuses a schema, and for EBNF; a request may name its own "
-                                             "(grammar_backend) (default: xgrammar; llguidance and auto are not yet safe under load, see docs/constraints.md)")),
+                                        help="which library enforces grammars; auto: llguidance for a grammar's first "
+                                             "requests (JSON schemas, regexes, choices: compiled in ~1 ms), xgrammar "
+                                             "(after our schema normalizer) once a repeated grammar is compiled for it "
+                                             "in the background (cheaper masks), and where llguidance refuses a schema, "
+                                             "and for EBNF; a request may name its own (grammar_backend) "
+                                             "(default: %(default)s; docs/constraints.md)")),
     "grammar_threads": ("grammar", dict(metavar="N", help="threads compiling grammars; default: half the cores "
                                                           "available, 2 to 16")),
     "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="refuse a grammar (400) whose compile runs "

@@ -275,3 +275,31 @@ def test_dates_a_format_checker_takes(backend, tokenizer, name):
         m = backend.matcher(compiled)
         t = ids(tokenizer, f'{{"d": "{day}", "t": "{day}T10:00:00Z"}}')
         assert (m.accept_tokens(t) == len(t) and m.can_terminate()) is ok, (name, day)
+
+
+def test_auto_moves_a_repeated_grammar_to_xgrammar(tokenizer):
+    """auto: a grammar's first request is llguidance's (compiled in ~1 ms); seen again, xgrammar
+    compiles it in the background, and once that is done its requests take xgrammar's (cheaper
+    masks at large batches). A schema the normalizer refuses stays llguidance's."""
+    import time
+    b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=2)
+    try:
+        spec = GrammarSpec.json_schema({"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]})
+        assert b.compile(spec).backend == "llguidance"
+        assert b.compile(spec).backend == "llguidance"  # the second sight starts xgrammar's compile
+        deadline = time.monotonic() + 60
+        while b._background and time.monotonic() < deadline:
+            time.sleep(0.01)
+        compiled = b.compile(spec)
+        assert compiled.backend == "xgrammar" and compiled.spec == spec
+        assert b.stats["auto_served_by_xgrammar"] == 1
+        m = b.matcher(compiled)
+        t = ids(tokenizer, '{"q": 12}')
+        assert m.accept_tokens(t) == len(t) and m.can_terminate()
+        only_llg = GrammarSpec.json_schema({"type": "object", "minProperties": 2})
+        refusals = b.stats["schema_refusals"]
+        for _ in range(3):
+            assert b.compile(only_llg).backend == "llguidance"
+        assert b.stats["schema_refusals"] == refusals  # the normalizer's refusal is not the request's
+    finally:
+        b.close()

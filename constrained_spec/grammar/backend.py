@@ -29,7 +29,7 @@ import xgrammar as xgr
 
 from . import llguidance_backend, xgrammar_backend
 from .compile_queue import CompiledGrammar, CompileQueue, Latency  # noqa: F401 (re-exported)
-from .errors import GrammarError
+from .errors import GrammarBusy, GrammarError
 from .llguidance_backend import LLGuidanceCompiler, LLGuidanceMatcher
 from .matcher import REFUSED_DRAFT, RequestMatcher, legal_draft_nodes  # noqa: F401 (re-exported)
 from .schema import prepare_schema
@@ -90,7 +90,9 @@ class GrammarBackend:
         self._front: "OrderedDict[tuple, object]" = OrderedDict()
         self._front_size = 4 * cache_size
         self._stats = {"schema_refusals": 0, "served_by_xgrammar": 0, "served_by_llguidance": 0,
-                       "llguidance_fallbacks": 0}
+                       "llguidance_fallbacks": 0, "auto_served_by_xgrammar": 0}
+        self._auto_seen: "OrderedDict[tuple, int]" = OrderedDict()  # auto: how often each grammar came
+        self._background: set = set()  # xgrammar keys compiling in the background (auto)
         self.refusals_by_keyword: dict = {}
 
     # -- the backends ----------------------------------------------------------------------------
@@ -138,8 +140,55 @@ class GrammarBackend:
                 return out
             return self.queue.submit(key, spec, lambda: self._build(spec, prepared, key),
                                      self.xgrammar.persist_call(key), timeout_s)
+        if choice == AUTO:
+            ready = self._xgrammar_if_compiled(spec)
+            if ready is not None:
+                return ready
         key = (choice,) + spec.key[:3]
         return self.queue.submit(key, spec, lambda: self._build(spec, None, key), None, timeout_s)
+
+    def _xgrammar_if_compiled(self, spec: GrammarSpec) -> Optional[Future]:
+        """Under auto, a grammar seen before is also compiled by xgrammar, in the background (never
+        in a request's way); once that is done its requests take xgrammar's grammar: its masks cost
+        a fraction of llguidance's at large batches (H100, benchmarks/results/gpu_backends.md:
+        JSON / plain 0.95 under xgrammar and 0.54 under llguidance at batch 64). A grammar seen once
+        (most of a many-schema workload) costs nothing here; one the normalizer refuses stays
+        llguidance's. None: llguidance's path as usual."""
+        with self._lock:
+            seen = self._auto_seen.pop(spec.key, 0) + 1
+            self._auto_seen[spec.key] = seen
+            while len(self._auto_seen) > self._front_size:
+                self._auto_seen.popitem(last=False)
+        if seen < 2:
+            return None
+        try:
+            key, prepared = self._normalize(spec, count=False)
+        except GrammarError:
+            return None
+        hit = self.queue.cached(key, spec)
+        if hit is not None:
+            with self._lock:
+                self._stats["auto_served_by_xgrammar"] += 1
+            out: Future = Future()
+            out.set_result(hit)
+            return out
+        with self._lock:
+            if key in self._background or len(self._background) >= max(1, self.compile_workers // 2):
+                return None  # compiling already, or enough background compiles hold workers
+            self._background.add(key)
+        try:
+            done = self.queue.submit(key, spec, lambda: self._build(spec, prepared, key),
+                                     self.xgrammar.persist_call(key), timeout_s=0)
+        except GrammarBusy:
+            with self._lock:
+                self._background.discard(key)
+            return None
+        done.add_done_callback(lambda _f, key=key: self._background_done(key))
+        return None
+
+    def _background_done(self, key) -> None:
+        with self._lock:
+            self._background.discard(key)
 
     def compile(self, spec: GrammarSpec, timeout_s: Optional[float] = None) -> CompiledGrammar:
         """Synchronous compile (cached); raises GrammarError (refusal, compile error, timeout)."""
@@ -151,9 +200,9 @@ class GrammarBackend:
         if spec.kind == "json_schema" and self.backend_for(spec) == XGRAMMAR:
             prepare_schema(json.loads(spec.value), spec.strict)
 
-    def _normalize(self, spec: GrammarSpec):
+    def _normalize(self, spec: GrammarSpec, count: bool = True):
         """The xgrammar key and prepared schema, through the front cache; GrammarError (counted by
-        keyword) where the normalizer refuses."""
+        keyword, if `count`) where the normalizer refuses."""
         with self._lock:
             hit = self._front.get(spec.key)
             if hit is not None:
@@ -168,7 +217,8 @@ class GrammarBackend:
                 while len(self._front) > self._front_size:
                     self._front.popitem(last=False)
         if isinstance(hit, GrammarError):
-            self._count_refusal(hit)
+            if count:
+                self._count_refusal(hit)
             raise hit
         return hit
 

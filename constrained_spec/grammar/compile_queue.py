@@ -125,6 +125,16 @@ class CompileQueue:
         with self._lock:
             self._stats["compile_errors"] += 1
 
+    def cached(self, key, spec: GrammarSpec) -> Optional[CompiledGrammar]:
+        """The compiled grammar for `key` (naming `spec`) if it is in the cache (a hit), else None."""
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is None or isinstance(hit, GrammarError):
+                return None
+            self._cache.move_to_end(key)
+            self._stats["cache_hits"] += 1
+        return _for(hit, spec)
+
     def submit(self, key, spec: GrammarSpec, build: Callable[[], CompiledGrammar],
                persist: Optional[Callable[[CompiledGrammar], None]] = None,
                timeout_s: Optional[float] = None) -> Future:
