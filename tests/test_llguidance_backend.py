@@ -286,7 +286,10 @@ def test_auto_moves_a_repeated_grammar_to_xgrammar(tokenizer):
     try:
         spec = GrammarSpec.json_schema({"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]})
         assert b.compile(spec).backend == "llguidance"
-        assert b.compile(spec).backend == "llguidance"  # the second sight starts xgrammar's compile
+        for _ in range(3):  # the server's up-front checks are no uses
+            assert b.compile_async(spec, check_only=True).result().backend == "llguidance"
+        assert not b._background and b.queue.stats["inflight"] == 0
+        assert b.compile(spec).backend == "llguidance"  # the second use starts xgrammar's compile
         deadline = time.monotonic() + 60
         while b._background and time.monotonic() < deadline:
             time.sleep(0.01)

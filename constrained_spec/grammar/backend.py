@@ -127,9 +127,11 @@ class GrammarBackend:
             d["refusals_by_keyword"] = dict(self.refusals_by_keyword)
         return d
 
-    def compile_async(self, spec: GrammarSpec, timeout_s: Optional[float] = None) -> Future:
+    def compile_async(self, spec: GrammarSpec, timeout_s: Optional[float] = None, check_only: bool = False) -> Future:
         """Future[CompiledGrammar]: fails with GrammarError when the grammar is refused, fails to
-        compile, or its compile runs longer than timeout_s. Raises GrammarBusy when the queue is full."""
+        compile, or its compile runs longer than timeout_s. Raises GrammarBusy when the queue is full.
+        `check_only`: the server's up-front compile (a refusal answers 400 before the request is
+        queued), not a use of the grammar: `auto` counts only the request's own compile."""
         choice = self.backend_for(spec)
         if choice == XGRAMMAR or (choice == AUTO and spec.kind == "ebnf"):
             try:
@@ -140,7 +142,7 @@ class GrammarBackend:
                 return out
             return self.queue.submit(key, spec, lambda: self._build(spec, prepared, key),
                                      self.xgrammar.persist_call(key), timeout_s)
-        if choice == AUTO:
+        if choice == AUTO and not check_only:
             ready = self._xgrammar_if_compiled(spec)
             if ready is not None:
                 return ready

@@ -313,7 +313,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 return None
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
             # request waiting in the compile queue holds no thread
-            future = await run_in_threadpool(engine.grammar.compile_async, spec)
+            future = await run_in_threadpool(lambda: engine.grammar.compile_async(spec, check_only=True))
             await asyncio.wrap_future(future)
         except Exception as e:
             if _is_grammar_busy(e):

@@ -68,9 +68,10 @@ class _RemoteGrammar:
     def __init__(self, client: "EngineClient"):
         self._client = client
 
-    def compile_async(self, spec) -> Future:
+    def compile_async(self, spec, check_only: bool = True) -> Future:
         """Compiles (or finds in the engine's cache) in the engine process: resolves to None, or
-        raises GrammarError / GrammarBusy as an in-process compile would."""
+        raises GrammarError / GrammarBusy as an in-process compile would. Always the server's
+        up-front check (`check_only`): the request's own compile is the engine's."""
         return self._client._call("compile", spec)
 
 

@@ -132,7 +132,7 @@ class _Connection:
 
     def _compile(self, spec, reply) -> None:
         try:
-            future = self.engine.grammar.compile_async(spec)
+            future = self.engine.grammar.compile_async(spec, check_only=True)
         except Exception as e:
             reply(False, e)
             return
