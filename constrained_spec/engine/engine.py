@@ -170,8 +170,9 @@ class Engine:
 
     def compile_grammar(self, grammar: GrammarSpec):
         """Compiles (or fetches from cache) synchronously; raises GrammarError. Lets a server
-        refuse a bad schema before it queues anything."""
-        return self.grammar.compile(grammar)
+        refuse a bad schema before it queues anything (a check: under `auto` only a request's own
+        compile counts as a use of the grammar)."""
+        return self.grammar.compile_async(grammar, check_only=True).result()
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams | None] | None = None,
