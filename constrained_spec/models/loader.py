@@ -32,7 +32,7 @@ from .registry import cache_dir
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2  # 2: byte-level BPE tokenizer files settled (`_settle_byte_level_tokenizer`)
+CONVERTER_VERSION = 3  # 2, 3: byte-level BPE tokenizer files settled (`_settle_byte_level_tokenizer`)
 # Models up to this many parameters are cached in float32 (exactly the dequantized values, so the
 # CPU reference runs on the GGUF's own numbers); bigger ones in bfloat16 to halve disk and RAM.
 FP32_CACHE_MAX_PARAMS = 1_000_000_000
@@ -248,8 +248,7 @@ def _settle_byte_level_tokenizer(out: Path, fields: dict) -> None:
     disagreed with its own accepts (the H100 stress run under `--grammar-backend auto`)."""
     path = out / "tokenizer.json"
     data = json.loads(path.read_text())
-    data["normalizer"] = None
-    data["pre_tokenizer"] = dict(_BYTE_LEVEL)
+    # the normalizer and pre-tokenizer are left alone: they are the model's (Qwen2's NFC and split regex)
     data["decoder"] = dict(_BYTE_LEVEL, add_prefix_space=True)
     data["model"].update(_BPE_PLAIN)
     path.write_text(json.dumps(data, ensure_ascii=False))
