@@ -306,3 +306,21 @@ def test_auto_moves_a_repeated_grammar_to_xgrammar(tokenizer):
         assert b.stats["schema_refusals"] == refusals  # the normalizer's refusal is not the request's
     finally:
         b.close()
+
+
+def test_formats_as_patterns_rewrites_only_format_keywords():
+    from constrained_spec.grammar.llguidance_backend import formats_as_patterns
+    schema = {"type": "object",
+              "properties": {"format": {"type": "string", "format": "date"},  # a property named format
+                             "when": {"type": "array", "items": {"format": "date-time"}},
+                             "mine": {"type": "string", "format": "date", "pattern": "^2"},  # its own pattern
+                             "mail": {"type": "string", "format": "email"}},
+              "enum": [{"format": "date"}], "default": {"format": "time"}}
+    out = formats_as_patterns(schema)
+    props = out["properties"]
+    assert "format" not in props["format"] and props["format"]["pattern"].startswith("^")
+    assert "format" not in props["when"]["items"] and "pattern" in props["when"]["items"]
+    assert props["mine"] == {"type": "string", "format": "date", "pattern": "^2"}
+    assert props["mail"] == {"type": "string", "format": "email"}
+    assert out["enum"] == [{"format": "date"}] and out["default"] == {"format": "time"}
+    assert schema["properties"]["format"]["format"] == "date"  # the input is not changed
