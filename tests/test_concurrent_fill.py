@@ -23,6 +23,7 @@ from constrained_spec.engine.request import Status
 from constrained_spec.engine.mask_filler import BACKGROUND_MIN_ROWS, MaskFiller
 from constrained_spec.grammar import GrammarSpec
 from matcher_states import backend, matchers_along, wait_pool_full  # noqa: F401 (backend: a fixture)
+from grammar_pin import PINNED
 
 PERSON = GrammarSpec.json_schema({
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -33,7 +34,7 @@ PROMPTS = [[1, 17, 230, 4005, 88 + i, 9, 61 + 3 * i] for i in range(14)]
 
 
 def build(tiny_llama_dir, **kw) -> Engine:
-    return Engine(model=tiny_llama_dir, device="cpu", kv_cache_slots=4096, max_running_requests=16,
+    return Engine(model=tiny_llama_dir, device="cpu", kv_cache_slots=4096, max_running_requests=16, grammar_backend=PINNED,
                   grammar_mask_threads=2, **kw)
 
 

@@ -17,6 +17,7 @@ from constrained_spec.models import load_model
 from constrained_spec.models.eagle import EagleHead, HeadMismatch, init_head, load_head, save_head
 
 from server_fixtures import exact_dtype
+from grammar_pin import PINNED
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
                                            "ok": {"type": "boolean"}},
@@ -40,7 +41,7 @@ def engines(tiny_llama_dir, tiny_head_dir):
 
     def get(name, **kw):
         if name not in made:
-            made[name] = Engine(model=tiny_llama_dir, device="cpu", dtype=exact_dtype(), max_running_requests=8,
+            made[name] = Engine(model=tiny_llama_dir, device="cpu", dtype=exact_dtype(), max_running_requests=8, grammar_backend=PINNED,
                                 kv_cache_slots=4096, **kw)
         return made[name]
     yield get
@@ -267,7 +268,7 @@ def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engin
     plain = engines("plain")
     prompts = [plain.chat_prompt([{"role": "user", "content": f"Name a color number {i}."}]) for i in range(12)]
     per_req = max(len(p) for p in prompts) + 24
-    small = Engine(model=tiny_llama_dir, device="cpu", dtype=exact_dtype(), max_running_requests=12,
+    small = Engine(model=tiny_llama_dir, device="cpu", dtype=exact_dtype(), max_running_requests=12, grammar_backend=PINNED,
                    kv_cache_slots=4 * per_req, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=2,
                    eagle_depth=3, speculative_num_draft_tokens=4, speculative_policy="always",
                    speculative_min_accept=0.0)

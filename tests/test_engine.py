@@ -9,13 +9,14 @@ import pytest
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason, RequestError
 from server_fixtures import exact_dtype
+from grammar_pin import PINNED
 
 TOPICS = ["the sea", "a red fox", "bread", "winter in Oslo", "prime numbers", "a violin", "trains", "the moon"]
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir):
-    eng = Engine(model=smollm2_dir, device="cpu", max_running_requests=32)
+    eng = Engine(model=smollm2_dir, device="cpu", max_running_requests=32, grammar_backend=PINNED)
     yield eng
     eng.shutdown()
 
@@ -26,7 +27,7 @@ def exact_engine(engine, smollm2_dir):
     if exact_dtype() == "auto":
         yield engine
         return
-    eng = Engine(model=smollm2_dir, device="cpu", dtype="float32", max_running_requests=32)
+    eng = Engine(model=smollm2_dir, device="cpu", dtype="float32", max_running_requests=32, grammar_backend=PINNED)
     yield eng
     eng.shutdown()
 
@@ -208,7 +209,7 @@ def test_jump_forward_keeps_the_models_tokenization(smollm2_dir, engine):
     ps = [chat(engine, f"Give a JSON profile of {t} with name, age and city.") for t in ("a chef", "a pilot")]
     sp = SamplingParams(max_tokens=60, temperature=0)
     plain = engine.generate(ps, sp, GrammarSpec.json_schema(schema))
-    jf = Engine(model=smollm2_dir, device="cpu", jump_forward=True)
+    jf = Engine(model=smollm2_dir, device="cpu", jump_forward=True, grammar_backend=PINNED)
     try:
         forced = jf.generate(ps, sp, GrammarSpec.json_schema(schema))
         assert [o.text for o in forced] == [o.text for o in plain]

@@ -11,6 +11,7 @@ import torch
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.grammar import GrammarSpec
+from grammar_pin import PINNED
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def engines(smollm2_dir):
 
     def get(name, **kw):
         if name not in made:
-            made[name] = Engine(model=smollm2_dir, device="cuda", kv_cache_memory_gb=2, **kw)
+            made[name] = Engine(model=smollm2_dir, device="cuda", kv_cache_memory_gb=2, **{"grammar_backend": PINNED, **kw})
         return made[name]
     yield get
     for e in made.values():

@@ -16,6 +16,7 @@ from constrained_spec.kernels import cpu_native
 from constrained_spec.models import load_model
 from constrained_spec.models.cpu_linear import prepack_bf16_linears
 from constrained_spec.models.native_forward import NativeForward
+from grammar_pin import PINNED
 
 pytestmark = pytest.mark.skipif(not cpu_native.amx_linear_available(),
                                 reason="the native decode step needs AMX-BF16 (this CPU/OS lacks it)")
@@ -164,7 +165,8 @@ def test_bf16_ngram_speculation_keeps_the_plain_text(smollm2_dir):
     topics = ("a chef", "a pilot", "a violinist", "a beekeeper")
     outputs = []
     for spec in ({}, {"speculative_algorithm": "ngram", "speculative_policy": "always", "speculative_min_accept": 0.0}):
-        eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=2048, **spec)
+        eng = Engine(model=smollm2_dir, device="cpu", dtype="bfloat16", kv_cache_slots=2048, grammar_backend=PINNED,
+                     **spec)
         try:
             json_prompts = [eng.chat_prompt([{"role": "user", "content": f"Give a JSON profile of {t}."}])
                             for t in topics]

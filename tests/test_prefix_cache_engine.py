@@ -10,6 +10,7 @@ import torch
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.grammar import GrammarSpec
+from grammar_pin import PINNED
 
 SYSTEM = ("You are a records clerk. Answer with one JSON object that follows the schema exactly. "
           "Example: {\"name\": \"Ada\", \"age\": 36}. Another example: {\"name\": \"Linus\", \"age\": 54}. "
@@ -50,7 +51,8 @@ def _accounted(engine):
 
 def test_outputs_match_without_cache_with_grammar_speculation_and_turns(smollm2_f32):
     grammar = GrammarSpec.json_schema(SCHEMA)
-    plain = Engine(device="cpu", loaded=smollm2_f32, max_running_requests=8, disable_prefix_cache=True)
+    plain = Engine(device="cpu", loaded=smollm2_f32, max_running_requests=8, disable_prefix_cache=True,
+                   grammar_backend=PINNED)
     try:
         prompts = _prompts(plain)
         ref_free = [o.token_ids for o in _run(plain, prompts)]
@@ -61,7 +63,7 @@ def test_outputs_match_without_cache_with_grammar_speculation_and_turns(smollm2_
     # the cache alone is compared with a cache-less engine in the eviction test; here it runs with
     # n-gram speculation (whose greedy output equals plain decoding's, test_speculative.py)
     eng = Engine(device="cpu", loaded=smollm2_f32, max_running_requests=8, speculative_algorithm="ngram",
-                 speculative_policy="always", speculative_min_accept=0.0)
+                 speculative_policy="always", speculative_min_accept=0.0, grammar_backend=PINNED)
     try:
         first = _run(eng, prompts[:1])  # cold: the system prompt enters the cache
         assert first[0].cached_tokens == 0 and first[0].token_ids == ref_free[0]

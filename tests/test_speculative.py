@@ -13,6 +13,7 @@ from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.grammar import GrammarSpec
 from constrained_spec.speculative.drafter import DraftBatch, Drafter
+from grammar_pin import PINNED
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
@@ -33,7 +34,7 @@ def engines(smollm2_dir):
 
     def get(name, **kw):
         if name not in made:
-            made[name] = Engine(model=smollm2_dir, device="cpu", max_running_requests=8, **kw)
+            made[name] = Engine(model=smollm2_dir, device="cpu", max_running_requests=8, **{"grammar_backend": PINNED, **kw})
         return made[name]
     yield get
     for e in made.values():
@@ -184,7 +185,7 @@ def test_falls_back_when_the_pool_cannot_hold_the_trees(smollm2_dir, engines):
     p = plain.chat_prompt([{"role": "user", "content": "Count from one to twenty in words."}])
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = plain.generate([p], sp)[0].token_ids
-    eng = Engine(model=smollm2_dir, device="cpu", dtype="float32", max_running_requests=4,
+    eng = Engine(model=smollm2_dir, device="cpu", dtype="float32", max_running_requests=4, grammar_backend=PINNED,
                  kv_cache_slots=len(p) + 4 * 24 + 12,
                  speculative_algorithm="ngram", speculative_num_draft_tokens=8, speculative_min_accept=0.0,
                  speculative_policy="always")
@@ -267,7 +268,8 @@ def test_server_with_speculation(engines):
 def test_reset_drafter_forgets_what_the_policy_measured(tiny_llama_dir):
     """A fresh drafter comes with a fresh measured policy: the old measurements were of the old
     drafter's acceptance (a benchmark's warm-up must not decide its timed run)."""
-    eng = Engine(model=tiny_llama_dir, device="cpu", max_running_requests=4, speculative_algorithm="ngram")
+    eng = Engine(model=tiny_llama_dir, device="cpu", max_running_requests=4, speculative_algorithm="ngram",
+                 grammar_backend=PINNED)
     try:
         eng.generate([[5, 9, 5, 9, 5, 9]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         assert eng.spec.policy.arms  # both ways measured at batch 1
