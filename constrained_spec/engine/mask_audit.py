@@ -67,11 +67,7 @@ class MaskAudit:
         self.replays += 1
         fresh = self.grammar.matcher(m.compiled)
         out = list(req.output_ids)
-        taken = 0
-        for tok in out:
-            if not fresh.accept_token(tok):
-                break
-            taken += 1
+        taken = fresh.accept_tokens(out)
         if taken == len(out):
             return
         self.diverged += 1

@@ -235,7 +235,7 @@ def _gguf_tokenizer_fields(reader) -> dict:
 
 
 # The byte-level BPE a GGUF with tokenizer.ggml.model 'gpt2' describes, as tokenizers writes it
-_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_BYTE_LEVEL_DECODER = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
 _BPE_PLAIN = {"unk_token": None, "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
               "byte_fallback": False}
 
@@ -249,7 +249,7 @@ def _settle_byte_level_tokenizer(out: Path, fields: dict) -> None:
     path = out / "tokenizer.json"
     data = json.loads(path.read_text())
     # the normalizer and pre-tokenizer are left alone: they are the model's (Qwen2's NFC and split regex)
-    data["decoder"] = dict(_BYTE_LEVEL, add_prefix_space=True)
+    data["decoder"] = dict(_BYTE_LEVEL_DECODER)
     data["model"].update(_BPE_PLAIN)
     path.write_text(json.dumps(data, ensure_ascii=False))
     config_path = out / "tokenizer_config.json"
