@@ -6,6 +6,8 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
+# test workers: the suite's modules run side by side (2 cores on CI); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
 
 .PHONY: serve test install install-dev bench clean
 
@@ -28,7 +30,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/constrained-spec serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -rs $(ARGS)
+	$(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/bench_cpu.py

@@ -13,7 +13,26 @@ TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_
             rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
+# The longest modules first: `make test` runs the suite on two workers, a module per worker at a time
+# (pytest -n 2 --dist loadfile), and a long module begun last would end the run with one worker idle.
+LONGEST_MODULES = ["test_validity", "test_speculative", "test_engine", "test_eagle", "test_stress_cpu",
+                   "test_server_concurrency", "test_cli", "test_bench_serving", "test_run_gpu",
+                   "test_grammar_conformance", "test_engine_process", "test_cpu_kernels",
+                   "test_prefix_cache_engine", "test_client", "test_server_openai"]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # share the cores between the workers (and their servers)
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
+
+def _module_rank(item) -> int:
+    name = item.path.stem
+    return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)  # stable: a module's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA; run on the GPU machine")

@@ -14,6 +14,7 @@ from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.grammar import GrammarSpec
 from constrained_spec.speculative.drafter import DraftBatch, Drafter
 from grammar_pin import PINNED
+from sizes import size
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
@@ -23,9 +24,10 @@ DOC = ("The Aurora-7 station sits 3,200 metres above sea level. It houses 14 res
 QUESTIONS = [f"Document: {DOC}\nRepeat the document word for word.", "Give a JSON profile of a chef.",
              f"Document: {DOC}\nQuote the sentence about supplies.", "List three prime numbers."]
 MAX_TOKENS = 40
-# the acceptance set: 32 prompts, each question eight times with a different tag (so the trie, shared
-# across requests, drafts from the other requests' outputs as well as from the prompt)
-QUESTIONS_32 = [f"{q} (request {i})" for i in range(8) for q in QUESTIONS]
+# the acceptance set: 32 prompts (16 at the quick size), each question eight (four) times with a
+# different tag, so the trie, shared across requests, drafts from the other requests' outputs as well
+# as from the prompt
+QUESTIONS_32 = [f"{q} (request {i})" for i in range(size(4, 8)) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +308,7 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(engines, referen
     for branches in (1, 3):
         spec = spec_engine(engines, branches)
         before = spec.spec.stats.steps
-        for _ in range(2):
+        for _ in range(size(1, 2)):
             assert [o.token_ids for o in spec.generate(ps, sp)] == expected
         assert spec.spec.stats.steps > before
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sizes import FULL
+
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "stress_schemas.py"
 _spec = importlib.util.spec_from_file_location("stress_schemas", _PATH)
 stress = importlib.util.module_from_spec(_spec)
@@ -19,6 +21,12 @@ _spec.loader.exec_module(stress)
 
 CPU_DEV_SCHEMAS = 8  # plus the conformance cases: 32 schemas
 CPU_MAX_TOKENS = 64
+
+
+def cpu_cases(half: int) -> list:
+    """The CPU runs' schemas: all 32 each, or at the quick size one half each (`half` 0 or 1)."""
+    cases = stress.load_cases(limit=CPU_DEV_SCHEMAS)
+    return cases if FULL else cases[half::2]
 
 
 def _assert_clean(summary: dict) -> None:
@@ -76,7 +84,7 @@ def test_validates_formats_and_kinds():
 @pytest.mark.parametrize("name", ["t0.7-stream"])  # greedy, not streamed: test_stress_cpu_ngram
 def test_stress_cpu(name, tmp_path):
     """Dev and conformance schemas, 8 clients, plain decoding on the CPU."""
-    cases = stress.load_cases(limit=CPU_DEV_SCHEMAS)
+    cases = cpu_cases(0)
     config = stress.parse_config(name, clients=8, temperature=0.0, stream=False, extra_args=["--device", "cpu"])
     summary, _ = stress.run_config(config, cases, CPU_MAX_TOKENS, seed=0, log_dir=tmp_path)
     _assert_clean(summary)
@@ -86,7 +94,7 @@ def test_stress_cpu(name, tmp_path):
 def test_stress_cpu_ngram(tmp_path):
     """The same greedy and not streamed, with n-gram speculation (always on: the measured policy would
     run plain on the CPU)."""
-    cases = stress.load_cases(limit=CPU_DEV_SCHEMAS)
+    cases = cpu_cases(1)
     config = stress.parse_config("ngram-greedy", clients=8, temperature=0.0, stream=False,
                                  extra_args=["--device", "cpu", "--speculative-policy", "always"])
     summary, _ = stress.run_config(config, cases, CPU_MAX_TOKENS, seed=1, log_dir=tmp_path)

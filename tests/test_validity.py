@@ -13,14 +13,16 @@ import pytest
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason
 from constrained_spec.grammar import GrammarError, GrammarSpec
+from sizes import size
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
-N_DEV = 40  # 8 from each of the five sources (CI time: a dev schema costs ~4 s here on 2 cores)
+N_DEV = size(15, 40)  # 3 or 8 from each of the five sources (a dev schema costs ~4 s on 2 cores)
 MAX_TOKENS = 320
 # A 135M model decoding greedily loops inside long strings and arrays ("Fantasy", "Fantasy", ...): measured
 # on the 95 accepted dev schemas, 39 hit 384 tokens plain greedy, 20 with frequency_penalty=0.3, 27 sampling at
 # T=0.7. The penalty is what a user would set; the grammar still forces every structural token.
 PARAMS = dict(temperature=0, frequency_penalty=0.3)
+N_HANDWRITTEN = size(15, 30)
 SPEC_MAX_TOKENS = 192  # the speculative runs (CPU time: every verify step computes the whole draft tree)
 
 
@@ -58,8 +60,9 @@ def dev_schemas() -> list[dict]:
 
 
 def handwritten_schemas() -> list[dict]:
+    """All the hand-written schemas, or every other one at the quick size."""
     lines = (SCHEMAS / "handwritten" / "handwritten.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return [json.loads(line) for line in lines if line.strip()][::size(2, 1)]
 
 
 def prompt_for(engine, item) -> list[int]:
@@ -123,7 +126,7 @@ def test_dev_schemas_outputs_validate(engine):
 @pytest.mark.slow
 def test_handwritten_schemas_outputs_validate(engine):
     items = handwritten_schemas()
-    assert len(items) >= 30
+    assert len(items) >= N_HANDWRITTEN
     accepted, refused, invalid, truncated = run_schemas(engine, items)
     assert not refused, refused  # hand-written schemas use only what we support
     assert not invalid, invalid
@@ -142,7 +145,7 @@ def test_outputs_validate_with_speculation(spec_engine, schemas, params):
     before = spec_engine.spec.stats.verified_requests
     accepted, refused, invalid, truncated = run_schemas(spec_engine, items, params, max_tokens=SPEC_MAX_TOKENS)
     assert not invalid, invalid
-    assert len(accepted) >= (N_DEV * 4 // 5 if schemas == "dev" else 30)
+    assert len(accepted) >= (N_DEV * 4 // 5 if schemas == "dev" else N_HANDWRITTEN)
     assert spec_engine.spec.stats.verified_requests - before > 10 * len(accepted)  # speculation really ran
     # without the penalty a 135M model loops more often; truncated outputs were checked legal above
     assert len(truncated) <= len(accepted) // 2

@@ -9,12 +9,14 @@ caller's key, which names the backend.
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import itertools
 import logging
 import math
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -74,6 +76,17 @@ class _Job:
         self.waiters: list = []  # (Future, timeout_s) of the requests waiting on it
 
 
+_OPEN_QUEUES: "weakref.WeakSet[CompileQueue]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_queues() -> None:
+    """A program that exits without closing its engine still waits for the compiles in flight
+    (see CompileQueue.close): atexit runs before the interpreter stops its daemon threads."""
+    for queue in list(_OPEN_QUEUES):
+        queue.close()
+
+
 class CompileQueue:
     def __init__(self, workers: int, timeout_s: float = 30.0, cache_size: int = 512, max_queue: int = 4096):
         self.workers = max(1, int(workers))
@@ -86,6 +99,7 @@ class CompileQueue:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # workers wait here for a job
         self._tick = threading.Condition(self._lock)  # the watchdog waits here for a deadline
+        self._ended = threading.Condition(self._lock)  # close waits here for the workers to end
         self._running: set = set()  # jobs a worker is compiling
         self._closed = False
         self._threads = 0
@@ -98,6 +112,7 @@ class CompileQueue:
         for _ in range(self.workers):
             self._spawn()
         threading.Thread(target=self._watchdog, name="grammar-compile-watchdog", daemon=True).start()
+        _OPEN_QUEUES.add(self)
 
     @property
     def stats(self) -> dict:
@@ -183,8 +198,12 @@ class CompileQueue:
         job.done.add_done_callback(relay)
         return out
 
-    def close(self) -> None:
-        """Stops the workers once their compiles end; queued compiles fail."""
+    def close(self, wait_s: Optional[float] = None) -> bool:
+        """Stops the workers once their compiles end; queued compiles fail. Waits up to `wait_s`
+        (the compile timeout by default) for the running compiles, because a worker still inside
+        native compile code when the interpreter exits is unwound by CPython 3.11's pthread_exit and
+        aborts the process. Returns whether every worker has ended."""
+        _OPEN_QUEUES.discard(self)
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
@@ -194,6 +213,15 @@ class CompileQueue:
             self._tick.notify_all()
         for job in queued:
             job.done.set_exception(GrammarError("the grammar backend was closed"))
+        deadline = time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
+        with self._lock:
+            while self._threads > 0 or self._saving > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("closing with %d grammar compiles still running", len(self._running))
+                    return False
+                self._ended.wait(left)
+        return True
 
     # -- workers ---------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -207,6 +235,7 @@ class CompileQueue:
                     self._work.wait()
                 if self._closed:
                     self._threads -= 1
+                    self._ended.notify_all()
                     return
                 job = self._queue.popleft()
                 job.started = time.monotonic()
@@ -228,6 +257,7 @@ class CompileQueue:
                 retire = job.overran and self._threads > self.workers
                 if retire:
                     self._threads -= 1
+                    self._ended.notify_all()
             if isinstance(value, GrammarError):
                 job.done.set_exception(value)
             else:
@@ -240,6 +270,7 @@ class CompileQueue:
                     finally:
                         with self._lock:
                             self._saving -= 1
+                            self._ended.notify_all()
             if retire:
                 return
 
