@@ -297,6 +297,48 @@ def summarize(recs: list[dict], duration: float) -> dict:
             "itl": percentiles([x for r in ok for x in r["itl"]]), "e2e": percentiles([r["e2e"] for r in ok])}
 
 
+# -- the engine's side of a run: its decode steps per second, mean decode batch and idle share ---------
+# Served below the engine means one of two things: fewer requests in each decode step than clients
+# (the intake between one answer and the next request is slow: front-end, IPC, scheduling), or slower
+# steps at the same batch (the engine process shares its time with something). These say which.
+
+ENGINE_COUNTERS = {"decode_steps": "constrained_spec_engine_decode_steps_total",
+                   "decode_requests": "constrained_spec_engine_decode_requests_total",
+                   "idle_seconds": "constrained_spec_engine_idle_seconds_total"}
+
+
+def server_engine_counters(url: str) -> dict:
+    """The engine counters a server's /metrics shows now (empty when it shows none)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    by_name = {v: k for k, v in ENGINE_COUNTERS.items()}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in by_name:
+            out[by_name[name]] = float(value)
+    return out
+
+
+def engine_side(before: dict, after: dict, duration: float) -> dict | None:
+    """What the engine did during a run of `duration` seconds, from its counters before and after."""
+    if not before or not after or not duration:
+        return None
+    steps = after["decode_steps"] - before["decode_steps"]
+    return {"decode_steps_s": steps / duration,
+            "mean_decode_batch": (after["decode_requests"] - before["decode_requests"]) / steps if steps else 0.0,
+            "idle_share": (after["idle_seconds"] - before["idle_seconds"]) / duration}
+
+
+def engine_stats_counters(engine) -> dict:
+    st = engine.stats
+    return {"decode_steps": st.decode_steps, "decode_requests": st.decode_requests, "idle_seconds": st.idle_seconds}
+
+
 # -- the in-process engine on the same requests --------------------------------------------------------
 
 def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: int) -> dict:
@@ -466,6 +508,28 @@ def report(payload: dict) -> str:
                             _ms(r["ttft"]["p99"]), _ms(r["tpot"]["p50"]), _ms(r["itl"]["p99"]), _ms(r["e2e"]["p99"]),
                             f"{r['errors']} / {r['invalid']}"]
                 lines.append("| " + " | ".join(row) + " |")
+    sides = [(w, st, c, s) for w in payload["workloads"] for st in payload["streams"] for c in payload["clients"]
+             for s in ["engine"] + servers]
+    if any((eng(w, c) if s == "engine" else find(s, w, st, "clients", c) or {}).get("engine_side")
+           for w, st, c, s in sides):
+        lines += ["", "## The engine's side of each run", "",
+                  "Decode steps per second, the mean number of requests in a decode step, and the share of the run "
+                  "the engine loop sat idle: a server below the engine with fewer requests a step is slow to take "
+                  "the next request in; one with as many but fewer steps a second slows the engine itself.", "",
+                  "| workload | stream | clients | " + " | ".join(f"{s} steps/s | {s} batch | {s} idle"
+                                                                  for s in ["engine"] + servers) + " |",
+                  "|" + "---|" * (3 + 3 * (1 + len(servers)))]
+        for w in payload["workloads"]:
+            for st in payload["streams"]:
+                for c in payload["clients"]:
+                    row = [w, "yes" if st else "no", str(c)]
+                    for s in ["engine"] + servers:
+                        r = eng(w, c) if s == "engine" else find(s, w, st, "clients", c)
+                        side = (r or {}).get("engine_side")
+                        row += (["-"] * 3 if not side else
+                                [f"{side['decode_steps_s']:,.0f}", f"{side['mean_decode_batch']:.1f}",
+                                 f"{side['idle_share']:.0%}"])
+                    lines.append("| " + " | ".join(row) + " |")
     if True in payload["streams"] and False in payload["streams"]:
         lines += ["", "## Streamed / non-streamed output tok/s", "",
                   "| workload | clients | " + " | ".join(servers) + " |", "|" + "---|" * (2 + len(servers))]
@@ -610,7 +674,9 @@ def main(argv=None) -> int:
                     for stream in streams:
                         for c in clients:
                             bodies = [j.body(args.max_tokens, stream) for j in make_jobs(w, n_requests(c))]
+                            before = server_engine_counters(server.url)
                             r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
+                            r["engine_side"] = engine_side(before, server_engine_counters(server.url), r["duration_s"])
                             payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
                                                     "value": c, **r})
                             print(f"[{name}] {w} stream={stream} c={c}: {r['out_tok_s']:,.0f} tok/s, "
@@ -644,7 +710,9 @@ def main(argv=None) -> int:
             for w in workloads:
                 engine_closed_loop(engine, make_jobs(w, max(clients), first=10**6), 16, max(clients))  # warm-up
                 for c in clients:
+                    before = engine_stats_counters(engine)
                     r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
+                    r["engine_side"] = engine_side(before, engine_stats_counters(engine), r["duration_s"])
                     payload["engine"].append({"workload": w, "clients": c, **r})
                     print(f"[engine] {w} c={c}: {r['out_tok_s']:,.0f} tok/s, {r['req_s']:.1f} req/s", flush=True)
         finally:

@@ -20,6 +20,8 @@ class EngineStats:
     grammar_end_violations: int = 0  # requests that ended where their grammar could not (engine bugs)
     grammar_late_rows: int = 0  # rows whose mask missed the step's budget (their request sat the step out)
     step_seconds: float = 0.0
+    decode_requests: int = 0  # requests summed over decode steps: / decode_steps = the mean decode batch
+    idle_seconds: float = 0.0  # the loop waiting for work (no request could run)
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-to-first-token samples
     tpot: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-per-output-token samples
     listeners: list = field(default_factory=list)  # callables(event, request) for /metrics
@@ -29,6 +31,7 @@ class EngineStats:
         self.step_seconds += seconds
         if batch.mode.value == "decode":
             self.decode_steps += 1
+            self.decode_requests += len(batch.requests)
         else:
             self.extend_steps += 1
 

@@ -28,7 +28,8 @@ def engine_snapshot(engine) -> dict:
     snap = {"running": len(sched.running), "waiting": len(sched.waiting) + len(engine._compiling),
             "kv_capacity": pool.capacity, "kv_free": pool.num_free,
             "grammar": engine.grammar.stats,
-            "steps": stats.steps, "grammar_mask_seconds": stats.grammar_mask_seconds,
+            "steps": stats.steps, "decode_steps": stats.decode_steps, "decode_requests": stats.decode_requests,
+            "idle_seconds": stats.idle_seconds, "grammar_mask_seconds": stats.grammar_mask_seconds,
             "grammar_end_violations": stats.grammar_end_violations,
             "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None,
             "prefix_cache": None if engine.runner.prefix_cache is None else engine.runner.prefix_cache.snapshot()}
@@ -97,6 +98,16 @@ class _EngineCollector:
             yield from _compile_metrics(gstats)
         c = CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps (prefill and decode)")
         c.add_metric([], float(snap["steps"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_engine_decode_steps", "Engine decode steps")
+        c.add_metric([], float(snap["decode_steps"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_engine_decode_requests",
+                                "Requests summed over decode steps (/ decode steps: the mean decode batch)")
+        c.add_metric([], float(snap["decode_requests"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_engine_idle_seconds", "Time the engine loop waited with no work")
+        c.add_metric([], float(snap["idle_seconds"]))
         yield c
         c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
         c.add_metric([], float(snap["grammar_mask_seconds"]))
