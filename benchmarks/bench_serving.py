@@ -510,7 +510,7 @@ def report(payload: dict) -> str:
                 lines.append("| " + " | ".join(row) + " |")
     sides = [(w, st, c, s) for w in payload["workloads"] for st in payload["streams"] for c in payload["clients"]
              for s in ["engine"] + servers]
-    if any((eng(w, c) if s == "engine" else find(s, w, st, "clients", c) or {}).get("engine_side")
+    if any(((eng(w, c) if s == "engine" else find(s, w, st, "clients", c)) or {}).get("engine_side")
            for w, st, c, s in sides):
         lines += ["", "## The engine's side of each run", "",
                   "Decode steps per second, the mean number of requests in a decode step, and the share of the run "

@@ -386,6 +386,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.single_process:
         from .engine import Engine
         engine = Engine(config)
+        engine.grammar.warm_up()  # the first grammar request would otherwise pay it
         log.info("engine ready: %s", describe_engine(engine))
     else:
         from .server.engine_process import EngineProcess

@@ -288,3 +288,16 @@ def test_exit_while_compiling_does_not_abort(tmp_path):
         done = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING, str(schemas)], capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_warm_up_builds_llguidance_only_where_it_may_serve(tok):
+    """A server warms its backend before it says ready, so its first grammar request does not pay for
+    llguidance's tokenizer (~1 s); a server pinned to xgrammar never builds it."""
+    for default, built in (("auto", True), ("llguidance", True), ("xgrammar", False)):
+        b = GrammarBackend(tok, VOCAB, default_backend=default, cache_dir=None)
+        b.warm_up()
+        assert (b._llguidance is not None) is built, default
+        t0 = time.perf_counter()
+        b.compile(GrammarSpec.json_schema(PERSON))
+        assert time.perf_counter() - t0 < 0.5 or default == "xgrammar"
+        b.close()

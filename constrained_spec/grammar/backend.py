@@ -113,6 +113,15 @@ class GrammarBackend:
                         raise
         return self._llguidance
 
+    def warm_up(self) -> None:
+        """Builds now what the first grammar would otherwise wait for: llguidance's tokenizer (~1 s
+        for a 49k vocabulary), when llguidance may serve. A server calls it before it says ready."""
+        if self.default_backend != "xgrammar":
+            try:
+                self.llguidance
+            except GrammarError:
+                pass  # logged; xgrammar serves
+
     def backend_for(self, spec: GrammarSpec) -> str:
         """The backend asked for: the spec's, else the server's default (possibly "auto")."""
         return spec.backend or self.default_backend

@@ -689,7 +689,20 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             gen.abort()
 
     app.add_middleware(_Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    _warm_up(engine, served)
     return app
+
+
+def _warm_up(engine, served: str) -> None:
+    """What every request runs, once before the server takes any: parsing a request, the chat template,
+    tokenizing and detokenizing. Their imports and caches start on first use, and in a fresh process
+    that has no bytecode caches (a spawned front-end on a bare machine) they took seconds, which
+    landed on the first requests each front-end served."""
+    _parse(ChatCompletionRequest, {"model": served, "messages": [{"role": "user", "content": "warm-up"}],
+                                   "response_format": {"type": "json_object"}, "stream": True})
+    from ..engine.detokenizer import IncrementalDetokenizer
+    ids = engine.chat_prompt([{"role": "user", "content": "warm-up"}])
+    IncrementalDetokenizer(engine.tokenizer, ids[:-2], []).add(ids[-2:])
 
 
 def _once(fn):

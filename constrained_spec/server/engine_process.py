@@ -229,6 +229,7 @@ def _main(config, address: str, lifeline) -> None:
     try:
         from ..engine import Engine
         engine = Engine(config)
+        engine.grammar.warm_up()  # the first grammar request would otherwise pay it
         server = EngineServer(engine, address)
         runner = engine.runner
         lifeline.send(("ready", EngineInfo(
