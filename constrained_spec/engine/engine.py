@@ -44,6 +44,7 @@ from .detokenizer import IncrementalDetokenizer, NO_TEXT
 from . import mask_audit
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
+from .chat_prompt import ChatPromptEncoder
 from .omp_pool import on_fresh_thread
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
@@ -99,6 +100,7 @@ class Engine:
         loaded = loaded or setup(lambda: load_model(config.model, dtype=config.dtype, device=str(self.device)))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        self._chat_prompt = ChatPromptEncoder(self.tokenizer)
         self.eos_token_ids = set(loaded.eos_token_ids)
         dtype = next(loaded.model.parameters()).dtype
         self.runner = setup(lambda: ModelRunner(loaded, config, self.device, dtype))
@@ -220,7 +222,7 @@ class Engine:
                 self.abort(req.request_id)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+        return self._chat_prompt(messages, add_generation_prompt)
 
     def num_queued(self) -> int:
         return len(self._by_id)
@@ -621,12 +623,6 @@ class Engine:
     def _fail_running(self, message: str) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, FinishReason.ERROR, error=message)
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's token ids from the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _violation(token: int) -> str:

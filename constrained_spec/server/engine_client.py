@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine.detokenizer import IncrementalDetokenizer
-from ..engine.engine import RequestError, chat_prompt_ids
+from ..engine.chat_prompt import ChatPromptEncoder
+from ..engine.engine import RequestError
 from ..engine.request import FinishReason, RequestOutput
 from . import ipc
 
@@ -81,6 +82,7 @@ class EngineClient:
         self._process = process  # the EngineProcess this client stops on shutdown, if it owns it
         self.model_name = info.model_name
         self.tokenizer = info.tokenizer
+        self.chat_prompt = ChatPromptEncoder(self.tokenizer)  # (messages, add_generation_prompt=True) -> ids
         self.max_context = info.max_context
         self.device = info.device
         self.config = _Limits(info.max_running_requests, info.max_queued_requests)
@@ -101,9 +103,6 @@ class EngineClient:
         self._reader.start()
 
     # -- what the app calls ------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
-
     def add_request(self, prompt: list[int], params, grammar=None, on_output=None, request_id: str | None = None,
                     stream: bool = True) -> _Pending:
         """Queues a request in the engine; `on_output` is called from this client's reader thread,

@@ -1,0 +1,78 @@
+"""Chat prompts encoded turn by turn (`engine/chat_prompt.py`) equal the tokenizer's own encoding of the
+whole prompt, for the real SmolLM2 tokenizer and the tiny models' (Llama and Qwen2 configs, the same
+tokenizer files), across turns with edge whitespace, unicode, and special tokens typed as text."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from constrained_spec.engine.chat_prompt import ChatPromptEncoder
+
+PIECES = ["Describe a cat.", " leading space", "trailing space ", "\n\nnew lines\n", "tabs\tand  two spaces",
+          "éèà ünïcödé 中文 🙂", "<|im_start|>user\ninjected", "<|im_end|>", "{\"json\": [1, 2, 3]}", "",
+          "a" * 300, "Schema: " + json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}}) * 8]
+
+
+def _conversations(rng: random.Random, n: int) -> list[list[dict]]:
+    out = []
+    for _ in range(n):
+        turns = [{"role": "system", "content": rng.choice(PIECES) + rng.choice(PIECES)}] if rng.random() < 0.6 else []
+        for t in range(rng.randint(1, 4)):
+            turns.append({"role": "user" if t % 2 == 0 else "assistant",
+                          "content": "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 3)))})
+        if turns[-1]["role"] == "assistant":
+            turns.append({"role": "user", "content": rng.choice(PIECES)})
+        out.append(turns)
+    return out
+
+
+def _whole(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_turn_by_turn_equals_whole_prompt(tokenizer):
+    enc = ChatPromptEncoder(tokenizer, min_cached_chars=20)
+    assert enc.segmented  # SmolLM2's <|im_start|> is a safe boundary
+    for messages in _conversations(random.Random(0), 300) * 2:  # the second pass hits the cache
+        assert enc(messages) == _whole(tokenizer, messages), messages
+    assert enc.hits > 300
+
+
+def test_shared_system_prompt_is_encoded_once(tokenizer):
+    """The bench's 1,500-token shared prefix: a request after the first encodes its user turn only."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_serving
+    jobs = bench_serving.make_jobs("shared-prefix", 40)
+    enc = ChatPromptEncoder(tokenizer)
+    t0 = time.perf_counter()
+    whole = [_whole(tokenizer, j.messages) for j in jobs]
+    t1 = time.perf_counter()
+    turns = [enc(j.messages) for j in jobs]
+    t2 = time.perf_counter()
+    assert turns == whole and len(whole[0]) > 1400
+    assert enc.hits == len(jobs) - 1
+    print(f"\nwhole prompts {1e3 * (t1 - t0) / len(jobs):.2f} ms each, turn by turn {1e3 * (t2 - t1) / len(jobs):.2f} ms")
+    assert t2 - t1 < (t1 - t0) / 2
+
+
+def test_unsafe_boundaries_fall_back_to_whole_prompts(tokenizer):
+    """A tokenizer whose special tokens take whitespace from their left cannot be split before them."""
+    class LeftStripping:
+        def __init__(self, inner):
+            self.inner = inner
+            self.added_tokens_decoder = {
+                k: type("T", (), {"content": v.content, "special": True, "lstrip": True, "single_word": False,
+                                  "normalized": False})()
+                for k, v in inner.added_tokens_decoder.items()}
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    enc = ChatPromptEncoder(LeftStripping(tokenizer))
+    assert not enc.segmented
+    messages = [{"role": "user", "content": "hello "}]
+    assert enc(messages) == _whole(tokenizer, messages)
