@@ -25,7 +25,8 @@ def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
            "PYTHONPATH": os.pathsep.join([str(no_mpl), os.environ.get("PYTHONPATH", "")]),
            "TRAIN_ARGS": "--dtype float32 --prompts 6 --max-tokens 12 --gen-batch 6 --max-steps 3 "
                          "--batch-tokens 256 --eval-prompts 2 --log-level warning",
-           "BENCH_ARGS": f"--dtype float32 --max-tokens 6 --min-prompts 2 --repeats 1 --batches {BATCHES}"}
+           "BENCH_ARGS": f"--dtype float32 --max-tokens 6 --min-prompts 2 --repeats 1 --batches {BATCHES} "
+                         "--opt kv_cache_memory_gb=0.125"}  # six engines at once: 1 GiB each by default on the CPU
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "eagle"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
