@@ -303,12 +303,14 @@ def summarize(recs: list[dict], duration: float) -> dict:
 # steps at the same batch (the engine process shares its time with something). These say which.
 
 ENGINE_COUNTERS = {"decode_steps": "constrained_spec_engine_decode_steps_total",
+                   "extend_steps": "constrained_spec_engine_extend_steps_total",
                    "decode_requests": "constrained_spec_engine_decode_requests_total",
                    "idle_seconds": "constrained_spec_engine_idle_seconds_total"}
 
 
 def server_engine_counters(url: str) -> dict:
-    """The engine counters a server's /metrics shows now (empty when it shows none)."""
+    """The engine counters a server's /metrics shows now, with the wall time they were read at
+    (empty when it shows none)."""
     import urllib.request
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
@@ -316,27 +318,35 @@ def server_engine_counters(url: str) -> dict:
     except OSError:
         return {}
     by_name = {v: k for k, v in ENGINE_COUNTERS.items()}
-    out = {}
+    out = {"at": time.perf_counter()}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in by_name:
             out[by_name[name]] = float(value)
-    return out
+    return out if len(out) > len(ENGINE_COUNTERS) else {}
 
 
 def engine_side(before: dict, after: dict, duration: float) -> dict | None:
-    """What the engine did during a run of `duration` seconds, from its counters before and after."""
+    """What the engine did during a run whose clients were busy `duration` seconds, from its counters
+    read before and after (a wider window: client start-up, the last answers' way back). Outside the
+    clients' time no request exists, so the window's extra time is idle time; the idle share is of
+    the clients' time, and steps per second are per busy second, so neither depends on the window."""
     if not before or not after or not duration:
         return None
+    window = after["at"] - before["at"]
+    idle = after["idle_seconds"] - before["idle_seconds"]
     steps = after["decode_steps"] - before["decode_steps"]
-    return {"decode_steps_s": steps / duration,
+    busy = max(window - idle, 1e-9)
+    return {"busy_decode_steps_s": steps / busy,
+            "busy_extend_steps_s": (after["extend_steps"] - before["extend_steps"]) / busy,
             "mean_decode_batch": (after["decode_requests"] - before["decode_requests"]) / steps if steps else 0.0,
-            "idle_share": (after["idle_seconds"] - before["idle_seconds"]) / duration}
+            "idle_share": min(1.0, max(0.0, idle - max(0.0, window - duration)) / duration),
+            "window_s": window}
 
 
 def engine_stats_counters(engine) -> dict:
     st = engine.stats
-    return {"decode_steps": st.decode_steps, "decode_requests": st.decode_requests, "idle_seconds": st.idle_seconds}
+    return {"at": time.perf_counter(), "decode_steps": st.decode_steps, "extend_steps": st.extend_steps, "decode_requests": st.decode_requests, "idle_seconds": st.idle_total()}
 
 
 # -- the in-process engine on the same requests --------------------------------------------------------
@@ -513,12 +523,14 @@ def report(payload: dict) -> str:
     if any(((eng(w, c) if s == "engine" else find(s, w, st, "clients", c)) or {}).get("engine_side")
            for w, st, c, s in sides):
         lines += ["", "## The engine's side of each run", "",
-                  "Decode steps per second, the mean number of requests in a decode step, and the share of the run "
-                  "the engine loop sat idle: a server below the engine with fewer requests a step is slow to take "
-                  "the next request in; one with as many but fewer steps a second slows the engine itself.", "",
-                  "| workload | stream | clients | " + " | ".join(f"{s} steps/s | {s} batch | {s} idle"
+                  "Decode and prefill (extend) steps per second the engine loop was busy, the mean number of "
+                  "requests in a decode step, and the share of the clients' time the loop sat idle: a server below "
+                  "the engine with fewer requests a step, or idle time, is slow to take the next request in (its "
+                  "arrivals also spread over more prefills); one with fewer busy steps a second slows the engine "
+                  "itself.", "",
+                  "| workload | stream | clients | " + " | ".join(f"{s} steps/s | {s} batch | {s} prefills/s | {s} idle"
                                                                   for s in ["engine"] + servers) + " |",
-                  "|" + "---|" * (3 + 3 * (1 + len(servers)))]
+                  "|" + "---|" * (3 + 4 * (1 + len(servers)))]
         for w in payload["workloads"]:
             for st in payload["streams"]:
                 for c in payload["clients"]:
@@ -526,9 +538,9 @@ def report(payload: dict) -> str:
                     for s in ["engine"] + servers:
                         r = eng(w, c) if s == "engine" else find(s, w, st, "clients", c)
                         side = (r or {}).get("engine_side")
-                        row += (["-"] * 3 if not side else
-                                [f"{side['decode_steps_s']:,.0f}", f"{side['mean_decode_batch']:.1f}",
-                                 f"{side['idle_share']:.0%}"])
+                        row += (["-"] * 4 if not side else
+                                [f"{side['busy_decode_steps_s']:,.0f}", f"{side['mean_decode_batch']:.1f}",
+                                 f"{side['busy_extend_steps_s']:,.0f}", f"{side['idle_share']:.0%}"])
                     lines.append("| " + " | ".join(row) + " |")
     if True in payload["streams"] and False in payload["streams"]:
         lines += ["", "## Streamed / non-streamed output tok/s", "",

@@ -28,11 +28,16 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
     for run in runs + data["engine"]:
         assert run["errors"] == 0 and run.get("invalid", 0) == 0 and run["ok"] == run["requests"] >= 8, run
         assert run["out_tok_s"] > 0 and run["ttft"]["p99"] is not None
+    for run in [r for r in runs if r["mode"] == "clients"] + data["engine"]:  # the engine's counters, read per run
+        side = run["engine_side"]
+        assert side["busy_decode_steps_s"] > 0 and side["busy_extend_steps_s"] > 0, side
+        assert 0 < side["mean_decode_batch"] <= 2 and 0 <= side["idle_share"] < 1, side
     assert {run["server"] for run in runs} == {"split-2", "single"}
     assert any(run["stream"] and run["itl"]["p50"] is not None for run in runs)
     assert len(data["engine"]) == 3
     md = (tmp_path / "bench_serving.md").read_text()
     assert "split-2 / engine" in md and "Streamed / non-streamed" in md and "| single | 4 |" in md
+    assert "The engine's side of each run" in md and "split-2 prefills/s" in md
 
 
 def test_prefix_cache_workloads_and_arms():

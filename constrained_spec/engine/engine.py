@@ -317,9 +317,10 @@ class Engine:
     def _idle_wait(self) -> None:
         if self.step_hook is not None:
             self.step_hook()
-        t0 = time.perf_counter()
+        self.stats.idle_since = t0 = time.perf_counter()
         self._wake.wait(timeout=0.05 if self._compiling else 1.0)
         self.stats.idle_seconds += time.perf_counter() - t0
+        self.stats.idle_since = None
 
     def _drain_inbox(self) -> None:
         while True:

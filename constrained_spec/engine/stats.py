@@ -21,7 +21,8 @@ class EngineStats:
     grammar_late_rows: int = 0  # rows whose mask missed the step's budget (their request sat the step out)
     step_seconds: float = 0.0
     decode_requests: int = 0  # requests summed over decode steps: / decode_steps = the mean decode batch
-    idle_seconds: float = 0.0  # the loop waiting for work (no request could run)
+    idle_seconds: float = 0.0  # the loop waiting for work (no request could run), waits ended so far
+    idle_since: float | None = None  # perf_counter() when the wait in progress began
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-to-first-token samples
     tpot: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-per-output-token samples
     listeners: list = field(default_factory=list)  # callables(event, request) for /metrics
@@ -34,6 +35,12 @@ class EngineStats:
             self.decode_requests += len(batch.requests)
         else:
             self.extend_steps += 1
+
+    def idle_total(self) -> float:
+        """Seconds the loop has waited for work, the wait in progress included (a reader between
+        two snapshots counts only the time between them)."""
+        since = self.idle_since
+        return self.idle_seconds + (time.perf_counter() - since if since is not None else 0.0)
 
     def on_first_token(self, req) -> None:
         self.ttft.append(req.first_token_time - req.arrival)

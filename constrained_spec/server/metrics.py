@@ -28,8 +28,8 @@ def engine_snapshot(engine) -> dict:
     snap = {"running": len(sched.running), "waiting": len(sched.waiting) + len(engine._compiling),
             "kv_capacity": pool.capacity, "kv_free": pool.num_free,
             "grammar": engine.grammar.stats,
-            "steps": stats.steps, "decode_steps": stats.decode_steps, "decode_requests": stats.decode_requests,
-            "idle_seconds": stats.idle_seconds, "grammar_mask_seconds": stats.grammar_mask_seconds,
+            "steps": stats.steps, "decode_steps": stats.decode_steps, "extend_steps": stats.extend_steps, "decode_requests": stats.decode_requests,
+            "idle_seconds": stats.idle_total(), "grammar_mask_seconds": stats.grammar_mask_seconds,
             "grammar_end_violations": stats.grammar_end_violations,
             "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None,
             "prefix_cache": None if engine.runner.prefix_cache is None else engine.runner.prefix_cache.snapshot()}
@@ -101,6 +101,9 @@ class _EngineCollector:
         yield c
         c = CounterMetricFamily(f"{PREFIX}_engine_decode_steps", "Engine decode steps")
         c.add_metric([], float(snap["decode_steps"]))
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_engine_extend_steps", "Engine prefill (extend) steps")
+        c.add_metric([], float(snap["extend_steps"]))
         yield c
         c = CounterMetricFamily(f"{PREFIX}_engine_decode_requests",
                                 "Requests summed over decode steps (/ decode steps: the mean decode batch)")
