@@ -96,36 +96,28 @@ class _EngineCollector:
             c.add_metric([], float(gstats.get("cache_hits", 0)))
             yield c
             yield from _compile_metrics(gstats)
-        c = CounterMetricFamily(f"{PREFIX}_engine_steps", "Engine steps (prefill and decode)")
-        c.add_metric([], float(snap["steps"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_engine_decode_steps", "Engine decode steps")
-        c.add_metric([], float(snap["decode_steps"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_engine_extend_steps", "Engine prefill (extend) steps")
-        c.add_metric([], float(snap["extend_steps"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_engine_decode_requests",
-                                "Requests summed over decode steps (/ decode steps: the mean decode batch)")
-        c.add_metric([], float(snap["decode_requests"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_engine_idle_seconds", "Time the engine loop waited with no work")
-        c.add_metric([], float(snap["idle_seconds"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_grammar_mask_seconds", "Time spent filling grammar bitmasks")
-        c.add_metric([], float(snap["grammar_mask_seconds"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_grammar_end_violations",
-                                "Requests that ended where their grammar could not end (an engine bug; "
-                                "answered as errors)")
-        c.add_metric([], float(snap["grammar_end_violations"]))
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_grammar_accept_seconds",
-                                "Time spent accepting decode steps' tokens into grammar matchers")
-        c.add_metric([], float(snap["grammar_accept_seconds"]))
-        yield c
+        for name, key, doc in _ENGINE_COUNTERS:
+            c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            c.add_metric([], float(snap[key]))
+            yield c
         yield from _spec_metrics(snap["spec"])
         yield from _prefix_cache_metrics(snap.get("prefix_cache"))
+
+
+# (metric name, engine snapshot key, help): counters read from the engine snapshot as they are
+_ENGINE_COUNTERS = [
+    ("engine_steps", "steps", "Engine steps (prefill and decode)"),
+    ("engine_decode_steps", "decode_steps", "Engine decode steps"),
+    ("engine_extend_steps", "extend_steps", "Engine prefill (extend) steps"),
+    ("engine_decode_requests", "decode_requests",
+     "Requests summed over decode steps (/ decode steps: the mean decode batch)"),
+    ("engine_idle_seconds", "idle_seconds", "Time the engine loop waited with no work"),
+    ("grammar_mask_seconds", "grammar_mask_seconds", "Time spent filling grammar bitmasks"),
+    ("grammar_end_violations", "grammar_end_violations",
+     "Requests that ended where their grammar could not end (an engine bug; answered as errors)"),
+    ("grammar_accept_seconds", "grammar_accept_seconds",
+     "Time spent accepting decode steps' tokens into grammar matchers"),
+]
 
 
 def _prefix_cache_metrics(pc: dict | None):
