@@ -4,8 +4,11 @@ the cache keys on the normalized schema, and compiled grammars survive a restart
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -280,9 +283,6 @@ def test_exit_while_compiling_does_not_abort(tmp_path):
     """A program that exits with compiles in flight and its backend open exits cleanly: without the
     queue's wait at exit, CPython 3.11 unwinds the worker inside xgrammar's native compile and the
     process aborts ("terminate called without an active exception"; 4 runs in 6 before the fix)."""
-    import subprocess
-    import sys
-    from pathlib import Path
     schemas = Path(__file__).resolve().parent.parent / "schemas" / "jsonschemabench-dev.jsonl"
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING, str(schemas)], capture_output=True,

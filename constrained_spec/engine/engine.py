@@ -38,13 +38,13 @@ from ..grammar.disk_cache import resolve_dir as resolve_cache_dir
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..speculative.grammar_draft import stable_forced_tokens
+from .chat_prompt import ChatPromptEncoder
 from .config import EngineConfig
 from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer, NO_TEXT
 from . import mask_audit
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
-from .chat_prompt import ChatPromptEncoder
 from .omp_pool import on_fresh_thread
 from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
@@ -100,7 +100,7 @@ class Engine:
         loaded = loaded or setup(lambda: load_model(config.model, dtype=config.dtype, device=str(self.device)))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self._chat_prompt = ChatPromptEncoder(self.tokenizer)
+        self.chat_prompt = ChatPromptEncoder(self.tokenizer)  # (messages, add_generation_prompt=True) -> ids
         self.eos_token_ids = set(loaded.eos_token_ids)
         dtype = next(loaded.model.parameters()).dtype
         self.runner = setup(lambda: ModelRunner(loaded, config, self.device, dtype))
@@ -220,9 +220,6 @@ class Engine:
         finally:
             if not req.finished:  # the consumer went away (client disconnect): free its KV now
                 self.abort(req.request_id)
-
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self._chat_prompt(messages, add_generation_prompt)
 
     def num_queued(self) -> int:
         return len(self._by_id)
