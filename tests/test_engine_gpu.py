@@ -115,25 +115,32 @@ def test_sampled_graphs_match_eager(engines):
 
 
 def test_prefill_graphs_match_eager(engines):
-    """Single-request prefills replay the bucketed prefill graphs: whole prompts, and (with a small
-    max_prefill_tokens) chunks over a cached prefix. Greedy tokens equal the eager path's."""
+    """Prefills replay the bucketed prefill graphs: one request's whole prompt, chunks over a cached
+    prefix (a small max_prefill_tokens), and several requests at once, a chunk among them.
+    Greedy tokens equal the eager path's."""
     # without the prefix cache, so that repeating a prompt prefills (and chunks) it again
     eng = engines("chunked32", attention_backend="triton", dtype="float32", max_prefill_tokens=64,
                   disable_prefix_cache=True)
     graphs = eng.runner.graphs
-    assert graphs.prefill_buckets == [16, 32, 64]
+    assert graphs.prefill_buckets == [(16, 1), (32, 1), (64, 1), (16, 8), (32, 8), (64, 8), (32, 32), (64, 32)]
     long = eng.chat_prompt([{"role": "user", "content": "Summarize: " + " ".join(QUESTIONS * 2)}])
     assert len(long) > 128  # three chunks: 64 + 64 + the rest
     ps = prompts(eng, 4) + [long]
-    replays = []
+    replays = []  # (requests, new tokens) of each replay
     launch = graphs.launch_prefill
-    graphs.launch_prefill = lambda *a: replays.append(len(a[1])) or launch(*a)
+    graphs.launch_prefill = lambda *a: replays.append((len(a[0]), len(a[1]))) or launch(*a)
     grammar = GrammarSpec.json_schema(SCHEMA)
+    batched = prompts(eng, 12) + [long]
+
+    def run_all():
+        one_by_one = [greedy(eng, [p], g)[0] for p in ps for g in (None, grammar)]
+        return one_by_one, [greedy(eng, batched, g) for g in (None, grammar)]
     try:
-        with_graphs = [greedy(eng, [p], g)[0] for p in ps for g in (None, grammar)]
-        assert len(replays) >= 2 * len(ps) + 4 and max(replays) == 64
+        with_graphs = run_all()
+        assert len(replays) >= 2 * len(ps) + 4 and max(t for _, t in replays) == 64
+        assert max(n for n, _ in replays) > 1  # several prompts in one graphed prefill
         eng.runner.graphs = None
-        assert [greedy(eng, [p], g)[0] for p in ps for g in (None, grammar)] == with_graphs
+        assert run_all() == with_graphs
     finally:
         eng.runner.graphs, graphs.launch_prefill = graphs, launch
 

@@ -231,11 +231,29 @@ def run_interpreter_checks() -> None:
         ref = TorchAttention().forward(q, k, v, layer, clone_kv(kv), meta, scale)
         kv.store(layer, meta.out_slots, k, v)
         out = extend_attention(q, kv.k[layer], kv.v[layer], meta.slot_table, meta.kv_lens, meta.q_starts,
-                               meta.q_lens, meta.max_q_len, scale, tree_mask=meta.tree_mask, num_splits=splits,
+                               meta.q_lens, scale, tree_mask=meta.tree_mask, num_splits=splits,
                                block_m=16, block_n=16)
         err = (out - ref).abs().max().item()
         assert err < 1e-4, (mode, pre, ql, splits, err)
         print(f"ok split {mode.value} pre={pre} q={ql} splits={splits} err={err:.1e}", flush=True)
+    # A graphed prefill's padding: sequences with no new tokens and rows past sum(q_lens) (grid
+    # sized by the padded T and B); the real rows must equal the unpadded launch's.
+    for splits in (1, 3):
+        q, k, v, kv, meta, layer, scale = make_case(ForwardMode.EXTEND, [40, 0, 7], [9, 3, 20], 6, 2, 16,
+                                                    torch.float32, "cpu", seed=77)
+        kv.store(layer, meta.out_slots, k, v)
+        args = (kv.k[layer], kv.v[layer])
+        want = extend_attention(q, *args, meta.slot_table, meta.kv_lens, meta.q_starts, meta.q_lens, scale,
+                                num_splits=splits, block_m=16, block_n=16)
+        n, pad_rows, pad_seqs = q.shape[0], 13, 2
+        q_pad = torch.cat([q, torch.randn(pad_rows, *q.shape[1:])])
+        table = torch.cat([meta.slot_table, torch.zeros(pad_seqs, meta.slot_table.shape[1], dtype=torch.int64)])
+        zeros = torch.zeros(pad_seqs, dtype=torch.int32)
+        got = extend_attention(q_pad, *args, table, torch.cat([meta.kv_lens, zeros]),
+                               torch.cat([meta.q_starts, torch.full((pad_seqs,), n, dtype=torch.int32)]),
+                               torch.cat([meta.q_lens, zeros]), scale, num_splits=splits, block_m=16, block_n=16)
+        assert torch.equal(got[:n], want), splits
+        print(f"ok padded extend splits={splits}", flush=True)
     print("ALL OK")
 
 

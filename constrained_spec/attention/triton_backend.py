@@ -1,9 +1,10 @@
 """Triton attention backend (GPU default): paged flash-decoding, extend over a cached prefix, and
 tree verify, all reading K/V straight from the token-slot pool through `slot_table`.
 
-CUDA graphs: DECODE launches depend only on (B, H, KVH, D, slot_table width, num_splits) and VERIFY
-launches only on (B, H, KVH, D, max_q_len); nothing is read from the device on the host, so both can
-be captured once per batch size and replayed with new `kv_lens`/`slot_table`/`tree_mask` contents.
+CUDA graphs: DECODE launches depend only on (B, H, KVH, D, slot_table width, num_splits), EXTEND and
+VERIFY launches only on (B, T, H, KVH, D, slot_table width); nothing is read from the device on the
+host, so each can be captured once per shape and replayed with new `q_lens`/`kv_lens`/`slot_table`/
+`tree_mask` contents.
 Capture after one warm-up call (the first call compiles the kernels).
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ class TritonAttention(AttentionBackend):
             q = q.contiguous()
         tree = meta.tree_mask if meta.mode is ForwardMode.VERIFY else None
         return extend_attention(q, k_cache, v_cache, meta.slot_table, meta.kv_lens, meta.q_starts,
-                                meta.q_lens, meta.max_q_len, scale, tree_mask=tree)
+                                meta.q_lens, scale, tree_mask=tree)
 
 
 __all__ = ["TritonAttention", "default_num_splits"]

@@ -9,8 +9,8 @@ Graphs exist for
   constrained step replays too, and a decode step costs two graph launches and two small copies;
 - the speculative VERIFY step at a fixed tree width, in three parts (forward; bitmask + argmax
   tail; commit of the accepted path), whose buffers and code live in `speculative/verify_step.py`;
-- the EXTEND forward of a single request (prefill), per bucket of new tokens, up to the last
-  token's logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it;
+- the EXTEND forward (prefill) of up to R requests and T new tokens, per bucket (T, R), up to the
+  sampling requests' logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it;
 - the EAGLE DRAFT work: its start (head extend and depth 1) and one depth of the tree (buffers and
   code in `speculative/eagle_step.py`).
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
@@ -37,8 +37,10 @@ from ..speculative.verify_step import VerifyIO
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-# New-token buckets of the single-request prefill graphs (capped at max_prefill_tokens).
+# Prefill graph buckets: new tokens (capped at max_prefill_tokens) and requests (capped at the
+# running requests; a bucket holds at most as many requests as tokens).
 DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_PREFILL_REQUESTS = (1, 8, 32, 128)
 
 
 @dataclass
@@ -72,8 +74,7 @@ class CudaGraphRunner:
         self._meta_staging = PinnedStaging((B, 4), torch.int64)
         self._params_staging = (PinnedStaging((B, 4), torch.float32), PinnedStaging((B, 2), torch.int64))
         self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
-        self.prefill_io: dict[int, PrefillIO] = {}  # bucket of new tokens -> the prefill graph's buffers
-        self.prefill_buckets: list[int] = []  # sorted keys of prefill_io
+        self.prefill_io: list[PrefillIO] = []  # the prefill graphs' buffers, smallest bucket first
 
     def padded_size(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, batch)
@@ -199,15 +200,24 @@ class CudaGraphRunner:
         self.graphs[("draft", part, bs, masked)][0].replay()
 
     @torch.inference_mode()
-    def capture_prefill(self, max_tokens: int, buckets=DEFAULT_PREFILL_TOKENS) -> None:
+    def capture_prefill(self, max_tokens: int, token_buckets=DEFAULT_PREFILL_TOKENS,
+                        request_buckets=DEFAULT_PREFILL_REQUESTS) -> None:
         t0 = time.perf_counter()
-        sizes = [t for t in buckets if t <= max_tokens]
-        for tokens in reversed(sizes):
-            io = self.prefill_io[tokens] = PrefillIO(self.r, tokens)
-            self._capture(("prefill", tokens), io.forward)
-        self.prefill_buckets = sizes
+        tokens = [t for t in token_buckets if t <= max_tokens]
+        requests = [n for n in request_buckets if n <= self.r.max_rows] or [self.r.max_rows]
+        buckets = sorted(((t, n) for t in tokens for n in requests if n <= t), key=lambda b: (b[1], b[0]))
+        logits = torch.zeros(max(requests), self.r.vocab_size, dtype=torch.float32, device=self.device)
+        self.prefill_io = [PrefillIO(self.r, t, n, logits) for t, n in buckets]
+        for io in reversed(self.prefill_io):
+            self._capture(("prefill", io.tokens, io.requests), io.forward)
         torch.cuda.synchronize()
-        log.info("captured prefill CUDA graphs for %s new tokens in %.1f s", sizes, time.perf_counter() - t0)
+        log.info("captured prefill CUDA graphs for (new tokens, requests) %s in %.1f s", buckets,
+                 time.perf_counter() - t0)
+
+    @property
+    def prefill_buckets(self) -> list[tuple[int, int]]:
+        """(new tokens, requests) of the prefill graphs, smallest first."""
+        return [(io.tokens, io.requests) for io in self.prefill_io]
 
     # -- replay ----------------------------------------------------------------------------------
     def can_decode(self, batch: int) -> bool:
@@ -239,20 +249,22 @@ class CudaGraphRunner:
         self.graphs[("sample", step.padded, masked, greedy)][0].replay()
         return self.tokens_host[:step.batch_size]
 
-    def launch_prefill(self, row: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                       kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Replays the prefill graph of the smallest bucket that holds the new tokens. Returns
-        (logits [1, V], the row [1] on the device), or None when no bucket is large enough."""
-        buckets = self.prefill_buckets
-        i = bisect.bisect_left(buckets, len(ids))
-        if i == len(buckets):
+    def launch_prefill(self, rows: np.ndarray, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       token_rows: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
+                       sample_index: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replays the prefill graph of the smallest bucket that holds the requests and their new
+        tokens (`PrefillIO.set_inputs` says what the arguments are). Returns (logits [k, V], the
+        sampling rows [k] on the device) for the k requests at `sample_index`, or None when no
+        bucket is large enough."""
+        io = next((io for io in self.prefill_io if io.fits(len(ids), len(rows))), None)
+        if io is None:
             return None
-        io = self.prefill_io[buckets[i]]
-        io.set_inputs(row, ids, positions, slots, kv_len)
+        io.set_inputs(rows, ids, positions, slots, token_rows, q_lens, kv_lens, sample_index)
         io.copy_inputs()
-        graph, logits = self.graphs[("prefill", io.tokens)]
+        graph, logits = self.graphs[("prefill", io.tokens, io.requests)]
         graph.replay()
-        return logits, io.row
+        k = len(sample_index)
+        return logits[:k], io.sample_rows(k)
 
     def can_verify(self, batch: int, q_len: int) -> bool:
         bs = self.padded_size(batch)

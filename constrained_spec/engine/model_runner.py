@@ -234,14 +234,13 @@ class ModelRunner:
         p = self.plan(batch)
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_decode(batch.size):
             return self.graphs.launch_decode(p.rows, p.positions, p.out_slots, p.kv_lens)
-        if batch.mode is ForwardMode.EXTEND and self.graphs is not None and batch.size == 1:
-            launched = self.graphs.launch_prefill(int(p.rows[0]), np.asarray(p.host_ids, dtype=np.int64),
-                                                  p.positions, p.out_slots, int(p.kv_lens[0]))
+        if batch.mode is ForwardMode.EXTEND and self.graphs is not None:
+            launched = self.graphs.launch_prefill(p.rows, np.asarray(p.host_ids, dtype=np.int64), p.positions,
+                                                  p.out_slots, p.token_rows, p.q_lens, p.kv_lens,
+                                                  batch.sample_index)
             if launched is not None:
-                logits, rows_d = launched
-                n = len(batch.sample_index)  # 0 for a prompt chunk that is not the last
-                self._rows_d = rows_d[:n]
-                return logits[:n]
+                logits, self._rows_d = launched
+                return logits
         return self._eager_forward(batch, p)
 
     def _index(self, positions: list[int]) -> torch.Tensor:

@@ -1,17 +1,20 @@
-"""The device side of a graphed prefill: one request's new tokens (a prompt, a prompt chunk, or the
-grammar-forced tokens of a jump-forward), padded up to a bucket of T tokens and replayed as one
-CUDA graph per bucket (`CudaGraphRunner.capture_prefill`).
+"""The device side of a graphed prefill: up to R requests' new tokens (prompts, prompt chunks, the
+grammar-forced tokens of a jump-forward), T tokens in all, padded up to a bucket (T, R) and
+replayed as one CUDA graph per bucket (`CudaGraphRunner.capture_prefill`).
 
 Why: run eagerly, a prefill pays one host launch per kernel (~27 us each on the H100): 12-15 ms
-for SmolLM2's ~400 kernels whatever the prompt's length, as much as fifteen decode steps, so at
-batch 1 a ~100-token JSON answer spent ~15% of its time in its prefill. Replayed, the same work
+for SmolLM2's ~400 kernels whatever the prompts' length, as much as fifteen decode steps. A server's
+requests arrive a few at a time, so under load most prefills hold several requests; replayed, each
 is one graph launch.
 
 Layout of the per-step inputs (one int64 buffer, one host-to-device copy):
-  ids[T] | positions[T] | slots[T] | table rows[T] | row, 0, n, kv_len
+  ids[T] | positions[T] | slots[T] | table rows[T] | rows[R] | q_starts[R+1] | q_lens[R] | kv_lens[R]
+  | sample_tokens[R] | sample_rows[R]
 Tokens [n, T) are padding: they sit on the spare table row at column 0, write their K/V to the
-reserved slot 0, and no real token attends to them (q_lens = n); their rows of every activation
-are garbage that nothing reads.
+reserved slot 0, and no real token attends to them; padding requests have no new tokens
+(q_len 0, so attention skips them). Their rows of every activation are garbage that nothing reads.
+`sample_tokens[:k]` are the flat indices of the k sampling requests' last tokens (a prompt chunk
+that is not the last does not sample), `sample_rows[:k]` their table rows.
 """
 from __future__ import annotations
 
@@ -23,44 +26,73 @@ from ..pinned import PinnedStaging
 
 
 class PrefillIO:
-    """Static buffers and the captured work of the prefill bucket of `tokens` tokens."""
+    """Static buffers and the captured work of the prefill bucket of `tokens` tokens over
+    `requests` requests. `logits_out` [>= requests, V] float32 is shared by every bucket."""
 
-    def __init__(self, runner, tokens: int):
+    def __init__(self, runner, tokens: int, requests: int, logits_out: torch.Tensor):
         self.r = runner
         self.tokens = T = tokens
-        self._staging = PinnedStaging((4 * T + 4,), torch.int64)
-        self._dev = torch.zeros(4 * T + 4, dtype=torch.int64, device=runner.device)
+        self.requests = R = requests
+        self._logits_out = logits_out[:R]
+        size = 4 * T + 6 * R + 1
+        self._staging = PinnedStaging((size,), torch.int64)
+        self._dev = torch.zeros(size, dtype=torch.int64, device=runner.device)
         self._ids, self._positions, self._slots, self._table_rows = self._dev[:4 * T].view(4, T)
-        tail = self._dev[4 * T:]
-        self._row, self._q_starts, self._n, self._kv_len = tail[0:1], tail[1:3], tail[2:3], tail[3:4]
-        self.set_inputs(runner.pad_row, np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 1)
+        rest = self._dev[4 * T:]
+        self._rows, self._q_starts = rest[:R], rest[R:2 * R + 1]
+        self._q_lens, self._kv_lens, self._sample_tokens, self._sample_rows = rest[2 * R + 1:].view(4, R)
+        self.set_inputs(np.array([runner.pad_row]), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                        np.zeros(1, np.int64), np.array([runner.pad_row]), np.ones(1, np.int64),
+                        np.ones(1, np.int64), [0])
         self.copy_inputs()
 
-    @property
-    def row(self) -> torch.Tensor:
-        """The request's table row on the device ([1]; valid until the next prefill's copy)."""
-        return self._row
+    def fits(self, num_tokens: int, num_requests: int) -> bool:
+        return num_tokens <= self.tokens and num_requests <= self.requests
 
-    def set_inputs(self, row: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                   kv_len: int) -> None:
-        T, n, h = self.tokens, len(ids), self._staging.stage()
+    def set_inputs(self, rows: np.ndarray, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                   token_rows: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
+                   sample_index: list[int]) -> None:
+        """Stages one prefill: B requests (`rows`, `q_lens`, `kv_lens` [B]) with n new tokens in all
+        (`ids`, `positions`, `slots`, `token_rows` [n], request by request); the requests at
+        `sample_index` sample from their last token."""
+        T, R, n, B = self.tokens, self.requests, len(ids), len(rows)
+        h = self._staging.stage()
         fields = h[:4 * T].reshape(4, T)
-        fields[0, :n], fields[1, :n], fields[2, :n], fields[3, :n] = ids, positions, slots, row
+        fields[0, :n], fields[1, :n], fields[2, :n], fields[3, :n] = ids, positions, slots, token_rows
         fields[:3, n:] = 0
         fields[3, n:] = self.r.pad_row
-        h[4 * T:] = (row, 0, n, kv_len)
+        rest = h[4 * T:]
+        req_rows, q_starts = rest[:R], rest[R:2 * R + 1]
+        q_lens_h, kv_lens_h, sample_tokens, sample_rows = rest[2 * R + 1:].reshape(4, R)
+        req_rows[:B], req_rows[B:] = rows, self.r.pad_row
+        q_starts[0] = 0
+        np.cumsum(q_lens, out=q_starts[1:B + 1])
+        q_starts[B + 1:] = n
+        q_lens_h[:B], q_lens_h[B:] = q_lens, 0
+        kv_lens_h[:B], kv_lens_h[B:] = kv_lens, 0
+        k = len(sample_index)
+        sample_tokens[:k] = q_starts[1:B + 1][sample_index] - 1
+        sample_rows[:k] = rows[sample_index]
+        sample_tokens[k:] = 0
+        sample_rows[k:] = self.r.pad_row
 
     def copy_inputs(self) -> None:
         """Sends what `set_inputs` staged (a pinned buffer; the next call stages in the other)."""
         self._staging.copy_to(self._dev)
 
+    def sample_rows(self, k: int) -> torch.Tensor:
+        """The sampling requests' table rows on the device ([k]; valid until the next prefill's copy)."""
+        return self._sample_rows[:k]
+
     def forward(self) -> torch.Tensor:
-        """Logits [1, V] float32 of the request's last new token."""
+        """Logits [R, V] float32 of the sampling requests' last tokens (rows past them: garbage)."""
         r = self.r
         r.table.write_device(self._table_rows, self._positions, self._slots)
         meta = AttentionMetadata(
             mode=ForwardMode.EXTEND, out_slots=self._slots, q_starts=self._q_starts.to(torch.int32),
-            q_lens=self._n.to(torch.int32), kv_lens=self._kv_len.to(torch.int32),
-            slot_table=r.table.device_table[self._row], max_q_len=self.tokens, max_kv_len=r.max_context)
+            q_lens=self._q_lens.to(torch.int32), kv_lens=self._kv_lens.to(torch.int32),
+            slot_table=r.table.device_table[self._rows], max_q_len=self.tokens, max_kv_len=r.max_context)
         hidden = r.run_model(self._ids, self._positions, meta)
-        return r.model.compute_logits(hidden.index_select(0, self._n - 1)).float()
+        logits = r.model.compute_logits(hidden.index_select(0, self._sample_tokens))
+        self._logits_out.copy_(logits)
+        return self._logits_out

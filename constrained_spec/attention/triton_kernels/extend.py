@@ -8,9 +8,13 @@ cached tokens come before them and are fully visible. Among the new tokens the m
 GQA packing: a program owns one sequence, one kv head and BLOCK_M "rows", where row r is
 (new token r // G, query head kvh * G + r % G); so the G query heads sharing a kv head share every
 K/V load, and short verify trees still fill the tensor-core tile.
-Grid: (B, KVH, cdiv(max_q_len * G, BLOCK_M) * NUM_SPLITS); with a fixed B and max_q_len it is static
-(capturable). When that grid is too small to fill the GPU (short trees over long contexts), the cached
-prefix is split into NUM_SPLITS chunks (chosen from static shapes: B, KVH, max_q_len, slot-table width),
+Grid: (cdiv(T * G, BLOCK_M) + B, KVH, NUM_SPLITS), T the flat new-token count: the sequences' row
+blocks numbered one after the other (sequence b has cdiv(q_lens[b] * G, BLOCK_M) of them; each
+program finds its own from q_lens), so the grid holds about as many programs as there is work,
+however the T tokens are shared out, and depends on T and B alone: static, hence capturable (a
+graphed prefill of many requests would otherwise launch B * cdiv(T * G, BLOCK_M) programs, mostly
+empty). Programs past the last block exit. When the grid is too small to fill the GPU (short trees
+over long contexts), the cached prefix is split into NUM_SPLITS chunks (chosen from static shapes),
 each split writes a partial output + log-sum-exp, the last split also covers the new tokens, and the
 decode reduce kernel merges them.
 """
@@ -44,20 +48,21 @@ def _extend_kernel(
     stride_tb, stride_ti, stride_tj,
     stride_mot, stride_moh, stride_mos, stride_lt, stride_lh,
     sm_scale_log2, NUM_SPLITS,
-    G: tl.constexpr, D: tl.constexpr, IS_TREE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    B, G: tl.constexpr, D: tl.constexpr, IS_TREE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # which sequence, and which of its row blocks, this program owns (see the grid above)
+    block = tl.program_id(0)
     kvh = tl.program_id(1)
-    if SPLIT:
-        mblk = tl.program_id(2) // NUM_SPLITS
-        split = tl.program_id(2) % NUM_SPLITS
-    else:
-        mblk = tl.program_id(2)
-        split = 0
+    split = tl.program_id(2)
+    offs_b = tl.arange(0, BLOCK_B)
+    blocks = (tl.load(QLens + offs_b, mask=offs_b < B, other=0) * G + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, 0)
+    b = tl.sum((ends <= block).to(tl.int32), 0)
+    mblk = block - tl.sum(tl.where(offs_b == b, ends - blocks, 0), 0)
 
-    q_len = tl.load(QLens + b)
+    q_len = tl.load(QLens + b, mask=b < B, other=0)
     row0 = mblk * BLOCK_M
     if row0 < q_len * G:
         q_start = tl.load(QStarts + b).to(tl.int64)
@@ -163,15 +168,14 @@ def _extend_kernel(
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_table: torch.Tensor, kv_lens: torch.Tensor, q_starts: torch.Tensor,
-                     q_lens: torch.Tensor, max_q_len: int, scale: float,
+                     q_lens: torch.Tensor, scale: float,
                      tree_mask: torch.Tensor | None = None,
                      out: torch.Tensor | None = None,
                      block_m: int | None = None, block_n: int | None = None,
                      num_splits: int | None = None, max_splits: int = 16) -> torch.Tensor:
     """q: [T, H, D] flat new tokens; k_cache/v_cache: [num_slots, KVH, D]; slot_table: [B, W];
-    kv_lens/q_starts[:B]/q_lens: [B]; tree_mask: optional [B, >=max_q_len, >=max_q_len] bool.
-
-    `max_q_len` (host int) sizes the grid; it must be >= every q_lens[b]."""
+    kv_lens/q_starts[:B]/q_lens: [B]; tree_mask: optional [B, >=q_len, >=q_len] bool.
+    The new tokens of sequence b are rows q_starts[b] .. + q_lens[b] of q; sum(q_lens) <= T."""
     T, H, D = q.shape
     B = q_lens.shape[0]
     KVH = k_cache.shape[1]
@@ -181,7 +185,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     G = H // KVH
     if out is None:
         out = torch.empty_like(q)
-    if T == 0 or B == 0 or max_q_len == 0:
+    if T == 0 or B == 0:
         return out
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_M = block_m or (64 if BLOCK_D <= 128 else 32)
@@ -193,9 +197,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         tm = kv_lens  # unused dummy pointer
         tstrides = (0, 0, 0)
-    n_mblk = triton.cdiv(max_q_len * G, BLOCK_M)
+    n_blocks = triton.cdiv(T * G, BLOCK_M) + B  # each sequence's last block may be partial
     if num_splits is None:
-        num_splits = default_extend_splits(B, KVH, n_mblk, slot_table.shape[1], max_splits)
+        num_splits = default_extend_splits(KVH, triton.cdiv(T * G, BLOCK_M), slot_table.shape[1], max_splits)
     split = num_splits > 1
     if split:
         mid_o = torch.empty((T, H, num_splits, D), dtype=torch.float32, device=q.device)
@@ -204,7 +208,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o = mid_lse = out  # unused
         mstrides = (0, 0, 0, 0, 0)
-    grid = (B, KVH, n_mblk * num_splits)
+    grid = (n_blocks, KVH, num_splits)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, slot_table, kv_lens, q_starts, q_lens, tm, mid_o, mid_lse,
         q.stride(0), q.stride(1),
@@ -214,21 +218,22 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         slot_table.stride(0),
         *tstrides, *mstrides,
         scale * _LOG2E, num_splits,
-        G=G, D=D, IS_TREE=is_tree, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        B, G=G, D=D, IS_TREE=is_tree, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_B=max(2, triton.next_power_of_2(B)),
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
     if split:
-        # Rows of sequences with fewer than max_q_len tokens are all real tokens (T rows in all),
-        # so every (t, h) has been written by every split.
+        # Every (t, h) of a new token has been written by every split; rows past sum(q_lens)
+        # (a graph's padding) merge garbage that nothing reads.
         merge_splits(mid_o, mid_lse, out, num_splits)
     return out
 
 
-def default_extend_splits(batch: int, num_kv_heads: int, n_mblk: int, table_width: int,
+def default_extend_splits(num_kv_heads: int, row_blocks: int, table_width: int,
                           max_splits: int = 16, target_programs: int = 264, min_chunk: int = 256) -> int:
     """Static split count of the cached prefix: only when the grid alone cannot fill the GPU."""
-    programs = max(1, batch * num_kv_heads * n_mblk)
+    programs = max(1, num_kv_heads * row_blocks)
     if programs >= target_programs // 2:
         return 1
     want = -(-target_programs // programs)
