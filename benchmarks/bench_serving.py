@@ -6,8 +6,10 @@ on the same requests.
 
 Each server (the split server, `serve`, with its default front-end count or N of them, `split-N`,
 and the single-process one, `serve --single-process`) is
-started as a subprocess on a free 127.0.0.1 port and driven by client processes (httpx, asyncio),
-so the clients' own Python work does not limit what is measured. Two modes:
+started as a subprocess on a free 127.0.0.1 port and driven by client processes (aiohttp, asyncio),
+so the clients' own Python work does not limit what is measured (an httpx client spent ~3 ms of CPU
+a request, aiohttp ~0.35 ms: with httpx, 64 clients whose answers end together queued for tens of
+milliseconds in their own client process, and the server looked slow). Two modes:
 
 * max concurrency C: C clients, each sending its next request when its last one ends (`--clients`);
   the in-process Engine runs the same requests with C in flight, so served / engine is one ratio
@@ -44,6 +46,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDWRITTEN = ROOT / "schemas" / "handwritten" / "handwritten.jsonl"
@@ -161,6 +165,9 @@ def answer_is_valid(schema: dict | None, text: str, finish_reason: str | None) -
     return True
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 async def _one(client, body: dict, stream: bool) -> dict:
     """Sends one request; returns its timings (seconds from its start) and output token count."""
     t0 = time.perf_counter()
@@ -168,27 +175,27 @@ async def _one(client, body: dict, stream: bool) -> dict:
            "prompt_tokens": 0, "cached_tokens": 0}
     schema = body.get("response_format", {}).get("json_schema", {}).get("schema")
     try:
-        if not stream:
-            r = await client.post("/v1/chat/completions", json=body)
-            rec["e2e"] = rec["ttft"] = time.perf_counter() - t0
-            if r.status_code != 200:
-                rec["error"] = f"{r.status_code}: {r.text[:200]}"
+        async with client.post("/v1/chat/completions", data=orjson.dumps(body), headers=JSON_HEADERS) as r:
+            if not stream:
+                raw = await r.read()
+                rec["e2e"] = rec["ttft"] = time.perf_counter() - t0
+                if r.status != 200:
+                    rec["error"] = f"{r.status}: {raw[:200]!r}"
+                    return rec
+                data = orjson.loads(raw)
+                _usage_into(rec, data["usage"])
+                choice = data["choices"][0]
+                rec["invalid"] = not answer_is_valid(schema, choice["message"]["content"], choice["finish_reason"])
+                rec["ok"] = True
                 return rec
-            data = r.json()
-            _usage_into(rec, data["usage"])
-            choice = data["choices"][0]
-            rec["invalid"] = not answer_is_valid(schema, choice["message"]["content"], choice["finish_reason"])
-            rec["ok"] = True
-            return rec
-        last, text, finish = None, [], None
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                rec["error"] = f"{r.status_code}: {(await r.aread())[:200]!r}"
+            last, text, finish = None, [], None
+            if r.status != 200:
+                rec["error"] = f"{r.status}: {(await r.read())[:200]!r}"
                 return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for raw_line in r.content:
+                if not raw_line.startswith(b"data: ") or raw_line.startswith(b"data: [DONE]"):
                     continue
-                chunk = json.loads(line[6:])
+                chunk = orjson.loads(raw_line[6:])
                 if "error" in chunk:
                     rec["error"] = str(chunk["error"])[:200]
                     return rec
@@ -220,9 +227,9 @@ def _usage_into(rec: dict, usage: dict) -> None:
 
 async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | None, rate: float | None,
                  start_at: float, seed: int) -> tuple[list[dict], float, float]:
-    import httpx
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    import aiohttp
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600.0),
+                                     connector=aiohttp.TCPConnector(limit=0)) as client:
         while time.time() < start_at:  # the workers start together
             await asyncio.sleep(min(0.01, max(start_at - time.time(), 0)))
         t0 = time.perf_counter()
