@@ -195,6 +195,35 @@ def test_shutdown_stops_the_engine_process(tiny_llama_dir):
     assert client.closed and not client.healthy
 
 
+def test_front_end_sockets_share_new_connections():
+    """Each front-end's socket on the port gets its share of new connections (SO_REUSEPORT), not
+    whichever process accepts first: 64 connections over two sockets, at least 16 each (a fair
+    coin gives fewer about once in 25,000 runs)."""
+    import socket
+
+    from constrained_spec.server.frontends import BALANCED, bind_socket
+    if not BALANCED:
+        pytest.skip("balanced front-end sockets are Linux's (SO_REUSEPORT); elsewhere they share one")
+    first = bind_socket("127.0.0.1", 0)
+    second = bind_socket("127.0.0.1", first.getsockname()[1])
+    clients = [socket.create_connection(first.getsockname()) for _ in range(64)]
+    accepted = []
+    for sock in (first, second):
+        sock.settimeout(0.5)
+        n = 0
+        try:
+            while True:
+                sock.accept()[0].close()
+                n += 1
+        except TimeoutError:
+            pass
+        accepted.append(n)
+        sock.close()
+    for c in clients:
+        c.close()
+    assert sum(accepted) == 64 and min(accepted) >= 16, accepted
+
+
 def test_serve_with_two_front_ends(tiny_llama_dir, tmp_path):
     """`serve --frontends 2`: both front-end processes answer on one port, /metrics counts every
     front-end's requests, a front-end killed is started again while the other serves on, and

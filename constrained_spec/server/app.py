@@ -41,6 +41,7 @@ from .tokens import TokenTexts
 log = logging.getLogger("constrained_spec.server")
 
 API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
+INLINE_PROMPT_CHARS = 8000  # chat prompts up to this many characters are encoded on the event loop
 
 
 @dataclass
@@ -521,7 +522,12 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             role = "system" if m.role == "developer" else m.role
             messages.append({"role": role, "content": m.text()})
         try:
-            prompt = await run_in_threadpool(engine.chat_prompt, messages)
+            # a short prompt costs less than a thread hand-off (~0.1 ms of a front-end's time); a
+            # long one would hold up the event loop's other requests
+            if sum(len(m["content"]) for m in messages) <= INLINE_PROMPT_CHARS:
+                prompt = engine.chat_prompt(messages)
+            else:
+                prompt = await run_in_threadpool(engine.chat_prompt, messages)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
         budget = token_budget(req, len(prompt), req.token_limit(), "messages")

@@ -5,8 +5,11 @@ answers and SSE events) and grows with the clients, while the engine's is per st
 process does that work for every client on one core; from ~100 concurrent clients, or streamed
 answers at tens of thousands of events a second, it is the server's limit. So the `serve` process
 binds the listening socket and runs front-end 0 itself, and N-1 more processes (spawned) serve the
-same socket: the kernel hands each new connection to whichever process accepts it first. Each
-front-end is one `EngineClient` connection to the engine process, whose requests are its own.
+same port. On Linux each binds a socket of its own with SO_REUSEPORT, and the kernel spreads new
+connections evenly over them: with one shared socket, whichever process woke first took a burst of
+them (64 clients connecting at once came out as 49/8/6/1 over four front-ends, so one front-end did
+most of the work). Elsewhere they share the `serve` process's socket. Each front-end is one
+`EngineClient` connection to the engine process, whose requests are its own.
 
 Lifecycles: a front-end lives as long as the pipe from the `serve` process; when that closes or
 says "stop", it stops serving (its connection closes and the engine aborts what it had in flight).
@@ -23,6 +26,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -37,11 +41,16 @@ def default_frontends() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
+# one listening socket per front-end, balanced by the kernel (see above)
+BALANCED = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket every front-end accepts on (IPv6 when the host is an IPv6 address)."""
+    """A front-end's listening socket (IPv6 when the host is an IPv6 address). Where BALANCED, every
+    front-end binds one on the same port; elsewhere the `serve` process's is shared."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=2048)
-    sock.set_inheritable(True)
+    sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=BALANCED)
+    sock.set_inheritable(not BALANCED)
     return sock
 
 
@@ -53,8 +62,9 @@ def use_shared_metrics() -> str:
     return path
 
 
-def _frontend_main(number: int, info, server_config, sock: socket.socket, log_level: str, lifeline) -> None:
-    """A front-end process: one connection to the engine, the app, uvicorn on the shared socket."""
+def _frontend_main(number: int, info, server_config, listen, log_level: str, lifeline) -> None:
+    """A front-end process: one connection to the engine, the app, uvicorn on its socket (`listen`:
+    the shared socket, or the (host, port) to bind its own on)."""
     from ..cli import _setup_logging
     _setup_logging(log_level)
     import uvicorn
@@ -68,6 +78,7 @@ def _frontend_main(number: int, info, server_config, sock: socket.socket, log_le
     except OSError as e:
         log.error("front-end %d cannot reach the engine process: %s", number, e)
         raise SystemExit(1)
+    sock = bind_socket(*listen) if isinstance(listen, tuple) else listen
     app = create_app(client, server_config, owns_engine=True)  # owns its connection, not the engine process
     server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
     lifeline.send("ready")
@@ -84,12 +95,13 @@ def _frontend_main(number: int, info, server_config, sock: socket.socket, log_le
 
 
 class FrontendProcesses:
-    """Front-ends 1..N-1 (the serve process is front-end 0), restarted if one dies."""
+    """Front-ends 1..N-1 (the serve process is front-end 0, on `sock`), restarted if one dies."""
 
     def __init__(self, count: int, info, server_config, sock: socket.socket, log_level: str,
                  ready_timeout_s: float = 120.0):
         self._ctx = mp.get_context("spawn")
-        self._args = (info, server_config, sock, log_level)
+        listen = sock.getsockname()[:2] if BALANCED else sock  # the bound port, also when 0 was asked
+        self._args = (info, server_config, listen, log_level)
         self._procs: dict[int, tuple] = {}
         self._stopping = threading.Event()
         for number in range(1, count):
