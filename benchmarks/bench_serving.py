@@ -602,8 +602,8 @@ def plot(payload: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    rates = payload["rates"]
-    if not rates:
+    if not payload["rates"]:
+        _plot_concurrency(payload, path, plt)
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for s in payload["servers"]:
@@ -624,6 +624,34 @@ def plot(payload: dict, path: Path) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(f"bench_serving: {payload['rate_workload']} on {payload['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _plot_concurrency(payload: dict, path: Path, plt) -> None:
+    """Without request rates: output tok/s (servers non-streamed, and the engine) and TTFT p99 against
+    the number of clients, per workload."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    clients = payload["clients"]
+    for w in payload["workloads"]:
+        eng = {r["clients"]: r for r in payload["engine"] if r["workload"] == w}
+        ax1.plot(clients, [eng[c]["out_tok_s"] if c in eng else None for c in clients], marker="s",
+                 linestyle=":", label=f"{w}: engine")
+        for s in payload["servers"]:
+            rs = {r["value"]: r for r in payload["runs"]
+                  if (r["server"], r["workload"], r["stream"], r["mode"]) == (s, w, False, "clients")}
+            ax1.plot(clients, [rs[c]["out_tok_s"] if c in rs else None for c in clients], marker="o", label=f"{w}: {s}")
+            ax2.plot(clients, [1000 * (rs[c]["ttft"]["p99"] or 0) if c in rs else None for c in clients], marker="o",
+                     label=f"{w}: {s}")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput (non-streamed)")
+    ax2.set_ylabel("ms")
+    ax2.set_title("TTFT p99 (non-streamed: the whole answer)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("concurrent clients")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"bench_serving: served vs the in-process engine on {payload['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
