@@ -63,3 +63,15 @@ def test_prefix_cache_workloads_and_arms():
                    "max_tokens": 8, "rounds": 1, "command": "x", "workloads": ["shared-prefix"], "streams": [True],
                    "clients": [4], "rates": []})
     assert "| split | shared-prefix | yes | 4 | 20.0 | 100 | 5.00 | 300 | 200 | 1.50 | 0.90 |" in md
+
+
+def test_plot_without_rates(tmp_path):
+    """A run of max-concurrency modes only (no --rates) still draws its plot: tok/s and TTFT p99
+    against the clients, from the results file of such a run."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serving as b
+    payload = json.loads((ROOT / "benchmarks" / "results" / "bench_serving.json").read_text())
+    payload["rates"] = []
+    b.plot(payload, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
