@@ -226,7 +226,7 @@ def _usage_into(rec: dict, usage: dict) -> None:
 
 
 async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | None, rate: float | None,
-                 start_at: float, seed: int) -> tuple[list[dict], float, float]:
+                 start_at: float, seed: int, until: float | None = None) -> tuple[list[dict], float, float]:
     import aiohttp
     async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600.0),
                                      connector=aiohttp.TCPConnector(limit=0)) as client:
@@ -238,7 +238,7 @@ async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | 
             out: list[dict] = []
 
             async def user():
-                while queue:
+                while queue and (until is None or time.time() < until):
                     out.append(await _one(client, queue.pop(), stream))
             await asyncio.gather(*(user() for _ in range(concurrency)))
         else:
@@ -254,22 +254,22 @@ async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | 
 def _worker(args) -> tuple[list[dict], float, float]:
     """A client process: its share of the clients (or of the arrival rate), with its own event loop.
     Returns its records and its first start / last end on the wall clock (`time.time`)."""
-    url, bodies, stream, concurrency, rate, start_at, seed = args
     wall0 = time.time() - time.perf_counter()
-    recs, t0, t1 = asyncio.run(_drive(url, bodies, stream, concurrency, rate, start_at, seed))
+    recs, t0, t1 = asyncio.run(_drive(*args))
     return recs, wall0 + t0, wall0 + t1
 
 
 def run_clients(pool, workers: int, url: str, bodies: list[dict], stream: bool, concurrency: int | None,
-                rate: float | None) -> dict:
-    """Drives one configuration from `workers` client processes; returns its summary."""
+                rate: float | None, until: float | None = None) -> dict:
+    """Drives one configuration from `workers` client processes; returns its summary. `until` (wall
+    clock, max-concurrency mode): clients send no new request after it."""
     workers = max(1, min(workers, concurrency or workers, len(bodies)))
     shares = [bodies[i::workers] for i in range(workers)]
     conc = None if concurrency is None else [concurrency // workers + (i < concurrency % workers)
                                              for i in range(workers)]
     start_at = time.time() + 0.5
     jobs = [(url, shares[i], stream, None if conc is None else conc[i], None if rate is None else rate / workers,
-             start_at, i) for i in range(workers)]
+             start_at, i, until) for i in range(workers)]
     results = pool.map(_worker, jobs)
     recs = [r for rs, _, _ in results for r in rs]
     duration = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)

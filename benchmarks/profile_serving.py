@@ -110,12 +110,15 @@ def main(argv=None) -> int:
     server = bs.Server(model, args.device, args.server_args.split() + bs.server_flags(args.server), out / "server.log")
     pool = mp.get_context("spawn").Pool(args.client_procs)
     try:
-        # enough requests for warm-up + sampling at a guess of 40 requests per client per ten seconds, then more
-        n = int(args.clients * 4 * (args.warmup_s + args.seconds + 10) / 10) + args.clients
+        # the load lasts the warm-up and the sampling (the clients stop sending then), with more
+        # requests than a server answers in that time (10 a second per client)
+        load_s = args.warmup_s + args.seconds + 1
+        n = int(args.clients * 10 * load_s)
         bodies = [j.body(args.max_tokens, args.stream) for j in bs.make_jobs(args.workload, n)]
         result: dict = {}
+        until = time.time() + 0.5 + load_s  # run_clients starts them 0.5 s from now
         load = threading.Thread(target=lambda: result.update(
-            bs.run_clients(pool, args.client_procs, server.url, bodies, args.stream, args.clients, None)))
+            bs.run_clients(pool, args.client_procs, server.url, bodies, args.stream, args.clients, None, until)))
         load.start()
         time.sleep(args.warmup_s)
         pids = process_tree(server.proc.pid)
