@@ -175,3 +175,42 @@ def test_still_serving_after_errors(http):
     assert http.get("/health").json()["status"] == "ok"
     r = http.post("/v1/chat/completions", json=chat_body(max_tokens=4))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_grammar_checked_once_per_front_end(server):
+    """A grammar seen to compile skips the up-front check afterwards (no trip to the engine process);
+    one that fails is checked, and refused, every time."""
+    grammar = server.engine.grammar
+    asked = []
+    compile_async = grammar.compile_async
+
+    def counting(spec, check_only=True):
+        asked.append(spec.kind)
+        return compile_async(spec, check_only=check_only)
+    grammar.compile_async = counting
+    try:
+        schema = {"type": "object", "properties": {"checked_once": {"type": "boolean"}}, "required": ["checked_once"]}
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            for _ in range(3):
+                resp = c.post("/v1/chat/completions", json={**schema_body(schema), "max_tokens": 16, "temperature": 0})
+                assert resp.status_code == 200, resp.text
+            assert asked == ["json_schema"]
+            for _ in range(2):
+                assert_error(c.post("/v1/chat/completions", json=schema_body({"type": "strng"})), 400)
+        assert asked == ["json_schema"] * 3
+    finally:
+        grammar.compile_async = compile_async
+
+
+def test_checked_grammars_bounded_by_size():
+    from constrained_spec.grammar import GrammarSpec
+    from constrained_spec.server.constraints import CheckedGrammars
+    checked = CheckedGrammars(max_chars=100)
+    specs = [GrammarSpec.regex(f"{i}" * 40) for i in range(1, 5)]
+    for spec in specs[:2]:
+        checked.add(spec)
+    assert specs[0] in checked  # now the most recently used
+    checked.add(specs[2])  # 120 characters: the least recently used goes
+    assert specs[1] not in checked and specs[0] in checked and specs[2] in checked
+    checked.add(GrammarSpec.regex("x" * 500))  # alone over the bound: nothing stays
+    assert not any(s in checked for s in specs)

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from ..engine.delivery import LoopDelivery
-from .constraints import constraint_param, grammar_error, grammar_spec_for
+from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
 from .engine_client import EngineClient, EngineUnavailable
 from .errors import APIError, bad_request, validation_error_to_api
 from .metrics import ServerMetrics, engine_snapshot
@@ -301,6 +301,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         return APIError(500, "internal server error; see the server log", code="internal_error").response()
 
     # -- shared steps ---------------------------------------------------------------------------------
+    checked = CheckedGrammars()  # grammars seen to compile: no check for them again
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in model_names:
@@ -310,12 +311,13 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     async def compile_grammar(req: _GenerationRequest):
         try:
             spec = grammar_spec_for(req)
-            if spec is None:
-                return None
+            if spec is None or spec in checked:
+                return spec
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
             # request waiting in the compile queue holds no thread
             future = await run_in_threadpool(lambda: engine.grammar.compile_async(spec, check_only=True))
             await asyncio.wrap_future(future)
+            checked.add(spec)
         except Exception as e:
             if _is_grammar_busy(e):
                 raise busy(str(e))

@@ -11,6 +11,7 @@ A request may carry at most one constraint:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import orjson
@@ -19,6 +20,35 @@ from .errors import APIError, bad_request
 from .protocol import ResponseFormatJsonObject, ResponseFormatJsonSchema, _GenerationRequest
 
 MAX_CHOICES = 4096
+
+
+class CheckedGrammars:
+    """The grammars a front-end has seen compile, least recently used out first, bounded by their
+    total length. A request whose grammar is here skips the up-front compile check: in the split
+    server that check is a round trip through the engine process (a call, a thread there, a reply)
+    for what is nearly always a cache hit, on the path of every constrained request. A grammar that
+    compiled once compiles again; a compile that fails is not remembered, so its error is reported
+    each time. Used from the event loop only."""
+
+    def __init__(self, max_chars: int = 16 << 20):
+        self.max_chars = max_chars
+        self._specs: "OrderedDict[Any, int]" = OrderedDict()
+        self._chars = 0
+
+    def __contains__(self, spec) -> bool:
+        if spec not in self._specs:
+            return False
+        self._specs.move_to_end(spec)
+        return True
+
+    def add(self, spec) -> None:
+        if spec in self._specs:
+            return
+        size = len(spec.value)
+        self._specs[spec] = size
+        self._chars += size
+        while self._chars > self.max_chars and self._specs:
+            self._chars -= self._specs.popitem(last=False)[1]
 
 
 def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
