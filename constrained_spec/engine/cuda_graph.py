@@ -204,7 +204,9 @@ class CudaGraphRunner:
                         request_buckets=DEFAULT_PREFILL_REQUESTS) -> None:
         t0 = time.perf_counter()
         tokens = [t for t in token_buckets if t <= max_tokens]
-        requests = [n for n in request_buckets if n <= self.r.max_rows] or [self.r.max_rows]
+        # the largest bucket is the running requests' cap where that is smaller
+        cap = self.r.max_rows
+        requests = sorted({n for n in request_buckets if n <= cap} | {min(cap, max(request_buckets))})
         buckets = sorted(((t, n) for t in tokens for n in requests if n <= t), key=lambda b: (b[1], b[0]))
         logits = torch.zeros(max(requests), self.r.vocab_size, dtype=torch.float32, device=self.device)
         self.prefill_io = [PrefillIO(self.r, t, n, logits) for t, n in buckets]
