@@ -423,7 +423,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = others = None
     if n_frontends > 1:
         from .server.frontends import FrontendProcesses, bind_socket
-        sock = bind_socket(args.host, args.port)
+        try:
+            sock = bind_socket(args.host, args.port)
+        except OSError as e:
+            log.error("cannot listen on %s port %d: %s", args.host, args.port, e.strerror or e)
+            engine.shutdown()
+            if metrics_dir is not None:
+                remove_metrics_dir(metrics_dir)
+            return 1
         others = FrontendProcesses(n_frontends, info, server_config, sock, args.log_level)
         log.info("%d front-end processes share the port (this one and pids %s)", n_frontends,
                  ", ".join(map(str, others.pids())))

@@ -205,7 +205,9 @@ def test_front_end_sockets_share_new_connections():
     if not BALANCED:
         pytest.skip("balanced front-end sockets are Linux's (SO_REUSEPORT); elsewhere they share one")
     first = bind_socket("127.0.0.1", 0)
-    second = bind_socket("127.0.0.1", first.getsockname()[1])
+    second = bind_socket("127.0.0.1", first.getsockname()[1], join=True)
+    with pytest.raises(OSError):  # a second server on the port is an error, not a share of it
+        bind_socket("127.0.0.1", first.getsockname()[1])
     clients = [socket.create_connection(first.getsockname()) for _ in range(64)]
     accepted = []
     for sock in (first, second):

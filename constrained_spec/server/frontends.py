@@ -45,10 +45,15 @@ def default_frontends() -> int:
 BALANCED = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, join: bool = False) -> socket.socket:
     """A front-end's listening socket (IPv6 when the host is an IPv6 address). Where BALANCED, every
-    front-end binds one on the same port; elsewhere the `serve` process's is shared."""
+    front-end binds one on the same port (`join`: the port is `serve`'s already); elsewhere the
+    `serve` process's is shared. `serve` first binds the port plainly, so that a port another
+    server holds, even with SO_REUSEPORT, is an error rather than shared with it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if BALANCED and not join:
+        with socket.create_server((host, port), family=family) as probe:  # EADDRINUSE if taken
+            port = probe.getsockname()[1]  # (port 0: the one the kernel picked)
     sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=BALANCED)
     sock.set_inheritable(not BALANCED)
     return sock
@@ -78,7 +83,7 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
     except OSError as e:
         log.error("front-end %d cannot reach the engine process: %s", number, e)
         raise SystemExit(1)
-    sock = bind_socket(*listen) if isinstance(listen, tuple) else listen
+    sock = bind_socket(*listen, join=True) if isinstance(listen, tuple) else listen
     app = create_app(client, server_config, owns_engine=True)  # owns its connection, not the engine process
     server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
     lifeline.send("ready")
