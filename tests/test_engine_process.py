@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -195,6 +196,14 @@ def test_shutdown_stops_the_engine_process(tiny_llama_dir):
     assert client.closed and not client.healthy
 
 
+def _exited(pid: int) -> bool:
+    """The process has exited (a zombie, or reaped already): its file descriptors are closed."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 def test_front_end_sockets_share_new_connections():
     """Each front-end's socket on the port gets its share of new connections (SO_REUSEPORT), not
     whichever process accepts first: 64 connections over two sockets, at least 16 each (a fair
@@ -274,6 +283,10 @@ def test_serve_with_two_front_ends(tiny_llama_dir, tmp_path):
         assert served and float(served.group(1)) == 8.0, metrics[:2000]
 
         os.kill(other_pid, signal.SIGKILL)
+        # Once it is gone (its sockets closed), every new connection goes to the other front-end.
+        # Connections the kernel gave the dying one's own socket before that are reset with it
+        # (SO_REUSEPORT; `net.ipv4.tcp_migrate_req=1` hands them to the others instead).
+        _wait(lambda: _exited(other_pid), 30, "the killed front-end did not exit")
         assert ask(4) == [200] * 4  # the other front-end serves on
         _wait(lambda: len(re.findall(r"front-end 1 serving", log_path.read_text())) >= 2, 90,
               "the killed front-end was not started again")

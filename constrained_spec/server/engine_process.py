@@ -264,6 +264,8 @@ class EngineProcess:
         self._dir = tempfile.mkdtemp(prefix="constrained-spec-")
         self.address = os.path.join(self._dir, "engine.sock")
         self._lifeline, child_end = ctx.Pipe()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
         self.process = ctx.Process(target=_main, args=(config, self.address, child_end),
                                    name="constrained-spec-engine", daemon=True)
         self.process.start()
@@ -297,18 +299,24 @@ class EngineProcess:
         return self.process.is_alive()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Asks the engine to stop (it finishes its step, frees its threads), then makes sure."""
-        try:
-            self._lifeline.send("stop")
-        except (OSError, ValueError):
-            pass
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
-            self.process.kill()
-            self.process.join(5)
-        self._lifeline.close()
-        try:
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        """Asks the engine to stop (it finishes its step, frees its threads), then makes sure. Safe
+        to call more than once and from several threads (an app's shutdown and the process's owner
+        may both stop it): the first call stops it, the others wait for that."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            try:
+                self._lifeline.send("stop")
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
+                self.process.kill()
+                self.process.join(5)
+            self._lifeline.close()
+            try:
+                os.rmdir(self._dir)
+            except OSError:
+                pass
+            self._stopped = True

@@ -13,7 +13,9 @@ most of the work). Elsewhere they share the `serve` process's socket. Each front
 
 Lifecycles: a front-end lives as long as the pipe from the `serve` process; when that closes or
 says "stop", it stops serving (its connection closes and the engine aborts what it had in flight).
-A front-end that dies is restarted in its place; its clients' requests fail, no other's do.
+A front-end that dies is restarted in its place; its clients' requests fail, no other's do. (With
+SO_REUSEPORT the connections the kernel had queued on its socket, not yet accepted, are reset with
+it; Linux's `net.ipv4.tcp_migrate_req=1` hands them to the other front-ends instead.)
 
 Metrics: prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set before any
 front-end imports prometheus_client), so /metrics from any front-end counts every front-end's
