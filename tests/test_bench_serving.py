@@ -75,3 +75,16 @@ def test_plot_without_rates(tmp_path):
     payload["rates"] = []
     b.plot(payload, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_answers_are_validated_against_their_schema():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serving
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}, "required": ["a"]}
+    assert bench_serving.answer_is_valid(schema, '{"a": 2}', "stop")
+    assert not bench_serving.answer_is_valid(schema, '{"a": 5}', "stop")
+    assert not bench_serving.answer_is_valid(schema, '{"b": 1}', "stop")
+    assert not bench_serving.answer_is_valid(schema, '{"a": ', "stop")
+    assert bench_serving.answer_is_valid(schema, '{"a": ', "length")  # cut by max_tokens: not judged
+    assert bench_serving.answer_is_valid(None, "anything", "stop")

@@ -150,6 +150,8 @@ class ModelRunner:
                 host_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
             req.num_cached += n
             kv_lens[i] = req.num_cached
+        if self.prefix_cache is not None:
+            self.prefix_cache.write_device()
         q_starts = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=q_starts[1:])
         T = int(q_starts[-1])
