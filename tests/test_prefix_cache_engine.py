@@ -171,3 +171,13 @@ def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
     batch = sched.schedule(can_retract=True)
     assert batch.requests == [late_cached, late_plain] and batch.num_new_tokens == [3, 100]
     assert late_plain.skips == 1
+
+
+def test_request_ids_array_is_all_ids():
+    from constrained_spec.engine.request import Request
+
+    req = Request(prompt_ids=[5, 6, 7], params=SamplingParams(), on_output=None)
+    assert req.ids_array(2).tolist() == [5, 6] and req.ids_array(3).tolist() == [5, 6, 7]
+    req.output_ids.extend([8, 9])
+    assert req.ids_array(5).tolist() == req.all_ids and req.ids_array(4).tolist() == [5, 6, 7, 8]
+    assert req.ids_array(3).dtype == np.int64

@@ -38,7 +38,7 @@ class PrefixCache:
     def admit(self, req) -> int:
         """Matches and locks the request's cached prefix; returns how many slots that took out of
         the evictable ones (the scheduler's free count shrinks by as much)."""
-        slots, node = self.tree.match(req.all_ids[:req.total_len - 1])
+        slots, node = self.tree.match(req.ids_array(req.total_len - 1))
         req.cache_node, req.cache_len, req.prefix_slots = node, len(slots), slots
         req.num_cached = len(slots)
         return self.tree.lock(node)
@@ -88,7 +88,7 @@ class PrefixCache:
     def _cache_running(self, req, n: int) -> None:
         row, start = req.row, req.cache_len
         slots = self.table.host[row, :n].copy()
-        tokens = req.all_ids[:n]
+        tokens = req.ids_array(n)
         dup = self.tree.insert(tokens, slots)
         tree_slots, node = self.tree.match(tokens)
         if dup > start:  # another request cached these positions first: use its slots, free ours
@@ -114,7 +114,7 @@ class PrefixCache:
         start = req.cache_len
         if keep:
             n = min(req.num_cached, req.total_len, held)
-            dup = self.tree.insert(req.all_ids[:n], slots[:n])
+            dup = self.tree.insert(req.ids_array(n), slots[:n])
             self.pool.free(slots[start:max(dup, start)])
             self.pool.free(slots[max(n, start):])
         else:

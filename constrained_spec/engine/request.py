@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+import numpy as np
+
 from ..sampling_params import SamplingParams
 
 
@@ -77,6 +79,17 @@ class Request:
     prefix_slots: Any = None
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     skips: int = 0  # times a request with a longer cached prefix was admitted before this one
+    _prompt_array: np.ndarray | None = field(default=None, repr=False)
+
+    def ids_array(self, n: int) -> np.ndarray:
+        """The first `n` of `all_ids` as int64. The prompt's array is made once: the prefix cache
+        walks a request's ids several times, and converting a 1,500-token list costs ~60 us."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
+        if n <= len(self.prompt_ids):
+            return self._prompt_array[:n]
+        return np.concatenate([self._prompt_array,
+                               np.asarray(self.output_ids[:n - len(self.prompt_ids)], dtype=np.int64)])
 
     @property
     def all_ids(self) -> list[int]:

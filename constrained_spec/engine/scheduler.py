@@ -147,7 +147,7 @@ class Scheduler:
                 return req
             n = cached_lengths.get(req)
             if n is None:
-                n = cached_lengths[req] = cache.tree.match_length(req.prompt_ids)
+                n = cached_lengths[req] = cache.tree.match_length(req.ids_array(len(req.prompt_ids)))
             if n > best_len:
                 best, best_len = req, n
         return best
