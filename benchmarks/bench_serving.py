@@ -162,7 +162,21 @@ def answer_is_valid(schema: dict | None, text: str, finish_reason: str | None) -
         value = json.loads(text)
     except ValueError:
         return False
-    return _validator(orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)).is_valid(value)
+    return _validator(_schema_key(schema)).is_valid(value)
+
+
+def _schema_key(schema: dict) -> bytes:
+    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+
+
+def prepare_validators(bodies: list[dict]) -> None:
+    """Builds the validators a client process will need before its clock starts: importing
+    jsonschema and checking a schema take ~120 ms the first time, which landed inside the first
+    schema-constrained run (8 requests at one client: 15 ms a request)."""
+    for body in bodies:
+        schema = body.get("response_format", {}).get("json_schema", {}).get("schema")
+        if schema is not None:
+            _validator(_schema_key(schema))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -239,6 +253,7 @@ def _usage_into(rec: dict, usage: dict) -> None:
 async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | None, rate: float | None,
                  start_at: float, seed: int, until: float | None = None) -> tuple[list[dict], float, float]:
     import aiohttp
+    prepare_validators(bodies)
     async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600.0),
                                      connector=aiohttp.TCPConnector(limit=0)) as client:
         while time.time() < start_at:  # the workers start together
