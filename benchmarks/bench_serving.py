@@ -260,12 +260,14 @@ async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | 
             await asyncio.sleep(min(0.01, max(start_at - time.time(), 0)))
         t0 = time.perf_counter()
         if concurrency is not None:
-            queue = list(reversed(bodies))
             out: list[dict] = []
 
             async def user():
-                while queue and (until is None or time.time() < until):
-                    out.append(await _one(client, queue.pop(), stream))
+                while until is None or time.time() < until:
+                    i = _take_next()
+                    if i >= len(bodies):
+                        return
+                    out.append(await _one(client, bodies[i], stream))
             await asyncio.gather(*(user() for _ in range(concurrency)))
         else:
             rng = random.Random(seed)
@@ -275,6 +277,33 @@ async def _drive(url: str, bodies: list[dict], stream: bool, concurrency: int | 
                 await asyncio.sleep(rng.expovariate(rate))
             out = list(await asyncio.gather(*tasks))
         return out, t0, time.perf_counter()
+
+
+_next_request = None  # in a client process: the index of the next request to send, shared by all
+
+
+def _init_client(counter) -> None:
+    global _next_request
+    _next_request = counter
+
+
+def _take_next() -> int:
+    with _next_request.get_lock():
+        i = _next_request.value
+        _next_request.value = i + 1
+    return i
+
+
+def client_pool(processes: int):
+    """The client processes. In max-concurrency mode they draw requests from one queue (a shared
+    counter), as the in-process engine's closed loop does: with a share fixed per process, a
+    process whose answers came out shorter ran out first and its clients sat idle while the others
+    finished, so a server's batch thinned out before the engine's did on the same requests."""
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("q", 0)
+    pool = ctx.Pool(processes, initializer=_init_client, initargs=(counter,))
+    pool.next_request = counter
+    return pool
 
 
 def _worker(args) -> tuple[list[dict], float, float]:
@@ -290,7 +319,12 @@ def run_clients(pool, workers: int, url: str, bodies: list[dict], stream: bool, 
     """Drives one configuration from `workers` client processes; returns its summary. `until` (wall
     clock, max-concurrency mode): clients send no new request after it."""
     workers = max(1, min(workers, concurrency or workers, len(bodies)))
-    shares = [bodies[i::workers] for i in range(workers)]
+    if concurrency is not None:  # one queue: every process gets all the bodies and the counter deals them
+        shares = [bodies] * workers
+        with pool.next_request.get_lock():
+            pool.next_request.value = 0
+    else:
+        shares = [bodies[i::workers] for i in range(workers)]
     conc = None if concurrency is None else [concurrency // workers + (i < concurrency % workers)
                                              for i in range(workers)]
     start_at = time.time() + 0.5
@@ -732,7 +766,7 @@ def main(argv=None) -> int:
                "command": "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "runs": [], "engine": [], "server_ready_s": {}}
 
-    pool = mp.get_context("spawn").Pool(args.client_procs)
+    pool = client_pool(args.client_procs)
     try:
         for name in servers:
             extra = args.server_args.split() + server_flags(name)

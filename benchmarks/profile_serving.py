@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import shutil
 import subprocess
 import sys
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
     from constrained_spec.models import resolve_model_path
     model = resolve_model_path(args.model)
     server = bs.Server(model, args.device, args.server_args.split() + bs.server_flags(args.server), out / "server.log")
-    pool = mp.get_context("spawn").Pool(args.client_procs)
+    pool = bs.client_pool(args.client_procs)
     try:
         # the load lasts the warm-up and the sampling (the clients stop sending then), with more
         # requests than a server answers in that time (10 a second per client)
