@@ -333,7 +333,7 @@ def run_clients(pool, workers: int, url: str, bodies: list[dict], stream: bool, 
     results = pool.map(_worker, jobs)
     recs = [r for rs, _, _ in results for r in rs]
     duration = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)
-    return summarize(recs, duration)
+    return summarize(recs, duration, concurrency)
 
 
 # -- statistics ---------------------------------------------------------------------------------------
@@ -348,7 +348,10 @@ def percentiles(xs: list[float]) -> dict:
     return {"mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
-def summarize(recs: list[dict], duration: float) -> dict:
+def summarize(recs: list[dict], duration: float, concurrency: int | None = None) -> dict:
+    """`clients_idle` (max-concurrency mode): the share of the clients' time spent outside a request
+    (between an answer and the next request, or out of requests while others finish): time the
+    server was not given work through no fault of its own."""
     ok = [r for r in recs if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and r["e2e"] > r["ttft"]]
@@ -361,7 +364,9 @@ def summarize(recs: list[dict], duration: float) -> dict:
             "duration_s": duration, "req_s": len(ok) / duration if duration else 0.0,
             "out_tok_s": tokens / duration if duration else 0.0, "out_tokens": tokens,
             "ttft": percentiles([r["ttft"] for r in ok]), "tpot": percentiles(tpot),
-            "itl": percentiles([x for r in ok for x in r["itl"]]), "e2e": percentiles([r["e2e"] for r in ok])}
+            "itl": percentiles([x for r in ok for x in r["itl"]]), "e2e": percentiles([r["e2e"] for r in ok]),
+            "clients_idle": (max(0.0, 1 - sum(r["e2e"] for r in ok) / (concurrency * duration))
+                             if concurrency and duration else None)}
 
 
 # -- the engine's side of a run: its decode steps per second, mean decode batch and idle share ---------
@@ -461,7 +466,7 @@ def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: in
         if nxt < len(prepared):
             submit(nxt)
             nxt += 1
-    return summarize(recs, time.perf_counter() - t0)
+    return summarize(recs, time.perf_counter() - t0, concurrency)
 
 
 # -- servers ------------------------------------------------------------------------------------------
@@ -594,10 +599,12 @@ def report(payload: dict) -> str:
                   "requests in a decode step, and the share of the clients' time the loop sat idle: a server below "
                   "the engine with fewer requests a step, or idle time, is slow to take the next request in (its "
                   "arrivals also spread over more prefills); one with fewer busy steps a second slows the engine "
-                  "itself.", "",
-                  "| workload | stream | clients | " + " | ".join(f"{s} steps/s | {s} batch | {s} prefills/s | {s} idle"
-                                                                  for s in ["engine"] + servers) + " |",
-                  "|" + "---|" * (3 + 4 * (1 + len(servers)))]
+                  "itself. Clients idle: the share of the clients' time outside a request (between an answer and "
+                  "the next request, or out of work while the last requests finish).", "",
+                  "| workload | stream | clients | " + " | ".join(
+                      f"{s} steps/s | {s} batch | {s} prefills/s | {s} idle | {s} clients idle"
+                      for s in ["engine"] + servers) + " |",
+                  "|" + "---|" * (3 + 5 * (1 + len(servers)))]
         for w in payload["workloads"]:
             for st in payload["streams"]:
                 for c in payload["clients"]:
@@ -605,9 +612,11 @@ def report(payload: dict) -> str:
                     for s in ["engine"] + servers:
                         r = eng(w, c) if s == "engine" else find(s, w, st, "clients", c)
                         side = (r or {}).get("engine_side")
+                        idle = (r or {}).get("clients_idle")
                         row += (["-"] * 4 if not side else
                                 [f"{side['busy_decode_steps_s']:,.0f}", f"{side['mean_decode_batch']:.1f}",
                                  f"{side['busy_extend_steps_s']:,.0f}", f"{side['idle_share']:.0%}"])
+                        row.append("-" if idle is None else f"{idle:.0%}")
                     lines.append("| " + " | ".join(row) + " |")
     if True in payload["streams"] and False in payload["streams"]:
         lines += ["", "## Streamed / non-streamed output tok/s", "",
