@@ -744,7 +744,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-seconds", type=float, default=3.0, help="requests per rate: rate x this (at least 16)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="requests per client in max-concurrency mode "
-                                                          "(at least 8 requests a configuration)")
+                                                          "(at least 32 requests a configuration: a shorter run at "
+                                                          "one client is over in a second, where one answer counts)")
     ap.add_argument("--servers", default="split,single",
                     help="split (`serve`), split-N (`serve --frontends N`), single (`serve --single-process`)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
@@ -767,7 +768,7 @@ def main(argv=None) -> int:
     from common import machine
 
     def n_requests(c: int) -> int:
-        return max(8, args.rounds * c)
+        return max(32, args.rounds * c)
 
     payload = {"model": model, "device": args.device, "machine": machine(), "max_tokens": args.max_tokens,
                "rounds": args.rounds, "workloads": workloads, "clients": clients, "streams": streams,
