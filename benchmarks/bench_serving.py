@@ -165,6 +165,10 @@ def answer_is_valid(schema: dict | None, text: str, finish_reason: str | None) -
     return _validator(_schema_key(schema)).is_valid(value)
 
 
+def _schema_of(body: dict) -> dict | None:
+    return body.get("response_format", {}).get("json_schema", {}).get("schema")
+
+
 def _schema_key(schema: dict) -> bytes:
     return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
 
@@ -174,7 +178,7 @@ def prepare_validators(bodies: list[dict]) -> None:
     jsonschema and checking a schema take ~120 ms the first time, which landed inside the first
     schema-constrained run (8 requests at one client: 15 ms a request)."""
     for body in bodies:
-        schema = body.get("response_format", {}).get("json_schema", {}).get("schema")
+        schema = _schema_of(body)
         if schema is not None:
             _validator(_schema_key(schema))
 
@@ -198,7 +202,7 @@ async def _one(client, body: dict, stream: bool) -> dict:
     t0 = time.perf_counter()
     rec = {"ok": False, "ttft": None, "e2e": None, "itl": [], "tokens": 0, "error": None, "invalid": False,
            "prompt_tokens": 0, "cached_tokens": 0}
-    schema = body.get("response_format", {}).get("json_schema", {}).get("schema")
+    schema = _schema_of(body)
     try:
         async with client.post("/v1/chat/completions", data=orjson.dumps(body), headers=JSON_HEADERS) as r:
             if not stream:

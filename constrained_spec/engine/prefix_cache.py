@@ -141,13 +141,8 @@ class PrefixCache:
         if not self._writes:
             return
         writes, self._writes = self._writes, []
-        lengths = [len(slots) for _, _, slots in writes]
-        n = sum(lengths)
-        host = np.empty((3, n), dtype=np.int64)
-        host[0] = np.repeat([row for row, _, _ in writes], lengths)
-        starts = np.repeat([start for _, start, _ in writes], lengths)
-        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        host[1] = starts + np.arange(n) - offsets
-        host[2] = np.concatenate([slots for _, _, slots in writes])
-        rows, positions, values = self.runner._to_device(host.reshape(-1)).split(n)
+        rows = np.concatenate([np.full(len(slots), row) for row, _, slots in writes])
+        positions = np.concatenate([np.arange(start, start + len(slots)) for _, start, slots in writes])
+        host = np.stack([rows, positions, np.concatenate([slots for _, _, slots in writes])]).astype(np.int64)
+        rows, positions, values = self.runner._to_device(host.reshape(-1)).split(host.shape[1])
         self.table.write_device(rows, positions, values)
