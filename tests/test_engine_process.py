@@ -127,6 +127,40 @@ def test_front_end_restart_loses_no_other_request(shared_process):
         client_b.shutdown()
 
 
+def test_a_whole_answer_crosses_in_two_updates(shared_process):
+    """A non-streamed request without stop strings: the engine process sends its first update and
+    its last (with every token since), not one a step; its answer is the streamed one, logprobs too."""
+    from constrained_spec.sampling_params import SamplingParams
+    client = shared_process.connect()
+    updates: list[list[tuple]] = []
+    on_updates = client._on_updates
+    client._on_updates = lambda batch: (updates.append(batch), on_updates(batch))
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+        outs = {}
+        for stream in (False, True):
+            got, done = [], threading.Event()
+            client.add_request([1, 5, 9, 13], params, None, lambda out, got=got, done=done: (
+                got.append(out), out.finished and done.set()), request_id=f"r-{stream}", stream=stream)
+            assert done.wait(60)
+            outs[stream] = got
+        whole, streamed = outs[False], outs[True]
+        assert len(whole) == 1 and len(streamed) == 24
+        assert whole[0].new_token_ids == [t for o in streamed for t in o.new_token_ids]
+        assert whole[0].new_text == "".join(o.new_text for o in streamed)
+        expected = [lp for o in streamed for lp in o.logprobs]  # two runs: sums may differ in the last bits
+        assert len(whole[0].logprobs) == 24
+        for got_lp, want in zip(whole[0].logprobs, expected):
+            assert got_lp["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+            assert [t for t, _ in got_lp["top"]] == [t for t, _ in want["top"]]
+        assert whole[0].completion_tokens == 24
+        keys = [[u[0] for u in batch] for batch in updates]
+        first_key = keys[0][0]
+        assert sum(k.count(first_key) for k in keys) == 2  # the first token, and the rest at the end
+    finally:
+        client.shutdown()
+
+
 def test_a_request_the_engine_refuses_fails_alone(shared_process):
     """Two front-ends share the engine's queue of 2: A fills it, B's request is refused by the engine
     itself; that request alone fails, A's finish, and B keeps serving."""

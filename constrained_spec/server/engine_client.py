@@ -121,7 +121,7 @@ class EngineClient:
             self._by_key[key] = p
             self._by_id[p.request_id] = p
         try:
-            self._channel.send(("add", key, p.request_id, ids, params, grammar))
+            self._channel.send(("add", key, p.request_id, ids, params, grammar, p.whole))
         except OSError:
             self._forget(p)
             self._lost()

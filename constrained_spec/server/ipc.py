@@ -6,7 +6,9 @@ tuples of ints, strings and lists is C code both ways and needs no schema; the f
 (SamplingParams, GrammarSpec, a GrammarError) are small dataclasses and exceptions.
 
 Front-end -> engine:
-    ("add", key, request_id, prompt_ids, SamplingParams, GrammarSpec | None)
+    ("add", key, request_id, prompt_ids, SamplingParams, GrammarSpec | None, whole)
+                                          whole: answered in one piece (the engine sends the first
+                                          update and the last, which carries every token since)
     ("abort", key)
     ("call", call_id, name, arg)          name: "compile" (arg: GrammarSpec) or "snapshot" (arg: None)
 Engine -> front-end:
