@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from ..engine.delivery import LoopDelivery
+from ..engine.request import RequestOutput
 from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
 from .engine_client import EngineClient, EngineUnavailable
 from .errors import APIError, bad_request, validation_error_to_api
@@ -190,8 +191,10 @@ class _Generation:
             yield i, out
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Any]]]:
-        """The updates in hand each time the stream is ready for more: one write for all of them
-        (when the event loop falls behind, a write carries several steps' events)."""
+        """The updates in hand each time the stream is ready for more, one per choice: when the
+        event loop falls behind, a choice's updates of several steps become one event and the
+        stream one write. Under load a front-end then spends less per token, where it would
+        otherwise fall further behind (and its client parses fewer events)."""
         queue = self.queue
         while not all(self.done):
             items = [await queue.get()]
@@ -200,7 +203,24 @@ class _Generation:
             for i, out in items:
                 if out.finished:
                     self.done[i] = True
-            yield items
+            yield coalesce(items) if len(items) > 1 else items
+
+
+def coalesce(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """(choice, update) pairs in arrival order -> one update per choice, each choice's in order joined."""
+    joined: dict[int, Any] = {}
+    for i, out in items:
+        prev = joined.get(i)
+        joined[i] = out if prev is None else _join(prev, out)
+    return list(joined.items())
+
+
+def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive updates of one request as one (b's end state, both updates' tokens)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return RequestOutput(b.request_id, a.new_text + b.new_text, list(a.new_token_ids) + list(b.new_token_ids),
+                         b.finished, b.finish_reason, b.error, b.prompt_tokens, b.completion_tokens, logprobs,
+                         b.matched_stop, b.cached_tokens)
 
     def abort(self) -> None:
         if self.closed:
