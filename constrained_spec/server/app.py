@@ -205,6 +205,14 @@ class _Generation:
                     self.done[i] = True
             yield coalesce(items) if len(items) > 1 else items
 
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for i, rid in enumerate(self.request_ids):
+            if not self.done[i]:
+                self.engine.abort(rid)
+
 
 def coalesce(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """(choice, update) pairs in arrival order -> one update per choice, each choice's in order joined."""
@@ -221,14 +229,6 @@ def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return RequestOutput(b.request_id, a.new_text + b.new_text, list(a.new_token_ids) + list(b.new_token_ids),
                          b.finished, b.finish_reason, b.error, b.prompt_tokens, b.completion_tokens, logprobs,
                          b.matched_stop, b.cached_tokens)
-
-    def abort(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for i, rid in enumerate(self.request_ids):
-            if not self.done[i]:
-                self.engine.abort(rid)
 
 
 class _SSEResponse(StreamingResponse):
