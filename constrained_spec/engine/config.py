@@ -1,8 +1,9 @@
 """Engine settings. CLI flags map one to one onto these fields."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from ..cpus import available_cores
 
 
 @dataclass
@@ -28,7 +29,7 @@ class EngineConfig:
     grammar_threads: int | None = None
     # threads filling grammar bitmask rows (the native fill pool's): all cores but two, since the
     # fill runs beside the step's own Python work (engine/mask_filler.py)
-    grammar_mask_threads: int = field(default_factory=lambda: max(1, min(16, (os.cpu_count() or 2) - 2)))
+    grammar_mask_threads: int = field(default_factory=lambda: max(1, min(16, available_cores() - 2)))
     grammar_mask_budget_ms: float | None = None  # per step; requests whose mask is not ready by then
     #   skip the step (losslessly) instead of holding the batch. None or 0: wait for every mask
     grammar_max_whitespace: int | None = 16  # whitespace run allowed between JSON tokens; None: unbounded

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +26,7 @@ from typing import List, Optional
 import torch
 import xgrammar as xgr
 
+from ..cpus import available_cores
 from . import llguidance_backend, xgrammar_backend
 from .compile_queue import CompiledGrammar, CompileQueue, Latency  # noqa: F401 (re-exported)
 from .errors import GrammarBusy, GrammarError
@@ -46,13 +46,6 @@ def default_compile_workers() -> int:
     """Half the cores this process may run on, 2 to 16: the rest is the step's (its thread, the
     grammar mask threads, the tokenizer)."""
     return max(2, min(16, available_cores() // 2))
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 2
 
 
 class GrammarBackend:

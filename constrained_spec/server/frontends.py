@@ -33,6 +33,8 @@ import tempfile
 import threading
 import time
 
+from ..cpus import available_cores
+
 log = logging.getLogger("constrained_spec.frontends")
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -40,7 +42,7 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 def default_frontends() -> int:
     """One front-end per four cores, 1 to 4: the engine process and its helper threads keep the rest."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return max(1, min(4, available_cores() // 4))
 
 
 # one listening socket per front-end, balanced by the kernel (see above)
