@@ -149,6 +149,10 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                               "'none'; default: $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR "
                                                               "or ~/.cache/constrained-spec/grammars")),
     "jump_forward": ("grammar", dict(help="emit text the grammar forces (e.g. JSON keys) without sampling it")),
+    "grammar_mask_threads": ("grammar", dict(metavar="N", help="threads filling grammar masks and accepting tokens "
+                                                               "(the step's thread and N - 1 workers); default: "
+                                                               "the cores available but two, and but one per "
+                                                               "front-end process in a split server, at most 16")),
     "grammar_mask_budget_ms": ("grammar", dict(metavar="MS",
                                                help="per-step time limit for filling grammar masks: a request whose "
                                                     "mask is not ready by then skips the step (its output does not "
@@ -374,13 +378,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     from .server.frontends import default_frontends, remove_metrics_dir, use_shared_metrics
+    n_frontends = 1 if args.single_process else (args.frontends or default_frontends())
     metrics_dir = None
-    if not args.single_process and (args.frontends or default_frontends()) > 1:
+    if n_frontends > 1:
         metrics_dir = use_shared_metrics()  # before prometheus_client is imported (by the app)
+    from .engine.config import default_mask_threads
     from .server.app import ServerConfig, create_app
     from .server.runner import run_server
 
     config = engine_config_from_args(args)
+    if not args.single_process and config.grammar_mask_threads is None:
+        config.grammar_mask_threads = default_mask_threads(reserved=n_frontends)  # the front-ends' cores
     log.info("loading %s on %s%s ...", config.model or DEFAULT_MODEL_LABEL, config.device,
              " (in this process)" if args.single_process else " in the engine process")
     if args.single_process:
@@ -399,7 +407,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         info = process.info
         log.info("engine ready in process %d: model %s, device %s, dtype %s, KV capacity %d tokens, max context %d",
                  info.pid, info.model_name, info.device, info.dtype, info.kv_capacity, info.max_context)
-    n_frontends = 1 if args.single_process else (args.frontends or default_frontends())
     pending = args.max_pending_requests
     if pending is not None and n_frontends > 1:  # the limit is the server's: each front-end holds its share
         pending = -(-pending // n_frontends)

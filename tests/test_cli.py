@@ -111,3 +111,14 @@ def test_serve_and_curl(server_model_path):
     for needle in ("model ", "device cpu", "KV capacity", f"http://127.0.0.1:{port}/v1"):
         assert needle in log, (needle, log[-3000:])
     assert proc.returncode in (0, -15), log[-3000:]
+
+
+def test_mask_threads_leave_the_front_ends_their_cores(monkeypatch):
+    import constrained_spec.cpus as cpus
+    from constrained_spec.engine.config import default_mask_threads
+    monkeypatch.setattr(cpus, "available_cores", lambda: 16)
+    assert (default_mask_threads(), default_mask_threads(reserved=4)) == (14, 10)
+    monkeypatch.setattr(cpus, "available_cores", lambda: 2)
+    assert default_mask_threads(reserved=1) == 1
+    monkeypatch.setattr(cpus, "available_cores", lambda: 64)
+    assert default_mask_threads() == 16

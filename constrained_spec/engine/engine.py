@@ -39,7 +39,7 @@ from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..speculative.grammar_draft import stable_forced_tokens
 from .chat_prompt import ChatPromptEncoder
-from .config import EngineConfig
+from .config import EngineConfig, default_mask_threads
 from .delivery import LoopDelivery
 from .detokenizer import IncrementalDetokenizer, NO_TEXT
 from . import mask_audit
@@ -111,7 +111,7 @@ class Engine:
                                       cache_dir=resolve_cache_dir(config.grammar_cache_dir),
                                       default_backend=config.grammar_backend)
         self.scheduler = Scheduler(self.runner, config)
-        self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads,
+        self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads or default_mask_threads(),
                                               budget_ms=config.grammar_mask_budget_ms,
                                               max_requests=config.max_running_requests))
         drafter = setup(lambda: make_drafter(config, self.runner))
