@@ -457,8 +457,9 @@ def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: in
                 recs.append(rec)
                 done.release()
         prompt, params, grammar = prepared[i]
-        # token ids only, as the engine process runs requests for the server (its front-ends detokenize)
-        engine.add_request(prompt, params, grammar, on_output, detokenize=False)
+        # token ids only and the answer whole, as the engine process runs a non-streamed request for
+        # the server (its front-ends detokenize)
+        engine.add_request(prompt, params, grammar, on_output, detokenize=False, each_step=False)
 
     t0 = time.perf_counter()
     nxt = 0

@@ -117,6 +117,28 @@ def test_streaming_matches_generate(engine):
     assert sum(len(o.new_token_ids) for o in parts) == whole.completion_tokens
 
 
+def test_an_answer_taken_whole_comes_in_two_updates(engine):
+    """`each_step=False` (generate, and the engine process's non-streamed requests): the first token,
+    then the rest at the end, with the same tokens, text and logprobs as the step-by-step updates."""
+    p = chat(engine, "Name three colors.")
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    got = {}
+    for each_step in (True, False):
+        outs, done = [], threading.Event()
+        engine.add_request(p, sp, None, lambda o, outs=outs, done=done: (outs.append(o), o.finished and done.set()),
+                           each_step=each_step)
+        assert done.wait(120)
+        got[each_step] = outs
+    steps, whole = got[True], got[False]
+    assert len(steps) == 24 and len(whole) == 2 and whole[1].finished and not whole[0].finished
+    assert [t for o in whole for t in o.new_token_ids] == [t for o in steps for t in o.new_token_ids]
+    # the second run's prompt comes from the prefix cache: its sums may differ in the last bits
+    lps_whole, lps_steps = [x for o in whole for x in o.logprobs], [x for o in steps for x in o.logprobs]
+    assert [x["logprob"] for x in lps_whole] == pytest.approx([x["logprob"] for x in lps_steps], abs=1e-3)
+    assert "".join(o.new_text for o in whole) == "".join(o.new_text for o in steps)
+    assert whole[1].completion_tokens == 24
+
+
 def test_abort_frees_slots(engine):
     pool = engine.runner.pool
     p = chat(engine, "Write a long story about a dragon.")

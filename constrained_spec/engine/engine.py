@@ -143,17 +143,19 @@ class Engine:
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     grammar: GrammarSpec | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-                    request_id: str | None = None, detokenize: bool = True) -> Request:
+                    request_id: str | None = None, detokenize: bool = True, each_step: bool = True) -> Request:
         """Queues a request; `on_output` is called with each update from the engine thread (or its
         step thread, which runs while the engine thread fills grammar masks: never both at once).
         `detokenize=False`: updates carry token ids only, no text, and stop strings are the caller's
-        to find (the HTTP front-end process detokenizes, off the engine's process)."""
+        to find (the HTTP front-end process detokenizes, off the engine's process).
+        `each_step=False`: the caller takes the answer whole, so two updates: the first token (its
+        time to first token), then everything since at the end; the steps between build no update."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self._check_length(ids, params)
         if self.num_queued() >= self.config.max_queued_requests:
             raise RequestError("the engine's queue is full; retry later", code="queue_full")
-        req = Request(ids, params, on_output or (lambda out: None))
+        req = Request(ids, params, on_output or (lambda out: None), each_step=each_step)
         if request_id:
             req.request_id = request_id
         req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
@@ -188,7 +190,8 @@ class Engine:
         if len(grammars) != len(plist) or len(params_list) != len(plist):
             raise ValueError(f"{len(plist)} prompts, but {len(params_list)} sampling params and {len(grammars)} grammars")
         collectors = [_Collector() for _ in plist]
-        reqs = [self.add_request(p, sp, g, c) for p, sp, g, c in zip(plist, params_list, grammars, collectors)]
+        reqs = [self.add_request(p, sp, g, c, each_step=False)
+                for p, sp, g, c in zip(plist, params_list, grammars, collectors)]
         return [c.result(r) for c, r in zip(collectors, reqs)]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -473,6 +476,11 @@ class Engine:
             if stop is not None:
                 self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
                 continue
+            if req.held_ids is not None:  # taken whole: goes out with its last update
+                req.held_ids.append(token)
+                if lp:
+                    req.held_logprobs.append(lp)
+                continue
             req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
                                         len(req.prompt_ids), n, lps, None, req.cached_tokens or 0))
 
@@ -574,6 +582,19 @@ class Engine:
 
     def _emit(self, req: Request, new_ids: list[int], logprobs, finished: bool,
               reason: FinishReason | None = None, matched=None) -> None:
+        if not req.each_step:
+            held = req.held_ids
+            if held is None:  # its first update goes out; from here on they wait
+                req.held_ids, req.held_logprobs = [], []
+            elif not finished:
+                held.extend(new_ids)
+                if logprobs:
+                    req.held_logprobs.extend(logprobs)
+                return
+            else:
+                new_ids = held + new_ids
+                if req.held_logprobs:
+                    logprobs = req.held_logprobs + (logprobs or [])
         text = req.detok.take(final=finished) if req.detok else ""
         req.on_output(RequestOutput(
             request_id=req.request_id, new_text=text, new_token_ids=new_ids, finished=finished,

@@ -79,6 +79,11 @@ class Request:
     prefix_slots: Any = None
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     skips: int = 0  # times a request with a longer cached prefix was admitted before this one
+    # a request its caller takes whole (`add_request(each_step=False)`): after its first update, its
+    # tokens (and logprobs) wait here and go out with its last update. None: every step's go out
+    held_ids: list[int] | None = None
+    held_logprobs: list | None = None
+    each_step: bool = True
     _prompt_array: np.ndarray | None = field(default=None, repr=False)
 
     def ids_array(self, n: int) -> np.ndarray:

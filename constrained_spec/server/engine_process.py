@@ -10,7 +10,8 @@ sender that pickles and writes each step's updates.
 One message per engine step per connection: the requests' `on_output` callbacks append updates
 (token ids only: the front-end detokenizes) to their connection's list, and the engine's
 `step_hook`, called once per loop iteration, hands each non-empty list to that connection's sender.
-A request its front-end answers in one piece sends its first update and its last, nothing between.
+A request its front-end answers in one piece runs with `each_step=False`: its first update and its
+last, nothing between.
 
 Lifecycles: a connection that closes (its front-end exited or restarted) aborts its own requests
 only, so their KV slots return to the pool and other connections' requests go on. A request the
@@ -87,9 +88,8 @@ class _Connection:
             _, key, request_id, prompt, params, grammar, whole = msg
             try:
                 self.live[key] = request_id
-                callback = self._whole_callback(key) if whole else self._callback(key)
-                self.engine.add_request(prompt, params, grammar, callback, request_id=request_id,
-                                        detokenize=False)
+                self.engine.add_request(prompt, params, grammar, self._callback(key), request_id=request_id,
+                                        detokenize=False, each_step=not whole)
             except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
                 self.live.pop(key, None)
                 self.outbox.put(("out", [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None, 0)]))
@@ -104,39 +104,13 @@ class _Connection:
 
     def _callback(self, key: int):
         def on_output(out) -> None:
-            self._update(key, out, out.new_token_ids, out.logprobs)
+            reason = out.finish_reason  # into this step's list (swapped each step: looked up now)
+            self.updates.append((key, out.new_token_ids, out.finished, None if reason is None else reason.value,
+                                 out.error, out.matched_stop, out.completion_tokens, out.logprobs,
+                                 out.cached_tokens))
+            if out.finished:
+                self.live.pop(key, None)
         return on_output
-
-    def _whole_callback(self, key: int):
-        """A request its front-end answers in one piece (non-streamed, no stop strings): its first
-        update (the front-end's time to first token), then one at its end with every token made
-        since, not one each step: most of a non-streamed step's message and its pickling go."""
-        held_ids: list[int] = []
-        held_logprobs: list = []
-        first = [True]
-
-        def on_output(out) -> None:
-            if not (out.finished or (first[0] and out.new_token_ids)):
-                held_ids.extend(out.new_token_ids)
-                if out.logprobs:
-                    held_logprobs.extend(out.logprobs)
-                return
-            first[0] = False
-            ids, logprobs = out.new_token_ids, out.logprobs
-            if held_ids:
-                ids = held_ids + ids
-            if held_logprobs:
-                logprobs = held_logprobs + (logprobs or [])
-            self._update(key, out, ids, logprobs)
-        return on_output
-
-    def _update(self, key: int, out, ids: list[int], logprobs) -> None:
-        """One update into this step's list (swapped each step: looked up at call time)."""
-        reason = out.finish_reason
-        self.updates.append((key, ids, out.finished, None if reason is None else reason.value, out.error,
-                             out.matched_stop, out.completion_tokens, logprobs, out.cached_tokens))
-        if out.finished:
-            self.live.pop(key, None)
 
     def _call(self, call_id: int, name: str, arg) -> None:
         def reply(ok: bool, value) -> None:
