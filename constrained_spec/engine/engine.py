@@ -111,7 +111,8 @@ class Engine:
                                       cache_dir=resolve_cache_dir(config.grammar_cache_dir),
                                       default_backend=config.grammar_backend)
         self.scheduler = Scheduler(self.runner, config)
-        self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=config.grammar_mask_threads or default_mask_threads(),
+        mask_threads = config.grammar_mask_threads or default_mask_threads()
+        self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=mask_threads,
                                               budget_ms=config.grammar_mask_budget_ms,
                                               max_requests=config.max_running_requests))
         drafter = setup(lambda: make_drafter(config, self.runner))
