@@ -226,7 +226,7 @@ def coalesce(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
 def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive updates of one request as one (b's end state, both updates' tokens)."""
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return RequestOutput(b.request_id, a.new_text + b.new_text, list(a.new_token_ids) + list(b.new_token_ids),
+    return RequestOutput(b.request_id, a.new_text + b.new_text, a.new_token_ids + b.new_token_ids,
                          b.finished, b.finish_reason, b.error, b.prompt_tokens, b.completion_tokens, logprobs,
                          b.matched_stop, b.cached_tokens)
 

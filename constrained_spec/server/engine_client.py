@@ -45,8 +45,8 @@ class _Pending:
     first_token_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    # a non-streamed request without stop strings gets one update, at its end, and is detokenized
-    # once then: nothing per step but keeping its tokens
+    # a non-streamed request without stop strings: the engine sends its first token and then the
+    # rest at its end (`each_step=False`); it is detokenized once, at the end
     whole: bool = False
     logprobs: list = field(default_factory=list)
 
