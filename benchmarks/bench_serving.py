@@ -51,6 +51,9 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cpu_time  # noqa: E402
 HANDWRITTEN = ROOT / "schemas" / "handwritten" / "handwritten.jsonl"
 MODEL_ID = "bench"
 
@@ -310,12 +313,14 @@ def client_pool(processes: int):
     return pool
 
 
-def _worker(args) -> tuple[list[dict], float, float]:
+def _worker(args) -> tuple[list[dict], float, float, float]:
     """A client process: its share of the clients (or of the arrival rate), with its own event loop.
-    Returns its records and its first start / last end on the wall clock (`time.time`)."""
+    Returns its records, its first start / last end on the wall clock (`time.time`) and its CPU
+    seconds."""
     wall0 = time.time() - time.perf_counter()
+    cpu0 = time.process_time()
     recs, t0, t1 = asyncio.run(_drive(*args))
-    return recs, wall0 + t0, wall0 + t1
+    return recs, wall0 + t0, wall0 + t1, time.process_time() - cpu0
 
 
 def run_clients(pool, workers: int, url: str, bodies: list[dict], stream: bool, concurrency: int | None,
@@ -335,9 +340,9 @@ def run_clients(pool, workers: int, url: str, bodies: list[dict], stream: bool, 
     jobs = [(url, shares[i], stream, None if conc is None else conc[i], None if rate is None else rate / workers,
              start_at, i, until) for i in range(workers)]
     results = pool.map(_worker, jobs)
-    recs = [r for rs, _, _ in results for r in rs]
-    duration = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)
-    return summarize(recs, duration, concurrency)
+    recs = [r for rs, _, _, _ in results for r in rs]
+    duration = max(t1 for _, _, t1, _ in results) - min(t0 for _, t0, _, _ in results)
+    return {**summarize(recs, duration, concurrency), "client_cpu_s": sum(cpu for *_, cpu in results)}
 
 
 # -- statistics ---------------------------------------------------------------------------------------
@@ -623,6 +628,7 @@ def report(payload: dict) -> str:
                                  f"{side['busy_extend_steps_s']:,.0f}", f"{side['idle_share']:.0%}"])
                         row.append("-" if idle is None else f"{idle:.0%}")
                     lines.append("| " + " | ".join(row) + " |")
+    lines += _cpu_table(payload, find, eng)
     if True in payload["streams"] and False in payload["streams"]:
         lines += ["", "## Streamed / non-streamed output tok/s", "",
                   "| workload | clients | " + " | ".join(servers) + " |", "|" + "---|" * (2 + len(servers))]
@@ -666,6 +672,31 @@ def report(payload: dict) -> str:
                                  f"| {_ms(r['ttft']['p99'])} | {_ms(r['e2e']['p50'])} | {_ms(r['e2e']['p99'])} "
                                  f"| {r['errors']} / {r['invalid']} |")
     return "\n".join(lines) + "\n"
+
+
+def _cpu_table(payload: dict, find, eng) -> list[str]:
+    """Cores busy by role in each max-concurrency run (`cpu_time.py`)."""
+    rows = []
+    for w in payload["workloads"]:
+        for st in payload["streams"]:
+            for c in payload["clients"]:
+                for s in ["engine"] + payload["servers"]:
+                    r = eng(w, c) if s == "engine" else find(s, w, st, "clients", c)
+                    busy = (r or {}).get("cores_busy")
+                    if busy and (s != "engine" or st == payload["streams"][0]):  # the engine has no stream arm
+                        rows.append([w, "-" if s == "engine" else "yes" if st else "no", str(c), s]
+                                    + [f"{busy.get(role, 0.0):.1f}" for role in cpu_time.ROLES])
+    if not rows:
+        return []
+    cores = payload["machine"].get("cpu_count") or os.cpu_count()
+    return ["", "## CPU cores busy", "",
+            f"CPU seconds per wall second during each run, by role ({cores} cores on the host): the engine loop "
+            "thread (on the CPU, with the torch threads it runs the model on), the grammar mask threads, the rest of the engine process (the single-process server's "
+            "HTTP work included), the front-end processes, the client processes, and the whole host (every "
+            "process, the kernel's work for them included). A host figure near its core count: the run "
+            "was short of CPU.", "",
+            "| workload | stream | clients | server | " + " | ".join(cpu_time.ROLES) + " |",
+            "|" + "---|" * (4 + len(cpu_time.ROLES))] + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -769,7 +800,6 @@ def main(argv=None) -> int:
     servers = [s for s in args.servers.split(",") if s]
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import machine
 
     def n_requests(c: int) -> int:
@@ -797,7 +827,10 @@ def main(argv=None) -> int:
                         for c in clients:
                             bodies = [j.body(args.max_tokens, stream) for j in make_jobs(w, n_requests(c))]
                             before = server_engine_counters(server.url)
+                            cpu0 = cpu_time.snapshot(server.proc.pid)
                             r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
+                            r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(server.proc.pid),
+                                                                  r["client_cpu_s"])
                             r["engine_side"] = engine_side(before, server_engine_counters(server.url), r["duration_s"])
                             payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
                                                     "value": c, **r})
@@ -833,7 +866,9 @@ def main(argv=None) -> int:
                 engine_closed_loop(engine, make_jobs(w, max(clients), first=10**6), 16, max(clients))  # warm-up
                 for c in clients:
                     before = engine_stats_counters(engine)
+                    cpu0 = cpu_time.snapshot(os.getpid())
                     r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
+                    r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(os.getpid()))
                     r["engine_side"] = engine_side(before, engine_stats_counters(engine), r["duration_s"])
                     payload["engine"].append({"workload": w, "clients": c, **r})
                     print(f"[engine] {w} c={c}: {r['out_tok_s']:,.0f} tok/s, {r['req_s']:.1f} req/s", flush=True)

@@ -26,20 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_serving as bs  # noqa: E402
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (from /proc)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return sorted(set(out))
+from cpu_time import process_tree  # noqa: E402
 
 
 def describe(pid: int) -> str:

@@ -441,6 +441,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         others = FrontendProcesses(n_frontends, info, server_config, sock, args.log_level)
         log.info("%d front-end processes share the port (this one and pids %s)", n_frontends,
                  ", ".join(map(str, others.pids())))
+    from .cpus import name_os_thread
+    name_os_thread("cs-server" if args.single_process else "cs-frontend")  # front-end 0 (ps, top)
     try:
         run_server(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     finally:

@@ -3,6 +3,10 @@
 #include <chrono>
 #include <cstring>
 
+#ifdef __linux__
+#include <pthread.h>
+#endif
+
 namespace cspec {
 
 namespace {
@@ -147,6 +151,9 @@ void MaskFillPool::FillQueued(uintptr_t matcher, int64_t row) {
 }
 
 void MaskFillPool::WorkerLoop(int id) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), "cs-mask");  // told apart from the engine's own threads in top -H
+#endif
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

@@ -38,6 +38,44 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
     md = (tmp_path / "bench_serving.md").read_text()
     assert "split-2 / engine" in md and "Streamed / non-streamed" in md and "| single | 4 |" in md
     assert "The engine's side of each run" in md and "split-2 prefills/s" in md
+    if sys.platform == "linux":  # the CPU by role: the server's threads are named
+        for run in [r for r in runs if r["mode"] == "clients"]:
+            busy = run["cores_busy"]
+            assert busy["engine loop"] > 0 and busy["clients"] > 0 and busy["host"] > 0, busy
+            assert (busy["front-ends"] > 0) == (run["server"] == "split-2"), busy
+        assert "## CPU cores busy" in md
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_cpu_time_attributes_named_threads():
+    """A thread named as the native mask pool names its workers counts as mask threads."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_time
+
+    from constrained_spec.cpus import name_os_thread
+
+    burnt, done = threading.Event(), threading.Event()
+
+    def burn():
+        name_os_thread("cs-mask")
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        burnt.set()
+        done.wait()  # alive until read: an ended thread's time leaves /proc/<pid>/task
+
+    import os
+    before = cpu_time.snapshot(os.getpid())
+    t = threading.Thread(target=burn)
+    t.start()
+    burnt.wait()
+    busy = cpu_time.cores_busy(before, cpu_time.snapshot(os.getpid()), client_cpu_s=0.0)
+    done.set()
+    t.join()
+    assert busy["mask threads"] > 0.1 and busy["host"] >= busy["mask threads"] * 0.5, busy
 
 
 def test_prefix_cache_workloads_and_arms():

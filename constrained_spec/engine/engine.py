@@ -50,6 +50,7 @@ from .request import FinishReason, Request, RequestOutput, Status
 from .scheduler import Scheduler
 from ..speculative.worker import SpeculativeWorker, make_drafter
 from ..attention import ForwardMode
+from ..cpus import name_os_thread
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,7 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
+        name_os_thread("cs-engine")
         inflight: StepResult | None = None
         while not self._stopped:
             try:

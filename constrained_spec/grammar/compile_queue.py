@@ -22,6 +22,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ..cpus import name_os_thread
 from .errors import GrammarBusy, GrammarError
 from .spec import GrammarSpec
 
@@ -229,6 +230,7 @@ class CompileQueue:
         threading.Thread(target=self._worker, name="grammar-compile", daemon=True).start()
 
     def _worker(self) -> None:
+        name_os_thread("cs-compile")
         while True:
             with self._work:
                 while not self._queue and not self._closed:

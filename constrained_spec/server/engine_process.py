@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ..cpus import name_os_thread
 from . import ipc
 
 log = logging.getLogger("constrained_spec.engine_process")
@@ -70,6 +71,7 @@ class _Connection:
 
     # -- front-end -> engine ---------------------------------------------------------------------
     def _read_loop(self) -> None:
+        name_os_thread("cs-conn-read")
         try:
             while True:
                 msg = self.channel.recv()
@@ -147,6 +149,7 @@ class _Connection:
                 self.outbox.put(("out", batch))
 
     def _send_loop(self) -> None:
+        name_os_thread("cs-conn-send")
         while True:
             msg = self.outbox.get()
             if msg is None:
@@ -226,6 +229,7 @@ def _main(config, address: str, lifeline) -> None:
     or the parent is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
                         datefmt="%H:%M:%S")
+    name_os_thread("cs-engine-proc")  # the process's name in ps and top
     try:
         from ..engine import Engine
         engine = Engine(config)

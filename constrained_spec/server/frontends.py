@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from ..cpus import available_cores
+from ..cpus import available_cores, name_os_thread
 
 log = logging.getLogger("constrained_spec.frontends")
 
@@ -76,6 +76,7 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
     the shared socket, or the (host, port) to bind its own on)."""
     from ..cli import _setup_logging
     _setup_logging(log_level)
+    name_os_thread("cs-frontend")
     import uvicorn
 
     from .app import create_app
