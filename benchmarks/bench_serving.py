@@ -690,7 +690,7 @@ def _cpu_table(payload: dict, find, eng) -> list[str]:
         return []
     cores = payload["machine"].get("cpu_count") or os.cpu_count()
     return ["", "## CPU cores busy", "",
-            f"CPU seconds per wall second during each run, by role ({cores} cores on the host): the engine loop "
+            f"CPU seconds per second of each run (its clients' first request to their last answer), by role ({cores} cores on the host): the engine loop "
             "thread (on the CPU, with the torch threads it runs the model on), the grammar mask threads, the rest of the engine process (the single-process server's "
             "HTTP work included), the front-end processes, the client processes, and the whole host (every "
             "process, the kernel's work for them included). A host figure near its core count: the run "
@@ -830,7 +830,7 @@ def main(argv=None) -> int:
                             cpu0 = cpu_time.snapshot(server.proc.pid)
                             r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
                             r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(server.proc.pid),
-                                                                  r["client_cpu_s"])
+                                                                  r["client_cpu_s"], r["duration_s"])
                             r["engine_side"] = engine_side(before, server_engine_counters(server.url), r["duration_s"])
                             payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
                                                     "value": c, **r})
@@ -868,7 +868,7 @@ def main(argv=None) -> int:
                     before = engine_stats_counters(engine)
                     cpu0 = cpu_time.snapshot(os.getpid())
                     r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
-                    r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(os.getpid()))
+                    r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(os.getpid()), 0.0, r["duration_s"])
                     r["engine_side"] = engine_side(before, engine_stats_counters(engine), r["duration_s"])
                     payload["engine"].append({"workload": w, "clients": c, **r})
                     print(f"[engine] {w} c={c}: {r['out_tok_s']:,.0f} tok/s, {r['req_s']:.1f} req/s", flush=True)

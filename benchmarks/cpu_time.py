@@ -72,11 +72,13 @@ def snapshot(server_pid: int) -> dict:
     return {**out, "at": time.perf_counter()}
 
 
-def cores_busy(before: dict, after: dict, client_cpu_s: float = 0.0) -> dict | None:
-    """Cores busy by role between two snapshots, the clients' CPU seconds over the same wall time."""
+def cores_busy(before: dict, after: dict, client_cpu_s: float = 0.0, seconds: float | None = None) -> dict | None:
+    """Cores busy by role between two snapshots, and the clients' CPU seconds: CPU seconds over
+    `seconds` (the run's own length: the snapshots' wider window also holds the clients' start-up,
+    when the server has nothing to do), or over the window between the snapshots."""
     if not before or not after:
         return None
-    wall = max(after["at"] - before["at"], 1e-9)
+    wall = max(seconds or after["at"] - before["at"], 1e-9)
     busy = {role: (after.get(role, 0.0) - before.get(role, 0.0)) / wall for role in ROLES + ["other"]}
     busy["clients"] = client_cpu_s / wall
     return busy
