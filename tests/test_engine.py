@@ -139,6 +139,15 @@ def test_an_answer_taken_whole_comes_in_two_updates(engine):
     assert whole[1].completion_tokens == 24
 
 
+def test_step_tokens_only_for_streamed_token_ids(engine):
+    """`step_tokens` entries carry token ids for a caller that detokenizes and streams: anything else
+    is refused up front (its updates would lose their text, or contradict `each_step=False`)."""
+    p = chat(engine, "Hi")
+    for kw in ({"detokenize": True}, {"detokenize": False, "each_step": False}):
+        with pytest.raises(ValueError, match="step_tokens"):
+            engine.add_request(p, SamplingParams(max_tokens=2), step_tokens=[], **kw)
+
+
 def test_abort_frees_slots(engine):
     pool = engine.runner.pool
     p = chat(engine, "Write a long story about a dragon.")

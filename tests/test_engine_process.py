@@ -129,12 +129,15 @@ def test_front_end_restart_loses_no_other_request(shared_process):
 
 def test_a_whole_answer_crosses_in_two_updates(shared_process):
     """A non-streamed request without stop strings: the engine process sends its first update and
-    its last (with every token since), not one a step; its answer is the streamed one, logprobs too."""
+    its last (with every token since), not one a step; its answer is the streamed one, logprobs too.
+    The streamed one's tokens between its first and its last come as small step-token entries."""
     from constrained_spec.sampling_params import SamplingParams
     client = shared_process.connect()
     updates: list[list[tuple]] = []
+    step_tokens: list[tuple] = []
     on_updates = client._on_updates
-    client._on_updates = lambda batch: (updates.append(batch), on_updates(batch))
+    client._on_updates = lambda tokens, batch: (updates.append(batch), step_tokens.extend(tokens),
+                                                on_updates(tokens, batch))
     try:
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
         outs = {}
@@ -157,6 +160,12 @@ def test_a_whole_answer_crosses_in_two_updates(shared_process):
         keys = [[u[0] for u in batch] for batch in updates]
         first_key = keys[0][0]
         assert sum(k.count(first_key) for k in keys) == 2  # the first token, and the rest at the end
+        second_key = next(k for batch in keys for k in batch if k != first_key)
+        assert sum(k.count(second_key) for k in keys) == 2  # streamed: its first token and its last...
+        mine = [t for t in step_tokens if t[0] == second_key]  # ...and the 22 between as step tokens
+        assert [t[1] for t in mine] == [o.new_token_ids[0] for o in streamed[1:-1]]
+        assert [t[3] for t in mine] == list(range(2, 24)) and all(t[2] is not None for t in mine)
+        assert not [t for t in step_tokens if t[0] == first_key]
     finally:
         client.shutdown()
 

@@ -29,7 +29,7 @@ class FinishReason(str, Enum):
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(slots=True)  # built per request per step for streamed requests: slots make that cheaper
 class RequestOutput:
     """One update for a caller: the text and tokens added since the last update."""
     request_id: str
@@ -84,6 +84,10 @@ class Request:
     held_ids: list[int] | None = None
     held_logprobs: list | None = None
     each_step: bool = True
+    # a streamed request whose caller collects a step's tokens in one list (`add_request(step_tokens=)`):
+    # an update that is one more token and not the end goes there as (stream_key, token, logprob, n)
+    step_tokens: list | None = None
+    stream_key: Any = None
     _prompt_array: np.ndarray | None = field(default=None, repr=False)
 
     def ids_array(self, n: int) -> np.ndarray:

@@ -197,7 +197,7 @@ class EngineClient:
             while True:
                 msg = self._channel.recv()
                 if msg[0] == "out":
-                    self._on_updates(msg[1])
+                    self._on_updates(msg[1], msg[2])
                 else:
                     _, call_id, ok, value = msg
                     with self._lock:
@@ -211,7 +211,11 @@ class EngineClient:
         finally:
             self._lost()
 
-    def _on_updates(self, updates: list[tuple]) -> None:
+    def _on_updates(self, tokens: list[tuple], updates: list[tuple]) -> None:
+        """A step's message: streamed tokens (key, token, logprob, tokens so far), then updates."""
+        if tokens:
+            updates = [(key, [token], False, None, None, None, n, [lp] if lp else None, 0)
+                       for key, token, lp, n in tokens] + updates
         by_key = self._by_key
         for key, ids, finished, reason, error, matched, n_out, lps, cached in updates:
             p = by_key.get(key)

@@ -8,8 +8,9 @@ threads per connection that mostly wait in system calls: a reader that queues re
 sender that pickles and writes each step's updates.
 
 One message per engine step per connection: the requests' `on_output` callbacks append updates
-(token ids only: the front-end detokenizes) to their connection's list, and the engine's
-`step_hook`, called once per loop iteration, hands each non-empty list to that connection's sender.
+(token ids only: the front-end detokenizes) to their connection's list, a streamed request's
+next token goes to the connection's `step_tokens` list (no update object, no callback), and the
+engine's `step_hook`, called once per loop iteration, hands both lists to that connection's sender.
 A request its front-end answers in one piece runs with `each_step=False`: its first update and its
 last, nothing between.
 
@@ -63,7 +64,8 @@ class _Connection:
         self.channel = ipc.Channel(sock)
         self.number = number
         self.live: dict[int, str] = {}  # key -> engine request id, until finished
-        self.updates: list[tuple] = []  # this step's updates (engine thread, or its step thread)
+        self.updates: list[tuple] = []  # this step's updates (engine thread)
+        self.tokens: list[tuple] = []  # this step's streamed tokens: (key, token, logprob, n) (engine thread)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
         threading.Thread(target=self._read_loop, name=f"engine-conn{number}-reader", daemon=True).start()
@@ -91,10 +93,11 @@ class _Connection:
             try:
                 self.live[key] = request_id
                 self.engine.add_request(prompt, params, grammar, self._callback(key), request_id=request_id,
-                                        detokenize=False, each_step=not whole)
+                                        detokenize=False, each_step=not whole,
+                                        step_tokens=None if whole else self.tokens, stream_key=key)
             except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
                 self.live.pop(key, None)
-                self.outbox.put(("out", [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None, 0)]))
+                self.outbox.put(("out", [], [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None, 0)]))
         elif kind == "abort":
             request_id = self.live.get(msg[1])
             if request_id is not None:
@@ -142,11 +145,14 @@ class _Connection:
 
     # -- engine -> front-end ---------------------------------------------------------------------
     def flush(self) -> None:
-        """The engine thread, once per step: this step's updates in one message."""
-        if self.updates:
+        """The engine thread, once per step: this step's tokens and updates in one message (a
+        request's tokens of a step come before its updates of the step)."""
+        if self.updates or self.tokens:
             batch, self.updates = self.updates, []
+            tokens = self.tokens.copy()  # the requests hold this list: emptied, not replaced
+            self.tokens.clear()
             if not self.closed:
-                self.outbox.put(("out", batch))
+                self.outbox.put(("out", tokens, batch))
 
     def _send_loop(self) -> None:
         name_os_thread("cs-conn-send")

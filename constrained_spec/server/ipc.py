@@ -12,13 +12,16 @@ Front-end -> engine:
     ("abort", key)
     ("call", call_id, name, arg)          name: "compile" (arg: GrammarSpec) or "snapshot" (arg: None)
 Engine -> front-end:
-    ("out", [Update, ...])                one message per engine step: every update of the step
+    ("out", [Token, ...], [Update, ...])  one message per engine step: its streamed tokens, then
+                                          every other update of the step
     ("reply", call_id, ok, value)         value: the result, or the exception raised
 
 `key` is the front-end's number for a request on its connection. An Update is the tuple
 (key, new_token_ids, finished, finish_reason | None, error | None, matched_stop, completion_tokens,
 logprobs | None, cached_tokens): token ids only; the front-end detokenizes and finds stop strings.
 cached_tokens: the prompt tokens the engine's prefix cache served (usage.prompt_tokens_details).
+A Token, (key, token_id, logprob | None, completion_tokens), is a streamed request's update of one
+more token that does not end it, the most common one, kept small (`Engine.add_request(step_tokens=)`).
 """
 from __future__ import annotations
 
