@@ -5,6 +5,7 @@ seeded sampling), with and without a JSON schema."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -474,3 +475,114 @@ def test_serve_flags_reach_the_engine_process(tiny_llama_dir, tiny_head_dir, eng
     finally:
         handle.stop()
         process.stop()
+
+
+def _toy_training_data(loaded, n_seqs: int = 12, length: int = 16, prompt: int = 4, seed: int = 0):
+    """Random sequences with random 'features' standing in for the target's: enough for the
+    training loop's bookkeeping (schedule, logging), not for learning anything."""
+    from constrained_spec.speculative.eagle_train import Batches
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(torch.randint(0, loaded.config.vocab_size, (length,), generator=g).numpy(), prompt) for _ in range(n_seqs)]
+    feats = torch.randn(n_seqs * length, loaded.config.hidden_size, generator=g)
+    index = [(i * length, length, prompt) for i in range(n_seqs)]
+    return Batches(seqs, feats, index, batch_tokens=4 * length, device=torch.device("cpu"), seed=seed)
+
+
+def test_time_budgeted_schedule_follows_the_clock_not_the_first_steps(tiny_llama_dir, monkeypatch):
+    """A time-budgeted run decays its learning rate over the budget's seconds. The first steps of a
+    CUDA run are far slower than the rest (kernel compiles, allocator growth); a schedule sized from
+    their speed ended its cosine within the first ~5% of the H100 run's steps and trained the rest at
+    the floor (lr / 10)."""
+    from constrained_spec.speculative import eagle_train
+    from constrained_spec.speculative.eagle_config import TrainConfig
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    target = loaded.model.requires_grad_(False)
+    head = init_head(EagleHead(loaded.config), target)
+    data = _toy_training_data(loaded)
+
+    clock = {"now": 0.0, "calls": 0}
+
+    class FakeTime:  # a step takes 1 s for the first 20 steps, then 0.5 s: 20 s + 80 steps in 60 s
+        @staticmethod
+        def perf_counter():
+            return clock["now"]
+
+    real_losses = eagle_train._losses
+
+    def timed_losses(*a, **kw):
+        clock["calls"] += 1
+        clock["now"] += 1.0 if clock["calls"] <= 20 else 0.5
+        return real_losses(*a, **kw)
+
+    seen_lr = []
+
+    class RecordingAdamW(torch.optim.AdamW):
+        def step(self, *a, **kw):
+            seen_lr.append((clock["now"], self.param_groups[0]["lr"]))
+            return super().step(*a, **kw)
+
+    monkeypatch.setattr(eagle_train, "time", FakeTime)
+    monkeypatch.setattr(eagle_train, "_losses", timed_losses)
+    monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
+    cfg = TrainConfig(out="unused", train_minutes=1.0, lr=1e-3, noise=0.0)
+    eagle_train.train_head(head, target, data, list(range(len(data.seqs))), [], cfg, scale=1.0)
+    assert 95 <= len(seen_lr) <= 105
+    # the old schedule: 60 steps planned from the first 20, cosine over steps 0..60 (t = 40 s), then the floor
+    mid = [lr for t, lr in seen_lr if 29.0 <= t <= 31.0]  # half the budget: cos(pi / 2), lr 0.55e-3 (old: 0.33e-3)
+    assert mid and all(0.45e-3 < lr < 0.65e-3 for lr in mid), mid
+    late = [lr for t, lr in seen_lr if 47.0 <= t <= 49.0]  # 80%: 0.186e-3 (old: the floor, 0.1e-3)
+    assert late and all(0.16e-3 < lr < 0.21e-3 for lr in late), late
+
+
+def test_unrolled_draft_steps_see_what_a_serving_draft_sees(tiny_llama_dir, tiny_head_dir):
+    """Draft step s of the training-time unroll at position k equals the head run over the verified
+    context 0..k-s+1 followed by its own earlier guesses (what a draft node at depth s reads and
+    attends to while serving), for sequences padded to different lengths; step 1 is sequence_forward."""
+    from constrained_spec.speculative.eagle_train import unrolled_forward
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    target = loaded.model
+    head = load_head(tiny_head_dir, loaded.config, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    B, L, H = 2, 10, loaded.config.hidden_size
+    feats = torch.randn(B, L, H, generator=g) * 3
+    ids = torch.randint(0, loaded.config.vocab_size, (B, L), generator=g)
+    lengths = torch.tensor([L, 7])
+    with torch.no_grad():
+        steps = unrolled_forward(head, target, feats, ids, lengths, 3)
+        one = head.sequence_forward(target, feats, ids, lengths)
+        torch.testing.assert_close(steps[0], one)
+        for b in range(B):
+            n = int(lengths[b])
+            for s in (2, 3):
+                for k in range(s - 1, n):
+                    root = k - s + 1  # the last verified position; then the guesses of steps 1..s-1
+                    guesses = [steps[u - 1][b, root + u - 1] for u in range(1, s)]
+                    f = torch.cat([feats[b, :root + 1], torch.stack(guesses)])[None]
+                    want = head.sequence_forward(target, f, ids[b:b + 1, :k + 1])[0, -1]
+                    torch.testing.assert_close(steps[s - 1][b, k], want, rtol=1e-4, atol=1e-4)
+
+
+def test_training_on_unrolled_draft_steps_and_their_held_out_top1(tiny_llama_dir):
+    """`unroll` > 1 trains on the head's own guesses too (the loss falls, stays finite with answers
+    shorter than the unroll), and validation reports held-out top-1 at draft steps 1..3 beside the
+    step-1 figure, whatever the unroll."""
+    from dataclasses import dataclass
+    from constrained_spec.speculative import eagle_train
+    from constrained_spec.speculative.eagle_config import TrainConfig
+
+    @dataclass
+    class Cfg(TrainConfig):
+        unroll: int = 1
+
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    target = loaded.model.requires_grad_(False)
+    data = _toy_training_data(loaded, n_seqs=10, length=16, prompt=13)  # answers of 3 tokens: step 3 barely fits
+    for unroll in (1, 3):
+        head = init_head(EagleHead(loaded.config), target)
+        hist = eagle_train.train_head(head, target, data, list(range(8)), [8, 9],
+                                      Cfg(out="unused", max_steps=100, lr=3e-3, unroll=unroll), scale=1.0)
+        assert hist["unroll"] == unroll and all(math.isfinite(x) for x in hist["loss"])
+        assert hist["loss"][-1] < hist["loss"][0]
+        assert len(hist["val_top1_by_step"]) == len(hist["val_step"]) == 2  # steps 100 and the end
+        for by_step, top1 in zip(hist["val_top1_by_step"], hist["val_top1"]):
+            assert len(by_step) == 3 and by_step[0] == pytest.approx(top1, abs=1e-4)
