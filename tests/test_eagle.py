@@ -580,9 +580,9 @@ def test_training_on_unrolled_draft_steps_and_their_held_out_top1(tiny_llama_dir
     for unroll in (1, 3):
         head = init_head(EagleHead(loaded.config), target)
         hist = eagle_train.train_head(head, target, data, list(range(8)), [8, 9],
-                                      Cfg(out="unused", max_steps=100, lr=3e-3, unroll=unroll), scale=1.0)
+                                      Cfg(out="unused", max_steps=40, lr=3e-3, unroll=unroll), scale=1.0)
         assert hist["unroll"] == unroll and all(math.isfinite(x) for x in hist["loss"])
         assert hist["loss"][-1] < hist["loss"][0]
-        assert len(hist["val_top1_by_step"]) == len(hist["val_step"]) == 2  # steps 100 and the end
+        assert len(hist["val_top1_by_step"]) == len(hist["val_step"]) == 1  # at the end
         for by_step, top1 in zip(hist["val_top1_by_step"], hist["val_top1"]):
             assert len(by_step) == 3 and by_step[0] == pytest.approx(top1, abs=1e-4)

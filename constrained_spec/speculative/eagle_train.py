@@ -343,8 +343,8 @@ def learning_rate(peak: float, step: int, progress: float) -> float:
 
 def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainConfig, scale: float):
     """Trains `head` in place; returns its history. `cfg.unroll` (default 1, where TrainConfig has no
-    such field) > 1 trains on that many draft steps at once (`unrolled_forward`), ~2.5x a step's
-    cost at 3 (the LM head's logits at each step dominate), so fewer steps in a time budget."""
+    such field) > 1 trains on that many draft steps at once (`unrolled_forward`): a step costs ~2.3x
+    at 3 (SmolLM2, CPU), so a time budget runs fewer of them."""
     from tqdm import tqdm
     unroll = max(1, int(getattr(cfg, "unroll", 1)))
     params = [p for p in head.parameters() if p.requires_grad]
