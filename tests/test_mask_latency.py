@@ -104,8 +104,11 @@ def test_slow_mask_does_not_hold_the_batch(tiny_llama_dir, overlap, jump_forward
         for o, s in zip(outs, specs):
             assert_legal(eng, s, o)
         assert eng.stats.grammar_late_rows >= 5  # the slow request did sit steps out
-        # no step waited for the slow fills (60 ms each) beyond the budget (plus scheduling noise)
-        assert max(fills) < (BUDGET_MS + 25) / 1000, sorted(fills)[-5:]
+        # No step waited for the slow fills (60 ms each) beyond the budget plus scheduling noise. Had
+        # the budget not held, each of the slow request's >= 5 steps would wait; two outliers are
+        # allowed for a loaded CI machine (2 cores, two test workers, two mask threads each).
+        over = [f for f in fills if f >= (BUDGET_MS + 25) / 1000]
+        assert len(over) <= 2, (len(fills), sorted(fills)[-5:])
         wait_pool_full(eng)
     finally:
         eng.shutdown()
