@@ -480,8 +480,11 @@ class Engine:
                 general(req, token, lp, accepted=True)  # first token, a stop, or the last token
                 continue
             out = req.output_ids
-            n = len(out) + 1
             out.append(token)
+            n = len(out)
+            if req.step_tokens is not None:  # streamed, collected a step at a time by the caller
+                req.step_tokens.append((req.stream_key, token, lp, n))  # (no text: no stop string here)
+                continue
             new_ids = [token]
             detok = req.detok
             stop = detok.add(new_ids)
@@ -493,9 +496,6 @@ class Engine:
                 req.held_ids.append(token)
                 if lp:
                     req.held_logprobs.append(lp)
-                continue
-            if req.step_tokens is not None:  # streamed, collected a step at a time by the caller
-                req.step_tokens.append((req.stream_key, token, lp, n))
                 continue
             req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
                                         len(req.prompt_ids), n, lps, None, req.cached_tokens or 0))

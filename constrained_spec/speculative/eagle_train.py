@@ -342,11 +342,10 @@ def learning_rate(peak: float, step: int, progress: float) -> float:
 
 
 def train_head(head, target, data: Batches, train_items, val_items, cfg: TrainConfig, scale: float):
-    """Trains `head` in place; returns its history. `cfg.unroll` (default 1, where TrainConfig has no
-    such field) > 1 trains on that many draft steps at once (`unrolled_forward`): a step costs ~2.3x
+    """Trains `head` in place; returns its history. `cfg.unroll` > 1 trains on that many draft steps at once (`unrolled_forward`): a step costs ~2.3x
     at 3 (SmolLM2, CPU), so a time budget runs fewer of them."""
     from tqdm import tqdm
-    unroll = max(1, int(getattr(cfg, "unroll", 1)))
+    unroll = max(1, int(cfg.unroll))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if data.device.type == "cuda"
