@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .log_setup import setup_logging
+
 log = logging.getLogger("constrained_spec.cli")
 
 API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
@@ -334,7 +336,7 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     from .speculative.eagle_config import TrainConfig
     from .speculative.eagle_train import train_eagle
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     out = train_eagle(TrainConfig(**values))
     print(out)
@@ -347,14 +349,6 @@ def _version() -> str:
         return __version__
     except Exception:
         return "0"
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("uvicorn", "uvicorn.error"):
-        logging.getLogger(name).setLevel(getattr(logging, level.upper()))
-    logging.getLogger("uvicorn.access").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
 
 
 def describe_engine(engine) -> str:
@@ -375,7 +369,7 @@ def describe_engine(engine) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     from .server.frontends import default_frontends, remove_metrics_dir, use_shared_metrics
     n_frontends = 1 if args.single_process else (args.frontends or default_frontends())
@@ -480,7 +474,7 @@ def _grammar_from_args(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     from .engine import Engine
     from .grammar import GrammarError

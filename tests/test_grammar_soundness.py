@@ -18,7 +18,8 @@ import pytest
 import xgrammar as xgr
 
 from constrained_spec.grammar import GrammarBackend, GrammarError, GrammarSpec
-from constrained_spec.grammar.schema import ENFORCED_FORMATS, FORMAT_PATTERNS
+from constrained_spec.grammar.json_regex import FORMAT_PATTERNS
+from constrained_spec.grammar.schema import ENFORCED_FORMATS
 
 VOCAB = 49152
 STOP = 2  # <|im_end|>, the grammar's stop token

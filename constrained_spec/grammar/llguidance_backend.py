@@ -28,7 +28,7 @@ import torch
 
 from .errors import GrammarError
 from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
-from .schema import FORMAT_PATTERNS
+from .json_regex import FORMAT_PATTERNS
 from .spec import GrammarSpec
 
 NAME = "llguidance"

@@ -34,6 +34,7 @@ import threading
 import time
 
 from ..cpus import available_cores, name_os_thread
+from ..log_setup import setup_logging
 
 log = logging.getLogger("constrained_spec.frontends")
 
@@ -74,8 +75,7 @@ def use_shared_metrics() -> str:
 def _frontend_main(number: int, info, server_config, listen, log_level: str, lifeline) -> None:
     """A front-end process: one connection to the engine, the app, uvicorn on its socket (`listen`:
     the shared socket, or the (host, port) to bind its own on)."""
-    from ..cli import _setup_logging
-    _setup_logging(log_level)
+    setup_logging(log_level)
     name_os_thread("cs-frontend")
     import uvicorn
 
