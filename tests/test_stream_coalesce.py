@@ -1,6 +1,6 @@
 """A stream whose front-end fell behind sends a choice's updates of several steps as one event."""
 from constrained_spec.engine.request import FinishReason, RequestOutput
-from constrained_spec.server.app import coalesce
+from constrained_spec.server.generation import coalesce
 
 
 def _out(text, ids, finished=False, logprobs=None, n=0):

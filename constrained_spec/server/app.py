@@ -16,25 +16,24 @@ the request is aborted and its KV slots return to the pool.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from ..engine.delivery import LoopDelivery
-from ..engine.request import RequestOutput
 from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
 from .engine_client import EngineClient, EngineUnavailable
 from .errors import APIError, bad_request, validation_error_to_api
+from .gate import Gate, too_large
+from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event
 from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
 from .tokens import TokenTexts
@@ -63,57 +62,6 @@ class _ServerState:
         self.limit = limit
 
 
-# -- ASGI gate: auth, body size, per-status metrics ---------------------------------------------------
-
-_KNOWN = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
-
-
-class _Gate:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics | None = None):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in _KNOWN else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
-        status_box = [500]
-
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status_box[0] = message["status"]
-            await send(message)
-
-        try:
-            headers = dict(scope.get("headers") or [])
-            if self.api_key is not None and path.startswith("/v1"):
-                auth = headers.get(b"authorization", b"")
-                scheme, _, token = auth.partition(b" ")
-                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                    err = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                    return await err.response()(scope, receive, send_wrapper)
-            length = headers.get(b"content-length")
-            if length is not None:
-                try:
-                    too_big = int(length) > self.max_body_bytes
-                except ValueError:
-                    return await bad_request("invalid Content-Length").response()(scope, receive, send_wrapper)
-                if too_big:
-                    return await _too_large(self.max_body_bytes).response()(scope, receive, send_wrapper)
-            return await self.app(scope, receive, send_wrapper)
-        finally:
-            if self.metrics is not None:
-                self.metrics.requests.labels(endpoint=endpoint, status=str(status_box[0])).inc()
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
-
-
 # -- helpers ------------------------------------------------------------------------------------------
 
 
@@ -126,7 +74,7 @@ async def _read_json(request: Request, limit: int) -> Any:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         chunks.append(chunk)
     body = b"".join(chunks)
     if not body.strip():
@@ -145,118 +93,6 @@ def _parse(model_cls, data: dict):
         return model_cls.model_validate(data)
     except ValidationError as e:
         raise validation_error_to_api(e.errors(include_url=False))
-
-
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
-
-
-def _finish_str(reason) -> str | None:
-    if reason is None:
-        return None
-    return _FINISH.get(getattr(reason, "value", str(reason)), "stop")
-
-
-class _Generation:
-    """n engine requests whose updates arrive, tagged with their choice index, on one asyncio queue."""
-
-    def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str, stream: bool):
-        delivery = LoopDelivery.for_loop(asyncio.get_running_loop())
-        # the engine process's client sends a non-streamed request's output in one piece at its end
-        options = {"stream": stream} if isinstance(engine, EngineClient) else {}
-        self.engine = engine
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.request_ids: list[str] = []
-        self.done = [False] * len(prompts)
-        self.closed = False
-
-        def make_cb(i):
-            def cb(out):
-                delivery.put(self.queue.put_nowait, (i, out))
-            return cb
-
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                engine.add_request(prompt, params, grammar, make_cb(i), request_id=rid, **options)
-                self.request_ids.append(rid)
-        except BaseException:
-            self.abort()
-            raise
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
-        while not all(self.done):
-            i, out = await self.queue.get()
-            if out.finished:
-                self.done[i] = True
-            yield i, out
-
-    async def batches(self) -> AsyncIterator[list[tuple[int, Any]]]:
-        """The updates in hand each time the stream is ready for more, one per choice: when the
-        event loop falls behind, a choice's updates of several steps become one event and the
-        stream one write. Under load a front-end then spends less per token, where it would
-        otherwise fall further behind (and its client parses fewer events)."""
-        queue = self.queue
-        while not all(self.done):
-            items = [await queue.get()]
-            while not queue.empty():
-                items.append(queue.get_nowait())
-            for i, out in items:
-                if out.finished:
-                    self.done[i] = True
-            yield coalesce(items) if len(items) > 1 else items
-
-    def abort(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for i, rid in enumerate(self.request_ids):
-            if not self.done[i]:
-                self.engine.abort(rid)
-
-
-def coalesce(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """(choice, update) pairs in arrival order -> one update per choice, each choice's in order joined."""
-    joined: dict[int, Any] = {}
-    for i, out in items:
-        prev = joined.get(i)
-        joined[i] = out if prev is None else _join(prev, out)
-    return list(joined.items())
-
-
-def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive updates of one request as one (b's end state, both updates' tokens)."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return RequestOutput(b.request_id, a.new_text + b.new_text, a.new_token_ids + b.new_token_ids,
-                         b.finished, b.finish_reason, b.error, b.prompt_tokens, b.completion_tokens, logprobs,
-                         b.matched_stop, b.cached_tokens)
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always closes its generator and runs `cleanup`, so a client that
-    disconnects (even before the first chunk) aborts its engine requests and frees their KV at once."""
-
-    def __init__(self, content, cleanup, **kw):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
-        self.cleanup = cleanup
-
-    async def stream_response(self, send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            try:
-                aclose = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            finally:
-                self.cleanup()
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
 
 
 # -- the app ------------------------------------------------------------------------------------------
@@ -398,9 +234,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         state.pending -= n
         metrics.in_flight.set(state.pending)
 
-    def start(prompts, params_list, grammar, base_id, stream: bool) -> _Generation:
+    def start(prompts, params_list, grammar, base_id, stream: bool) -> Generation:
         try:
-            return _Generation(engine, prompts, params_list, grammar, base_id, stream)
+            return Generation(engine, prompts, params_list, grammar, base_id, stream)
         except Exception as e:
             code = getattr(e, "code", None)
             if e.__class__.__name__ == "RequestError":
@@ -416,7 +252,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     def seeds(seed: int | None, n: int) -> list[int | None]:
         return [None if seed is None else seed + i for i in range(n)]
 
-    async def collect(gen: _Generation, request: Request, n: int):
+    async def collect(gen: Generation, request: Request, n: int):
         """Runs a generation to the end (non-streaming); aborts it if the client disconnects."""
         texts_out = [[] for _ in range(n)]
         lps: list[list] = [[] for _ in range(n)]
@@ -465,7 +301,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
 
     def raise_engine_errors(finals) -> None:
         for f in finals:
-            if f is not None and _finish_str(f.finish_reason) == "error":
+            if f is not None and finish_str(f.finish_reason) == "error":
                 raise generation_error(f)
 
     def chat_logprobs(chunks: list[tuple[list[int], list[dict]]], top_n: int) -> dict:
@@ -564,7 +400,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             model = served
             if req.stream:
                 admitted = False  # the stream releases it
-                return _SSEResponse(chat_stream(gen, req, cid, model, len(prompt), top_n),
+                return SSEResponse(chat_stream(gen, req, cid, model, len(prompt), top_n),
                                     cleanup=_once(lambda: (gen.abort(), release(req.n))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, req.n)
@@ -575,7 +411,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             for i in range(req.n):
                 choice = {"index": i, "message": {"role": "assistant", "content": outs[i], "refusal": None},
                           "logprobs": chat_logprobs(lps[i], top_n) if req.logprobs else None,
-                          "finish_reason": _finish_str(finals[i].finish_reason)}
+                          "finish_reason": finish_str(finals[i].finish_reason)}
                 choices.append(choice)
             return _json_response({"id": cid, "object": "chat.completion", "created": _now(), "model": model,
                                    "choices": choices, "usage": usage(len(prompt), finals, req.n),
@@ -584,7 +420,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if admitted:
                 release(req.n)
 
-    async def chat_stream(gen: _Generation, req: ChatCompletionRequest, cid: str, model: str, prompt_len: int,
+    async def chat_stream(gen: Generation, req: ChatCompletionRequest, cid: str, model: str, prompt_len: int,
                           top_n: int):
         created = _now()
         include_usage = req.include_usage_in_stream
@@ -595,7 +431,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                  "system_fingerprint": None, "choices": choices}
             if with_usage_key:
                 d["usage"] = usage_
-            return _sse(d)
+            return sse_event(d)
 
         def events(i: int, out) -> list[bytes]:
             ev = []
@@ -606,10 +442,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 ev.append(chunk([c]))
             if out.finished:
                 finals[i] = out
-                reason = _finish_str(out.finish_reason)
+                reason = finish_str(out.finish_reason)
                 ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
                 if reason == "error":  # the choice ends "error", then the error itself
-                    ev.append(_sse(generation_error(out).body()))
+                    ev.append(sse_event(generation_error(out).body()))
             return ev
 
         try:
@@ -619,7 +455,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 yield b"".join(e for i, out in items for e in events(i, out))
             if include_usage:
                 yield chunk([], usage(prompt_len, finals, req.n))
-            yield _DONE
+            yield SSE_DONE
         finally:
             gen.abort()
 
@@ -662,7 +498,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             prompt_tokens = sum(len(p) for p in prompts)
             if req.stream:
                 admitted = False
-                return _SSEResponse(completion_stream(gen, req, cid, total, prompt_tokens, top_n),
+                return SSEResponse(completion_stream(gen, req, cid, total, prompt_tokens, top_n),
                                     cleanup=_once(lambda: (gen.abort(), release(total))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, total)
@@ -671,7 +507,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise_engine_errors(finals)
             choices = [{"index": i, "text": outs[i],
                         "logprobs": completion_logprobs(lps[i], top_n) if req.logprobs is not None else None,
-                        "finish_reason": _finish_str(finals[i].finish_reason)} for i in range(total)]
+                        "finish_reason": finish_str(finals[i].finish_reason)} for i in range(total)]
             return _json_response({"id": cid, "object": "text_completion", "created": _now(), "model": served,
                                    "choices": choices, "usage": usage(prompt_tokens, finals, n),
                                    "system_fingerprint": None})
@@ -679,7 +515,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if admitted:
                 release(total)
 
-    async def completion_stream(gen: _Generation, req: CompletionRequest, cid: str, total: int, prompt_tokens: int,
+    async def completion_stream(gen: Generation, req: CompletionRequest, cid: str, total: int, prompt_tokens: int,
                                 top_n: int):
         created = _now()
         include_usage = req.include_usage_in_stream
@@ -691,14 +527,14 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                  "system_fingerprint": None, "choices": choices}
             if include_usage:
                 d["usage"] = usage_
-            return _sse(d)
+            return sse_event(d)
 
         def events(i: int, out) -> list[bytes]:
-            reason = _finish_str(out.finish_reason) if out.finished else None
+            reason = finish_str(out.finish_reason) if out.finished else None
             if out.finished:
                 finals[i] = out
             if reason == "error":
-                return [_sse(generation_error(out).body())]
+                return [sse_event(generation_error(out).body())]
             if not (out.new_text or out.finished):
                 return []
             lp = None
@@ -712,11 +548,11 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 yield b"".join(e for i, out in items for e in events(i, out))
             if include_usage:
                 yield chunk([], usage(prompt_tokens, finals, req.n))
-            yield _DONE
+            yield SSE_DONE
         finally:
             gen.abort()
 
-    app.add_middleware(_Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
     _warm_up(engine, served)
     return app
 
