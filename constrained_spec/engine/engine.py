@@ -134,9 +134,9 @@ class Engine:
         self._launched = None  # the batch whose forward is on the device now
         # tokens on which a matcher can terminate (either backend: a matcher terminates only by
         # accepting one of its stop tokens; the engine's matchers do not override them)
-        self._grammar_stop_ids = self.grammar.stop_token_ids
+        self.grammar_stop_ids = self.grammar.stop_token_ids
         # tokens that may end a request whatever its parameters (EOS, or the end of its grammar)
-        self._stop_ids = self._grammar_stop_ids | frozenset(self.eos_token_ids)
+        self._stop_ids = self.grammar_stop_ids | frozenset(self.eos_token_ids)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
         self._thread.start()
         log.info("engine ready: model %s on %s (%s), %d KV slots, max context %d", self.model_name, self.device,
@@ -238,6 +238,10 @@ class Engine:
 
     def num_queued(self) -> int:
         return len(self._by_id)
+
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar's compile (not yet in the scheduler's queue)."""
+        return len(self._compiling)
 
     def kv_usage(self) -> float:
         pool = self.runner.pool
@@ -408,7 +412,7 @@ class Engine:
                 self._append_token(reqs[i], tokens[i], None if logprobs is None else logprobs[i])
             return
         grammar = [i for i in live if reqs[i].matcher is not None]
-        stop_ids = self._grammar_stop_ids
+        stop_ids = self.grammar_stop_ids
         ending = [i for i in grammar if tokens[i] in stop_ids]  # their matchers may terminate: accepted here
         rest = [i for i in grammar if tokens[i] not in stop_ids] if launched is not None else []
         live = self._accept_now(reqs, live, ending if launched is not None else grammar, tokens)
@@ -519,7 +523,7 @@ class Engine:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             req.output_ids.append(token)
             lps = [logprob] if logprob else None
-            if matcher is not None and token not in params.stop_token_ids and token not in self._grammar_stop_ids:
+            if matcher is not None and token not in params.stop_token_ids and token not in self.grammar_stop_ids:
                 self._grammar_end_violation(req, token, new_ids=[token], logprobs=lps)
                 return
             self._finish(req, FinishReason.STOP, matched=token, new_ids=[token], logprobs=lps)
@@ -532,7 +536,7 @@ class Engine:
         lps = [logprob] if logprob else None
         if stop is not None:
             self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
-        elif (matcher is not None and (not accepted or token in self._grammar_stop_ids)
+        elif (matcher is not None and (not accepted or token in self.grammar_stop_ids)
               and matcher.is_terminated()):
             self._finish(req, FinishReason.STOP, new_ids=new_ids, logprobs=lps)
         elif len(req.output_ids) >= params.max_tokens or req.total_len >= self.max_context:
@@ -540,7 +544,7 @@ class Engine:
         else:
             self._emit(req, new_ids, lps, finished=False)
 
-    def _append_verified(self, req: Request, tokens: list[int]) -> None:
+    def append_verified(self, req: Request, tokens: list[int]) -> None:
         """A speculative step's tokens for one request: what `_append_token(..., jump_forward=False)`
         token by token does, with one update (and one detokenizer call) for the lot where no token
         can end the request: none is a stop token, the request has no stop strings, and the limits
@@ -563,7 +567,7 @@ class Engine:
     def _may_end_within(self, req: Request, n: int) -> bool:
         """Whether the request's next `n` tokens may end it by its parameters or limits, or are its
         first (`_append_token` stamps that): the batched appends (`_append_accepted`,
-        `_append_verified`) leave such tokens to `_append_token`. Stop strings and stop tokens are
+        `append_verified`) leave such tokens to `_append_token`. Stop strings and stop tokens are
         the callers' to check."""
         params = req.params
         return (req.first_token_time is None or bool(params.stop_token_ids)

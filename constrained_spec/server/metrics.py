@@ -25,7 +25,7 @@ def engine_snapshot(engine) -> dict:
     sched = engine.scheduler
     pool = engine.runner.pool
     stats = engine.stats
-    snap = {"running": len(sched.running), "waiting": len(sched.waiting) + len(engine._compiling),
+    snap = {"running": len(sched.running), "waiting": len(sched.waiting) + engine.num_compiling(),
             "kv_capacity": pool.capacity, "kv_free": pool.num_free,
             "grammar": engine.grammar.stats,
             "steps": stats.steps, "decode_steps": stats.decode_steps, "extend_steps": stats.extend_steps,

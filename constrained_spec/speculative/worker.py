@@ -100,7 +100,7 @@ def make_drafter(config, runner=None) -> Drafter | None:
 class SpeculativeWorker:
     """The speculative step of the engine that owns it. Of the engine it uses only `config`,
     `runner` (the model runner: KV pool and table, graphs, `sample_ahead`), `tokenizer`, `masks`
-    (`MaskFiller.fill_chains`), `stats.steps`, `_grammar_stop_ids` and `_append_verified` (the
+    (`MaskFiller.fill_chains`), `stats.steps`, `grammar_stop_ids` and `append_verified` (the
     emitted tokens go back through the engine's own token path)."""
 
     def __init__(self, engine: Engine, drafter: Drafter):
@@ -305,7 +305,7 @@ class SpeculativeWorker:
         if rows:
             self.engine.masks.fill_chains([reqs[b].matcher for b in rows],
                                           [trees.tokens[b, :trees.num_nodes[b]] for b in rows],
-                                          io.bitmask_rows, [b * N for b in rows], self.engine._grammar_stop_ids)
+                                          io.bitmask_rows, [b * N for b in rows], self.engine.grammar_stop_ids)
         return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
 
     # -- verification ----------------------------------------------------------------------------
@@ -360,7 +360,7 @@ class SpeculativeWorker:
         self._count(reqs, base, lens)
         emitted = accepted.emitted_tokens(trees.tokens)
         for b, r in enumerate(reqs):  # after the bookkeeping: a request that finishes here releases its row
-            self.engine._append_verified(r, emitted[b, :lens[b] + 1].tolist())
+            self.engine.append_verified(r, emitted[b, :lens[b] + 1].tolist())
 
     def _count(self, reqs, base, lens) -> None:
         st = self.stats
