@@ -29,7 +29,7 @@ def broken_eos_engine(tiny_llama_dir, request):
     matcher.fill_bitmask(bitmask, 0)
     words = bitmask[0].numpy().view("uint32")
     allowed = [t for t in range(engine.grammar.vocab_size) if (int(words[t >> 5]) >> (t & 31)) & 1]
-    assert allowed and not set(allowed) & engine._grammar_stop_ids
+    assert allowed and not set(allowed) & engine.grammar_stop_ids
     engine.eos_token_ids |= set(allowed)
     yield engine
     engine.shutdown()

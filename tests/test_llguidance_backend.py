@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from constrained_spec.grammar import GrammarBackend, GrammarError, GrammarSpec
-from constrained_spec.grammar.llguidance_backend import LLGuidanceFill, close_objects, refusal_keyword
+from constrained_spec.grammar.llguidance_backend import LLGuidanceFill, refusal_keyword
+from constrained_spec.grammar.llguidance_schema import close_objects
 from constrained_spec.grammar.xgrammar_backend import special_token_ids
 
 VOCAB = 49152
@@ -196,11 +197,11 @@ def test_chain_fill_gives_sequential_rows(backend, tokenizer):
 def test_auto_prefers_llguidance_and_falls_back(backend):
     served = backend.compile(GrammarSpec.json_schema(PERSON).with_backend("auto"))
     assert served.backend == "llguidance"
-    # an unknown format: llguidance refuses it, the normalizer reads it as an annotation
-    custom = GrammarSpec.json_schema({"type": "string", "format": "my-own"})
-    assert backend.compile(custom.with_backend("auto")).backend == "xgrammar"
+    # a standard format llguidance does not implement: the normalizer and xgrammar enforce it
+    standard = GrammarSpec.json_schema({"type": "string", "format": "json-pointer"})
+    assert backend.compile(standard.with_backend("auto")).backend == "xgrammar"
     with pytest.raises(GrammarError) as e:
-        backend.compile(custom.with_backend("llguidance"))
+        backend.compile(standard.with_backend("llguidance"))
     assert e.value.keyword == "format"
     # refused by both: the normalizer's refusal names the keyword
     with pytest.raises(GrammarError) as e:
@@ -309,7 +310,7 @@ def test_auto_moves_a_repeated_grammar_to_xgrammar(tokenizer):
 
 
 def test_formats_as_patterns_rewrites_only_format_keywords():
-    from constrained_spec.grammar.llguidance_backend import formats_as_patterns
+    from constrained_spec.grammar.llguidance_schema import formats_as_patterns
     schema = {"type": "object",
               "properties": {"format": {"type": "string", "format": "date"},  # a property named format
                              "when": {"type": "array", "items": {"format": "date-time"}},

@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import llguidance as llg
 import torch
 
 from .errors import GrammarError
 from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
-from .json_regex import FORMAT_PATTERNS
+from .llguidance_schema import for_llguidance
 from .spec import GrammarSpec
 
 NAME = "llguidance"
@@ -78,116 +78,6 @@ def _check_reads_tokens(ll: "llg.LLTokenizer", tokenizer) -> None:
                            "its tokenizer.json does not describe its vocabulary as llguidance expects")
 
 
-def close_objects(schema: Any) -> Any:
-    """OpenAI `strict`: objects that declare `properties` without `additionalProperties` are closed,
-    and `prefixItems` without `items` closes the array (what xgrammar's strict mode does).
-
-    A subschema llguidance intersects with others (an `allOf` branch, a `$ref` target or a schema
-    beside a `$ref`) is left open: closing one side of an intersection would reject the properties
-    of the other. That keeps such objects to JSON Schema's semantics (extra properties allowed)."""
-    if not isinstance(schema, (dict, list)):
-        return schema
-    shared = set()
-
-    def find_refs(s):
-        if isinstance(s, dict):
-            ref = s.get("$ref")
-            if isinstance(ref, str):
-                shared.add(ref)
-            for v in s.values():
-                find_refs(v)
-        elif isinstance(s, list):
-            for v in s:
-                find_refs(v)
-    find_refs(schema)
-
-    def walk(s, pointer: str, open_here: bool):
-        if isinstance(s, list):
-            return [walk(v, pointer, open_here) for v in s]
-        if not isinstance(s, dict):
-            return s
-        open_here = open_here or "$ref" in s or "allOf" in s or pointer in shared
-        out = {}
-        for k, v in s.items():
-            if k in ("enum", "const", "default", "examples"):
-                out[k] = v
-            elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-                out[k] = ({n: walk(sub, f"{pointer}/{k}/{_escape(n)}", False) for n, sub in v.items()}
-                          if isinstance(v, dict) else v)
-            elif k == "allOf":
-                out[k] = [walk(sub, f"{pointer}/allOf/{i}", True) for i, sub in enumerate(v)] \
-                    if isinstance(v, list) else v
-            elif isinstance(v, (dict, list)):
-                out[k] = walk(v, f"{pointer}/{k}", False) if isinstance(v, dict) else \
-                    [walk(sub, f"{pointer}/{k}/{i}", False) for i, sub in enumerate(v)]
-            else:
-                out[k] = v
-        if not open_here:
-            if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
-                out["additionalProperties"] = False
-            if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
-                out["items"] = False
-        return out
-    return walk(schema, "#", False)
-
-
-# characters JSON can only write as \u escapes, which the grammars leave out (`json_options`)
-_UNWRITABLE = re.compile(r"[\x00-\x07\x0b\x0e-\x1f]")
-
-
-def _check_writable(schema: Any, path: str) -> None:
-    """Refuses a schema whose const/enum values or property names hold a character the grammar cannot
-    write (llguidance would drop it from the literal: "hello\u0000there" matched "hellothere")."""
-    def bad(v) -> bool:
-        if isinstance(v, str):
-            return bool(_UNWRITABLE.search(v))
-        if isinstance(v, list):
-            return any(bad(x) for x in v)
-        if isinstance(v, dict):
-            return any(bad(k) or bad(x) for k, x in v.items())
-        return False
-    if isinstance(schema, list):
-        for i, v in enumerate(schema):
-            _check_writable(v, f"{path}/{i}")
-        return
-    if not isinstance(schema, dict):
-        return
-    for k, v in schema.items():
-        names = k in ("properties", "required") and isinstance(v, (dict, list))
-        if (k in ("const", "enum") and bad(v)) or (names and bad(list(v))):
-            raise GrammarError(f"'{k}' {'at ' + path if path else 'at the schema root'} holds a control character "
-                               "JSON writes only as a \\u escape", keyword=k, path=path)
-        if k not in ("const", "enum", "default", "examples"):
-            _check_writable(v, f"{path}/{_escape(k)}")
-
-
-# formats llguidance enforces more loosely than a checker does (measured: "date" takes 0000-01-01 and
-# 2023-02-29, which Python's date, hence jsonschema's format checker, refuses), and the normalizer's
-# exact pattern for each
-_PATTERN_FORMATS = {name: FORMAT_PATTERNS[name] for name in ("date", "date-time", "time")}
-
-
-def formats_as_patterns(schema: Any) -> Any:
-    """The schema with each string `format` of _PATTERN_FORMATS written as its `pattern` (where the
-    subschema has no pattern of its own, which llguidance could not intersect with it)."""
-    if isinstance(schema, list):
-        return [formats_as_patterns(v) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        out[k] = v if k in ("enum", "const", "default", "examples") else formats_as_patterns(v)
-    fmt = out.get("format")
-    if isinstance(fmt, str) and fmt in _PATTERN_FORMATS and "pattern" not in out:
-        del out["format"]
-        out["pattern"] = _PATTERN_FORMATS[fmt]
-    return out
-
-
-def _escape(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 _KEYWORD_HINTS = (("Unknown format", "format"), ("format", "format"), ("pattern", "pattern"),
                   ("$ref", "$ref"), ("allOf", "allOf"), ("oneOf", "oneOf"), ("anyOf", "anyOf"),
@@ -227,11 +117,7 @@ class LLGuidanceCompiler:
     def grammar_text(self, spec: GrammarSpec) -> str:
         """llguidance's grammar for the spec (not yet checked: `compile` does that)."""
         if spec.kind == "json_schema":
-            schema = json.loads(spec.value)
-            _check_writable(schema, "")
-            if spec.strict:
-                schema = close_objects(schema)
-            schema = formats_as_patterns(schema)
+            schema = for_llguidance(json.loads(spec.value), spec.strict)
             if schema is True:
                 schema = {}
             if schema is False:

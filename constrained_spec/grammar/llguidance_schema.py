@@ -1,0 +1,255 @@
+"""JSON schemas rewritten for llguidance: the same language, in the form llguidance takes.
+
+`for_llguidance` runs them in order: refuse what the grammar could not write (`check_writable`),
+close objects as OpenAI's `strict` does (`close_objects`), write the date formats as the exact
+patterns the normalizer uses (`formats_as_patterns`), turn a `oneOf` whose branches cannot share a
+JSON type into `anyOf` (`one_of_by_type_as_any_of`; llguidance refuses a `oneOf` it cannot prove
+disjoint, and proves this kind only sometimes), and drop `format` values that no JSON Schema draft
+defines (`without_unknown_formats`: annotations, which llguidance refuses as unknown). Without the
+last two, such schemas went to xgrammar and compiled in seconds instead of a millisecond.
+Every rewrite leaves `enum`, `const`, `default` and `examples` values alone (data, not schemas), and
+none changes the input.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+from urllib.parse import unquote
+
+from .errors import GrammarError
+from .json_regex import FORMAT_PATTERNS
+
+DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+def for_llguidance(schema: Any, strict: bool) -> Any:
+    check_writable(schema, "")
+    if strict:
+        schema = close_objects(schema)
+    schema = formats_as_patterns(schema)
+    schema = one_of_by_type_as_any_of(schema)
+    return without_unknown_formats(schema)
+
+
+def close_objects(schema: Any) -> Any:
+    """OpenAI `strict`: objects that declare `properties` without `additionalProperties` are closed,
+    and `prefixItems` without `items` closes the array (what xgrammar's strict mode does).
+
+    A subschema llguidance intersects with others (an `allOf` branch, a `$ref` target or a schema
+    beside a `$ref`) is left open: closing one side of an intersection would reject the properties
+    of the other. That keeps such objects to JSON Schema's semantics (extra properties allowed)."""
+    if not isinstance(schema, (dict, list)):
+        return schema
+    shared = set()
+
+    def find_refs(s):
+        if isinstance(s, dict):
+            ref = s.get("$ref")
+            if isinstance(ref, str):
+                shared.add(ref)
+            for v in s.values():
+                find_refs(v)
+        elif isinstance(s, list):
+            for v in s:
+                find_refs(v)
+    find_refs(schema)
+
+    def walk(s, pointer: str, open_here: bool):
+        if isinstance(s, list):
+            return [walk(v, pointer, open_here) for v in s]
+        if not isinstance(s, dict):
+            return s
+        open_here = open_here or "$ref" in s or "allOf" in s or pointer in shared
+        out = {}
+        for k, v in s.items():
+            if k in ("enum", "const", "default", "examples"):
+                out[k] = v
+            elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+                out[k] = ({n: walk(sub, f"{pointer}/{k}/{_escape(n)}", False) for n, sub in v.items()}
+                          if isinstance(v, dict) else v)
+            elif k == "allOf":
+                out[k] = [walk(sub, f"{pointer}/allOf/{i}", True) for i, sub in enumerate(v)] \
+                    if isinstance(v, list) else v
+            elif isinstance(v, (dict, list)):
+                out[k] = walk(v, f"{pointer}/{k}", False) if isinstance(v, dict) else \
+                    [walk(sub, f"{pointer}/{k}/{i}", False) for i, sub in enumerate(v)]
+            else:
+                out[k] = v
+        if not open_here:
+            if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+                out["additionalProperties"] = False
+            if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
+                out["items"] = False
+        return out
+    return walk(schema, "#", False)
+
+
+# characters JSON can only write as \u escapes, which the grammars leave out (`json_options`)
+_UNWRITABLE = re.compile(r"[\x00-\x07\x0b\x0e-\x1f]")
+
+
+def check_writable(schema: Any, path: str) -> None:
+    """Refuses a schema whose const/enum values or property names hold a character the grammar cannot
+    write (llguidance would drop it from the literal: "hello\u0000there" matched "hellothere")."""
+    def bad(v) -> bool:
+        if isinstance(v, str):
+            return bool(_UNWRITABLE.search(v))
+        if isinstance(v, list):
+            return any(bad(x) for x in v)
+        if isinstance(v, dict):
+            return any(bad(k) or bad(x) for k, x in v.items())
+        return False
+    if isinstance(schema, list):
+        for i, v in enumerate(schema):
+            check_writable(v, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for k, v in schema.items():
+        names = k in ("properties", "required") and isinstance(v, (dict, list))
+        if (k in ("const", "enum") and bad(v)) or (names and bad(list(v))):
+            raise GrammarError(f"'{k}' {'at ' + path if path else 'at the schema root'} holds a control character "
+                               "JSON writes only as a \\u escape", keyword=k, path=path)
+        if k not in ("const", "enum", "default", "examples"):
+            check_writable(v, f"{path}/{_escape(k)}")
+
+
+# formats llguidance enforces more loosely than a checker does (measured: "date" takes 0000-01-01 and
+# 2023-02-29, which Python's date, hence jsonschema's format checker, refuses), and the normalizer's
+# exact pattern for each
+_PATTERN_FORMATS = {name: FORMAT_PATTERNS[name] for name in ("date", "date-time", "time")}
+
+
+def formats_as_patterns(schema: Any) -> Any:
+    """The schema with each string `format` of _PATTERN_FORMATS written as its `pattern` (where the
+    subschema has no pattern of its own, which llguidance could not intersect with it)."""
+    if isinstance(schema, list):
+        return [formats_as_patterns(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        out[k] = v if k in ("enum", "const", "default", "examples") else formats_as_patterns(v)
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in _PATTERN_FORMATS and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = _PATTERN_FORMATS[fmt]
+    return out
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+# Every format a JSON Schema draft defines (draft 3's included); any other is an annotation that a
+# validator ignores, so dropping it changes no instance's validity.
+STANDARD_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4",
+    "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+    "relative-json-pointer", "regex", "utc-millisec", "color", "style", "phone", "ip-address", "host-name"})
+
+
+def without_unknown_formats(schema: Any) -> Any:
+    """The schema without the string `format` values no draft defines (`STANDARD_FORMATS`)."""
+    if isinstance(schema, list):
+        return [without_unknown_formats(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: v if k in DATA_KEYWORDS else without_unknown_formats(v) for k, v in schema.items()
+            if not (k == "format" and isinstance(v, str) and v not in STANDARD_FORMATS)}
+
+
+def one_of_by_type_as_any_of(schema: Any) -> Any:
+    """The schema with each `oneOf` whose branches have pairwise disjoint JSON types (an integer is
+    a number) written as `anyOf`: no instance can match two branches, so the two are the same. A
+    branch's types come from its `type`, its `const` or `enum` values, or its local `$ref`'s target;
+    a branch without them, or a document whose `$ref`s could resolve against a nested `$id`, leaves
+    the `oneOf` as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    resolvable = not _has_nested_id(schema, top=True)
+
+    def types(s: Any, seen: frozenset) -> Optional[frozenset]:
+        if s is False:
+            return frozenset()
+        if not isinstance(s, dict):
+            return None
+        ref = s.get("$ref")
+        if ref is not None:  # a conjunct in 2019-09+, the whole schema in draft 7: its target bounds both
+            target = _local_target(schema, ref) if resolvable and ref not in seen else None
+            return None if target is None else types(target, seen | {ref})
+        t = s.get("type")
+        if isinstance(t, str):
+            t = [t]
+        if isinstance(t, list) and t and all(isinstance(x, str) for x in t):
+            return frozenset(t)
+        if "const" in s:
+            return frozenset({_value_type(s["const"])})
+        if isinstance(s.get("enum"), list):
+            return frozenset(_value_type(v) for v in s["enum"])
+        return None
+
+    def disjoint_by_type(branches: Any) -> bool:
+        if not isinstance(branches, list) or not branches:
+            return False
+        sets = [types(b, frozenset()) for b in branches]
+        if any(t is None for t in sets):
+            return False
+        return all(not _types_overlap(sets[i], sets[j]) for i in range(len(sets)) for j in range(i + 1, len(sets)))
+
+    def walk(s: Any) -> Any:
+        if isinstance(s, list):
+            return [walk(v) for v in s]
+        if not isinstance(s, dict):
+            return s
+        out = {k: v if k in DATA_KEYWORDS else walk(v) for k, v in s.items()}
+        if "oneOf" in out and "anyOf" not in out and disjoint_by_type(s["oneOf"]):
+            out = {("anyOf" if k == "oneOf" else k): v for k, v in out.items()}
+        return out
+    return walk(schema)
+
+
+def _value_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def _types_overlap(a: frozenset, b: frozenset) -> bool:
+    return bool(a & b) or ("number" in a and "integer" in b) or ("integer" in a and "number" in b)
+
+
+def _has_nested_id(s: Any, top: bool = False) -> bool:
+    """Whether a subschema below the root sets a base URI (`$id`, draft 4's `id`), against which a
+    `#/...` reference inside it would resolve."""
+    if isinstance(s, list):
+        return any(_has_nested_id(v) for v in s)
+    if not isinstance(s, dict):
+        return False
+    if not top and (isinstance(s.get("$id"), str) or isinstance(s.get("id"), str)):
+        return True
+    return any(_has_nested_id(v) for k, v in s.items() if k not in DATA_KEYWORDS)
+
+
+def _local_target(root: dict, ref: Any) -> Any:
+    """The subschema a local `$ref` (`#` or `#/json/pointer`) names, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
