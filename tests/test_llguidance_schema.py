@@ -1,8 +1,9 @@
 """The JSON-schema rewrites for llguidance (`grammar/llguidance_schema.py`): a `oneOf` whose branches
-cannot share a JSON type becomes `anyOf`, and `format` values no draft defines are dropped, so llguidance
-takes schemas it used to refuse (they went to xgrammar, compiling in seconds). The rewrites must leave
-the language alone: unit cases, then random token walks through the real dev schemas they concern
-(SmolLM2 tokenizer, no model), every completed walk valid for the ORIGINAL schema."""
+cannot share a JSON type becomes `anyOf`, and `format` values no draft defines and empty `dependencies`
+are dropped, so llguidance takes schemas it used to refuse (they went to xgrammar, compiling in
+seconds). The rewrites must leave the language alone: unit cases, then random token walks through
+the real dev schemas they concern (SmolLM2 tokenizer, no model), every completed walk valid for the
+ORIGINAL schema."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,7 @@ import torch
 
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 from constrained_spec.grammar.llguidance_schema import (STANDARD_FORMATS, one_of_by_type_as_any_of,
-                                                        without_unknown_formats)
+                                                        without_inert_keywords)
 from test_grammar_soundness import special_ids, validation_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,13 +70,23 @@ def test_rewrites_leave_data_and_input_alone():
                              "when": {"type": "string", "format": "uri-reference"},
                              "v": {"oneOf": [{"type": "string"}, {"type": "null"}]}}}
     before = copy.deepcopy(schema)
-    out = without_unknown_formats(one_of_by_type_as_any_of(schema))
+    out = without_inert_keywords(one_of_by_type_as_any_of(schema))
     assert schema == before
     assert out["enum"] == before["enum"] and out["default"] == before["default"] and out["examples"] == before["examples"]
     assert out["properties"]["format"] == {"type": "string"}  # a property named format keeps its schema
     assert out["properties"]["when"]["format"] == "uri-reference"  # a standard format stays (llguidance refuses it)
     assert "anyOf" in out["properties"]["v"]
     assert {"date", "date-time", "email", "uri", "ipv4", "regex"} <= STANDARD_FORMATS
+
+
+def test_empty_dependencies_are_dropped_and_properties_named_so_kept():
+    schema = {"type": "object", "dependencies": {}, "dependentRequired": {"a": ["b"]},
+              "properties": {"dependencies": {}, "format": {}}, "additionalProperties": False,
+              "$defs": {"dependencies": {"dependentSchemas": {}}}}
+    out = without_inert_keywords(schema)
+    assert "dependencies" not in out and out["dependentRequired"] == {"a": ["b"]}
+    assert out["properties"] == {"dependencies": {}, "format": {}}
+    assert out["$defs"] == {"dependencies": {}}
 
 
 def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
@@ -97,7 +108,7 @@ def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
 def concerned(row) -> bool:
     """A dev schema the rewrites change."""
     s = row["schema"]
-    return one_of_by_type_as_any_of(s) != s or without_unknown_formats(s) != s
+    return one_of_by_type_as_any_of(s) != s or without_inert_keywords(s) != s
 
 
 def walk(matcher, never: np.ndarray, short: np.ndarray, vocab_bytes: list, rng: random.Random, max_steps: int = 300):

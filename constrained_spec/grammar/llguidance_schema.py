@@ -4,10 +4,10 @@
 close objects as OpenAI's `strict` does (`close_objects`), write the date formats as the exact
 patterns the normalizer uses (`formats_as_patterns`), turn a `oneOf` whose branches cannot share a
 JSON type into `anyOf` (`one_of_by_type_as_any_of`; llguidance refuses a `oneOf` it cannot prove
-disjoint, and proves this kind only sometimes), and drop `format` values that no JSON Schema draft
-defines (`without_unknown_formats`: annotations, which llguidance refuses as unknown). Without the
-last two, such schemas went to xgrammar and compiled in seconds instead of a millisecond.
-Every rewrite leaves `enum`, `const`, `default` and `examples` values alone (data, not schemas), and
+disjoint, and proves this kind only sometimes), and drop what constrains nothing yet llguidance
+refuses: `format` values that no JSON Schema draft defines (annotations) and empty `dependencies`
+(`without_inert_keywords`). Without the last two, such schemas went to xgrammar and compiled in
+seconds instead of a millisecond. Every rewrite leaves `enum`, `const`, `default` and `examples` values alone (data, not schemas), and
 none changes the input.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
         schema = close_objects(schema)
     schema = formats_as_patterns(schema)
     schema = one_of_by_type_as_any_of(schema)
-    return without_unknown_formats(schema)
+    return without_inert_keywords(schema)
 
 
 def close_objects(schema: Any) -> Any:
@@ -149,14 +149,31 @@ STANDARD_FORMATS = frozenset({
     "relative-json-pointer", "regex", "utc-millisec", "color", "style", "phone", "ip-address", "host-name"})
 
 
-def without_unknown_formats(schema: Any) -> Any:
-    """The schema without the string `format` values no draft defines (`STANDARD_FORMATS`)."""
+# keywords whose value maps names to subschemas: their keys are names, not keywords
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
+
+
+def without_inert_keywords(schema: Any) -> Any:
+    """The schema without what constrains no instance and llguidance refuses: a `format` no draft
+    defines (`STANDARD_FORMATS`) and an empty `dependencies` (`dependentRequired`, `dependentSchemas`)."""
     if isinstance(schema, list):
-        return [without_unknown_formats(v) for v in schema]
+        return [without_inert_keywords(v) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    return {k: v if k in DATA_KEYWORDS else without_unknown_formats(v) for k, v in schema.items()
-            if not (k == "format" and isinstance(v, str) and v not in STANDARD_FORMATS)}
+    out = {}
+    for k, v in schema.items():
+        if k == "format" and isinstance(v, str) and v not in STANDARD_FORMATS:
+            continue
+        if k in DEPENDENCY_KEYWORDS and v == {}:
+            continue
+        if k in DATA_KEYWORDS:
+            out[k] = v
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: without_inert_keywords(sub) for name, sub in v.items()}
+        else:
+            out[k] = without_inert_keywords(v)
+    return out
 
 
 def one_of_by_type_as_any_of(schema: Any) -> Any:
