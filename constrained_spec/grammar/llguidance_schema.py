@@ -7,8 +7,8 @@ JSON type into `anyOf` (`one_of_by_type_as_any_of`; llguidance refuses a `oneOf`
 disjoint, and proves this kind only sometimes), and drop what constrains nothing yet llguidance
 refuses: `format` values that no JSON Schema draft defines (annotations) and empty `dependencies`
 (`without_inert_keywords`). Without the last two, such schemas went to xgrammar and compiled in
-seconds instead of a millisecond. Every rewrite leaves `enum`, `const`, `default` and `examples` values alone (data, not schemas), and
-none changes the input.
+seconds instead of a millisecond. Every rewrite leaves `enum`, `const`, `default` and `examples`
+values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
 
