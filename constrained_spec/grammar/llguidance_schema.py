@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 from .errors import GrammarError
 from .json_regex import FORMAT_PATTERNS
+from .json_types import types_overlap, value_type
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")
 
@@ -201,9 +202,9 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
         if isinstance(t, list) and t and all(isinstance(x, str) for x in t):
             return frozenset(t)
         if "const" in s:
-            return frozenset({_value_type(s["const"])})
+            return frozenset({value_type(s["const"])})
         if isinstance(s.get("enum"), list):
-            return frozenset(_value_type(v) for v in s["enum"])
+            return frozenset(value_type(v) for v in s["enum"])
         return None
 
     def disjoint_by_type(branches: Any) -> bool:
@@ -212,7 +213,7 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
         sets = [types(b, frozenset()) for b in branches]
         if any(t is None for t in sets):
             return False
-        return all(not _types_overlap(sets[i], sets[j]) for i in range(len(sets)) for j in range(i + 1, len(sets)))
+        return all(not types_overlap(sets[i], sets[j]) for i in range(len(sets)) for j in range(i + 1, len(sets)))
 
     def walk(s: Any) -> Any:
         if isinstance(s, list):
@@ -224,24 +225,6 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
             out = {("anyOf" if k == "oneOf" else k): v for k, v in out.items()}
         return out
     return walk(schema)
-
-
-def _value_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    return "array" if isinstance(v, list) else "object"
-
-
-def _types_overlap(a: frozenset, b: frozenset) -> bool:
-    return bool(a & b) or ("number" in a and "integer" in b) or ("integer" in a and "number" in b)
 
 
 def _has_nested_id(s: Any, top: bool = False) -> bool:

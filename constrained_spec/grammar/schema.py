@@ -30,7 +30,8 @@ from typing import Any, Optional
 from urllib.parse import unquote
 
 from .errors import GrammarError, at, unsupported
-from .json_regex import FORMAT_PATTERNS, MAX_LENGTH_BOUND, json_must_escape, convert_pattern, json_string_regex
+from .json_regex import FORMAT_PATTERNS, MAX_LENGTH_BOUND, convert_pattern, json_must_escape, json_string_regex
+from .json_types import types_overlap, value_type
 
 ANNOTATIONS = {
     "title", "description", "default", "examples", "example", "$comment", "deprecated",
@@ -103,28 +104,6 @@ def _json_key(v: Any) -> str:
             return {k: norm(v) for k, v in x.items()}
         return x
     return json.dumps(norm(v), sort_keys=True)
-
-
-def _value_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    return "object"
-
-
-def _types_overlap(a: set, b: set) -> bool:
-    ea = set(a) | ({"integer"} if "number" in a else set())
-    eb = set(b) | ({"integer"} if "number" in b else set())
-    return bool(ea & eb)
 
 
 # --------------------------------------------------------------------------- normalizer
@@ -664,7 +643,7 @@ class _Normalizer:
         for x, y in ((a, b), (b, a)):
             if "enum" in x:
                 ty = _types_of(y)
-                if ty is not None and all(not _types_overlap({_value_type(v)}, ty)
+                if ty is not None and all(not types_overlap({value_type(v)}, ty)
                                           for v in x["enum"]):
                     return True
                 if "$ref" not in json.dumps(y) and "anyOf" not in y and "oneOf" not in y:
@@ -678,7 +657,7 @@ class _Normalizer:
                 if u in x:
                     return all(self.disjoint(br, y, path) for br in x[u])
         ta, tb = _types_of(a), _types_of(b)
-        if ta is not None and tb is not None and not _types_overlap(ta, tb):
+        if ta is not None and tb is not None and not types_overlap(ta, tb):
             return True
         if ta is not None and tb is not None and ta == {"object"} and tb == {"object"}:
             pa, pb = a.get("properties", {}), b.get("properties", {})
