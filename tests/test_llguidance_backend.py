@@ -325,3 +325,17 @@ def test_formats_as_patterns_rewrites_only_format_keywords():
     assert props["mail"] == {"type": "string", "format": "email"}
     assert out["enum"] == [{"format": "date"}] and out["default"] == {"format": "time"}
     assert schema["properties"]["format"]["format"] == "date"  # the input is not changed
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar", "auto"])
+def test_a_grammar_that_accepts_nothing_is_refused(backend, name):
+    """Its first mask would hold no token but a stop token its matcher refuses (llguidance) or none at
+    all (xgrammar): the request would fail in the engine. A grammar that can still write something
+    compiles, even if no path through it ends (that is truncation, not an error)."""
+    for schema in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
+        with pytest.raises(GrammarError) as e:
+            backend.compile(GrammarSpec.json_schema(schema).with_backend(name))
+        assert "accepts no string" in str(e.value)
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    assert backend.compile(GrammarSpec.json_schema(endless).with_backend(name)).backend in ("llguidance", "xgrammar")
+    assert backend.compile(GrammarSpec.regex("a?").with_backend(name))  # may end at once

@@ -80,7 +80,9 @@ def test_unsupported_schema_names_keyword_and_path(http):
 
 
 @pytest.mark.parametrize("schema", [{"type": "strng"}, {"type": "object", "required": "a"},
-                                    {"properties": {"x": {"type": "integer", "minimum": "zero"}}}])
+                                    {"properties": {"x": {"type": "integer", "minimum": "zero"}}},
+                                    {"$ref": "#"},  # accepts no value: was a 500 from the engine
+                                    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}])
 def test_invalid_schema(http, schema):
     assert_error(http.post("/v1/chat/completions", json=schema_body(schema)), 400)
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import List, Optional
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -237,9 +238,9 @@ class GrammarBackend:
         refuses or fails); "auto" tries llguidance, then the normalizer and xgrammar."""
         backend = key[0]
         if backend == XGRAMMAR:
-            return self._build_xgrammar(spec, prepared, key)
+            return self._refuse_if_empty(self._build_xgrammar(spec, prepared, key))
         try:
-            return self._build_llguidance(spec)
+            compiled = self._build_llguidance(spec)
         except GrammarError as refusal:
             if backend == LLGUIDANCE:
                 if spec.kind == "json_schema":
@@ -248,7 +249,31 @@ class GrammarBackend:
             with self._lock:
                 self._stats["llguidance_fallbacks"] += 1
             xkey, prepared = self._normalize(spec)  # the normalizer's refusal names the keyword
-            return self._build_xgrammar(spec, prepared, xkey)
+            compiled = self._build_xgrammar(spec, prepared, xkey)
+        return self._refuse_if_empty(compiled)
+
+    def _refuse_if_empty(self, compiled: CompiledGrammar) -> CompiledGrammar:
+        """The compiled grammar, or GrammarError if it accepts no string at all (`{"$ref": "#"}`, a
+        reference to itself and nothing else): its first mask would allow no token but a stop token
+        its matcher refuses (llguidance) or none (xgrammar), and the request would fail in the engine
+        instead of being refused up front."""
+        m = self.matcher(compiled)
+        if m.can_terminate():
+            return compiled
+        bitmask = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
+        m.fill_bitmask(bitmask, 0)
+        words = bitmask[0].numpy().view(np.uint32).copy()
+        for t in self.stop_token_ids:
+            words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+        if words.any():
+            return compiled
+        spec = compiled.spec
+        error = GrammarError(f"the {spec.kind} grammar accepts no string"
+                             + (": no JSON value satisfies the schema (a $ref cycle with nothing else, or "
+                                "contradictory keywords)" if spec.kind == "json_schema" else ""))
+        if spec.kind == "json_schema":
+            self._count_refusal(error)
+        raise error
 
     def _build_xgrammar(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
         loaded = self.xgrammar.load(spec, prepared, key)
