@@ -8,6 +8,10 @@ from typing import Optional, Union
 from .errors import GrammarError
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+# JSON nesting of a schema document (objects and arrays). The compilers walk schemas recursively;
+# far deeper documents hit Python's recursion limit, in a place that answered 500 (measured: 1,000
+# levels). The deepest schema under schemas/ nests 18.
+MAX_SCHEMA_DEPTH = 256
 # grammar backends a request may name (grammar/backend.py): "auto" picks one per grammar
 BACKENDS = ("xgrammar", "llguidance", "auto")
 
@@ -40,6 +44,7 @@ class GrammarSpec:
                 raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("JSON schema must be a JSON object or boolean")
+        _check_depth(schema)
         # Key order is kept on purpose: xgrammar emits properties in declaration order.
         value = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         return cls("json_schema", value, bool(strict))
@@ -77,3 +82,16 @@ class GrammarSpec:
     def schema(self):
         """The parsed schema (json_schema kind only)."""
         return json.loads(self.value)
+
+
+def _check_depth(schema) -> None:
+    """GrammarError if the schema nests deeper than MAX_SCHEMA_DEPTH (walked without recursion)."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
+        stack.extend((child, depth + 1) for child in children)
