@@ -332,10 +332,39 @@ def test_a_grammar_that_accepts_nothing_is_refused(backend, name):
     """Its first mask would hold no token but a stop token its matcher refuses (llguidance) or none at
     all (xgrammar): the request would fail in the engine. A grammar that can still write something
     compiles, even if no path through it ends (that is truncation, not an error)."""
-    for schema in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
+    for spec in (GrammarSpec.ebnf("root ::= a\na ::= a"), GrammarSpec.regex("[^\\x00-\\U0010FFFF]")):
         with pytest.raises(GrammarError) as e:
-            backend.compile(GrammarSpec.json_schema(schema).with_backend(name))
+            backend.compile(spec.with_backend(name))
         assert "accepts no string" in str(e.value)
     endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
     assert backend.compile(GrammarSpec.json_schema(endless).with_backend(name)).backend in ("llguidance", "xgrammar")
     assert backend.compile(GrammarSpec.regex("a?").with_backend(name))  # may end at once
+
+
+@pytest.mark.parametrize("schema,path", [
+    ({"$ref": "#"}, ""),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a", "title": "B"}}, "$ref": "#/$defs/a"}, ""),
+    # reachable only through a required property: llguidance let a request write `{"a":` and then
+    # offered only a stop token it refused
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+      "$defs": {"x": {"$ref": "#/$defs/x"}}}, "/properties/a"),
+])
+def test_a_reference_only_to_itself_is_refused(schema, path):
+    with pytest.raises(GrammarError) as e:
+        GrammarSpec.json_schema(schema)
+    assert "leads only to references back to itself" in str(e.value) and e.value.keyword == "$ref"
+    assert e.value.path == path
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "string"}}},
+    {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+     "$ref": "#/$defs/node"},  # recursive, and satisfiable
+    {"$ref": "#", "type": "string"},  # a sibling constrains (2019-09+)
+    {"$ref": "#/$defs/missing"},  # unresolvable: the compilers say so
+    {"$ref": "#foo", "$defs": {"A": {"$anchor": "foo", "type": "integer"}}},  # an anchor, not the root
+    {"enum": [{"$ref": "#"}]},  # data, not a schema
+    {"type": "string", "$defs": {"loop": {"$ref": "#/$defs/loop"}}},  # a cycle no $ref uses
+])
+def test_references_that_reach_a_schema_are_kept(schema):
+    assert GrammarSpec.json_schema(schema).kind == "json_schema"

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import re
 from typing import Any, Optional
-from urllib.parse import unquote
 
 from .errors import GrammarError
 from .json_regex import FORMAT_PATTERNS
 from .json_types import types_overlap, value_type
-
-DATA_KEYWORDS = ("enum", "const", "default", "examples")
-
+from .schema_refs import DATA_KEYWORDS, has_nested_id, local_target
 
 def for_llguidance(schema: Any, strict: bool) -> Any:
     check_writable(schema, "")
@@ -185,7 +182,7 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
     the `oneOf` as it is."""
     if not isinstance(schema, dict):
         return schema
-    resolvable = not _has_nested_id(schema, top=True)
+    resolvable = not has_nested_id(schema, top=True)
 
     def types(s: Any, seen: frozenset) -> Optional[frozenset]:
         if s is False:
@@ -194,7 +191,7 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
             return None
         ref = s.get("$ref")
         if ref is not None:  # a conjunct in 2019-09+, the whole schema in draft 7: its target bounds both
-            target = _local_target(schema, ref) if resolvable and ref not in seen else None
+            target = local_target(schema, ref) if resolvable and ref not in seen else None
             return None if target is None else types(target, seen | {ref})
         t = s.get("type")
         if isinstance(t, str):
@@ -225,31 +222,3 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
             out = {("anyOf" if k == "oneOf" else k): v for k, v in out.items()}
         return out
     return walk(schema)
-
-
-def _has_nested_id(s: Any, top: bool = False) -> bool:
-    """Whether a subschema below the root sets a base URI (`$id`, draft 4's `id`), against which a
-    `#/...` reference inside it would resolve."""
-    if isinstance(s, list):
-        return any(_has_nested_id(v) for v in s)
-    if not isinstance(s, dict):
-        return False
-    if not top and (isinstance(s.get("$id"), str) or isinstance(s.get("id"), str)):
-        return True
-    return any(_has_nested_id(v) for k, v in s.items() if k not in DATA_KEYWORDS)
-
-
-def _local_target(root: dict, ref: Any) -> Any:
-    """The subschema a local `$ref` (`#` or `#/json/pointer`) names, or None."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    node: Any = root
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node

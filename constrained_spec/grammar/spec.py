@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from .errors import GrammarError
+from .schema_refs import check_ref_cycles
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 # JSON nesting of a schema document (objects and arrays). The compilers walk schemas recursively;
@@ -45,6 +46,7 @@ class GrammarSpec:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("JSON schema must be a JSON object or boolean")
         _check_depth(schema)
+        check_ref_cycles(schema)
         # Key order is kept on purpose: xgrammar emits properties in declaration order.
         value = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         return cls("json_schema", value, bool(strict))
