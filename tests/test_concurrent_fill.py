@@ -255,8 +255,10 @@ def test_failed_step_with_a_started_fill_keeps_serving(tiny_llama_dir, reference
 
         def raising(out):
             collector(out)
-            if len(collector.ids) == 3 and not raised:
-                raised.append(beside_a_fill(eng))
+            # from the third token on, at the first update that comes while a fill runs (on a loaded
+            # machine a step's fill may be done before its updates go out)
+            if len(collector.ids) >= 3 and not raised and beside_a_fill(eng):
+                raised.append(True)
                 raise RuntimeError("injected failure in an output callback")
         others = [_Collector() for _ in PROMPTS[1:]]
         reqs = [eng.add_request(PROMPTS[0], params[0], specs[0], raising)]
