@@ -6,7 +6,8 @@
     python benchmarks/stress_schemas.py --url http://127.0.0.1:8000 --limit 50
 
 Schemas: schemas/jsonschemabench-dev.jsonl (400) plus schemas/conformance/cases.jsonl. Each configuration
-(`--configs`, comma separated; tokens joined by '-': plain|ngram, greedy|t<T>, stream, c<clients>) starts
+(`--configs`, comma separated; tokens joined by '-': plain|ngram|eagle, always (speculate at every step),
+greedy|t<T>, stream, c<clients>, fp<frequency penalty>) starts
 its own server on a free 127.0.0.1 port (or uses `--url`). Every answer is classified:
 
   valid         200, finish "stop", JSON that validates (the schema's draft, with a format checker)
@@ -484,13 +485,16 @@ class Config:
 
 def parse_config(name: str, clients: int, temperature: float, stream: bool, extra_args: list[str]) -> Config:
     """'ngram-t0.7-stream-c128' -> n-gram speculation, T=0.7, streamed, 128 clients (unset parts: the flags);
-    'fp0.5' adds frequency_penalty 0.5 to every request."""
+    'eagle-always' speculates with the EAGLE head at every step; 'fp0.5' adds frequency_penalty 0.5 to
+    every request."""
     server_args, sampling = list(extra_args), {}
     for tok in name.split("-"):
         if tok == "plain":
             pass
-        elif tok == "ngram":
-            server_args += ["--speculative-algorithm", "ngram"]
+        elif tok in ("ngram", "eagle"):
+            server_args += ["--speculative-algorithm", tok]
+        elif tok == "always":  # speculate at every step (the measured policy may keep a drafter off)
+            server_args += ["--speculative-policy", "always"]
         elif tok == "greedy":
             temperature = 0.0
         elif re.fullmatch(r"t\d+(\.\d+)?", tok):

@@ -107,7 +107,9 @@ def test_schema_nesting_limit(http):
 
 
 @pytest.mark.parametrize("extra", [{"regex": "(unclosed"}, {"ebnf": "root ::= undefined_rule"}, {"choice": []},
-                                   {"regex": "a+", "choice": ["a"]}])
+                                   {"regex": "a+", "choice": ["a"]},
+                                   {"regex": "a[^\\x00-\\U0010FFFF]"},  # no string: was a 500 under llguidance
+                                   {"ebnf": "root ::= a\na ::= a"}])
 def test_bad_other_constraints(http, extra):
     assert_error(http.post("/v1/chat/completions", json=chat_body(**extra)), 400)
 

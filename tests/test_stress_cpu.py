@@ -80,6 +80,16 @@ def test_validates_formats_and_kinds():
     assert len(cases) > 3 and all(c.kind in stress.KINDS for c in cases)
 
 
+def test_config_names():
+    c = stress.parse_config("eagle-always-t0.7-stream-c16-fp0.5", clients=8, temperature=0.0, stream=False,
+                            extra_args=["--device", "cpu"])
+    assert c.server_args == ["--device", "cpu", "--speculative-algorithm", "eagle", "--speculative-policy", "always"]
+    assert (c.clients, c.temperature, c.stream, c.sampling) == (16, 0.7, True, {"frequency_penalty": 0.5})
+    assert stress.parse_config("ngram-greedy", 8, 0.7, True, []).server_args == ["--speculative-algorithm", "ngram"]
+    with pytest.raises(ValueError, match="unknown configuration part 'medusa'"):
+        stress.parse_config("medusa-greedy", 8, 0.0, False, [])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["t0.7-stream"])  # greedy, not streamed: test_stress_cpu_ngram
 def test_stress_cpu(name, tmp_path):

@@ -256,13 +256,10 @@ class GrammarBackend:
         """The compiled grammar, or GrammarError if it accepts no string at all (`{"$ref": "#"}`, a
         reference to itself and nothing else): its first mask would allow no token but a stop token
         its matcher refuses (llguidance) or none (xgrammar), and the request would fail in the engine
-        instead of being refused up front. xgrammar's only: a mask filled on a deep copy of an
-        llguidance template made later copies refuse valid text (JSONSchemaBench's o21073:
-        token 30 of 301), so llguidance grammars are not probed (`schema_refs.check_ref_cycles`
-        refuses the `$ref` cycles before either backend sees them)."""
-        if compiled.backend == LLGUIDANCE:
-            return compiled
-        m = self.matcher(compiled)
+        instead of being refused up front. An llguidance grammar is probed on a matcher of its own
+        (`LLGuidanceCompiler.new_matcher`: a mask filled on the template or a copy of it can make
+        later copies refuse valid text)."""
+        m = self._probe_matcher(compiled)
         if m.can_terminate():
             return compiled
         bitmask = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
@@ -279,6 +276,13 @@ class GrammarBackend:
         if spec.kind == "json_schema":
             self._count_refusal(error)
         raise error
+
+    def _probe_matcher(self, compiled: CompiledGrammar) -> RequestMatcher:
+        if compiled.backend != LLGUIDANCE:
+            return self.matcher(compiled)
+        llg = self.llguidance
+        return LLGuidanceMatcher(compiled, llg.new_matcher(compiled.prepared), self.vocab_size,
+                                 llg.stop_token_ids, llg.special_ids)
 
     def _build_xgrammar(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
         loaded = self.xgrammar.load(spec, prepared, key)
@@ -299,12 +303,12 @@ class GrammarBackend:
     def _build_llguidance(self, spec: GrammarSpec) -> CompiledGrammar:
         compiler = self.llguidance  # its tokenizer is built on first use: not part of the compile
         t0 = time.perf_counter()
-        template = compiler.compile(spec)
+        template, text = compiler.compile(spec)
         dt = time.perf_counter() - t0
         self.queue.observe_compile(dt)
         with self._lock:
             self._stats["served_by_llguidance"] += 1
-        return CompiledGrammar(spec, LLGUIDANCE, template, dt)
+        return CompiledGrammar(spec, LLGUIDANCE, template, dt, prepared=text)
 
     # -- matching --------------------------------------------------------------------------------
     def matcher(self, compiled: CompiledGrammar) -> RequestMatcher:

@@ -35,7 +35,7 @@ class CompiledGrammar:
     backend: str  # "xgrammar" or "llguidance"
     grammar: Any  # xgrammar.CompiledGrammar, or the llguidance template LLMatcher
     compile_seconds: float
-    prepared: Optional[str] = None  # the rewritten JSON schema handed to xgrammar (json kinds)
+    prepared: Optional[str] = None  # what the backend compiled: xgrammar's rewritten JSON schema, llguidance's grammar text
     memory_bytes: int = 0
     from_disk: bool = False  # loaded from the disk cache (compile_seconds is then the load's)
 
