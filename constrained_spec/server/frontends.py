@@ -51,15 +51,29 @@ BALANCED = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
 
 def bind_socket(host: str, port: int, join: bool = False) -> socket.socket:
-    """A front-end's listening socket (IPv6 when the host is an IPv6 address). Where BALANCED, every
-    front-end binds one on the same port (`join`: the port is `serve`'s already); elsewhere the
-    `serve` process's is shared. `serve` first binds the port plainly, so that a port another
-    server holds, even with SO_REUSEPORT, is an error rather than shared with it."""
+    """A front-end's socket, bound but not listening (IPv6 when the host is an IPv6 address): uvicorn
+    makes it listen when it starts serving. Where BALANCED, every front-end binds one on the same
+    port (`join`: the port is `serve`'s already); elsewhere the `serve` process's is shared. The
+    kernel hands connections only to listening sockets, so none waits on a front-end that is still
+    starting (one that listened from its start held its share of the connections for the seconds
+    its app took to build: on the H100 host, a /v1/models right after /health timed out). `serve`
+    first binds the port plainly, so that a port another server holds, even with SO_REUSEPORT, is
+    an error rather than shared with it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if BALANCED and not join:
         with socket.create_server((host, port), family=family) as probe:  # EADDRINUSE if taken
             port = probe.getsockname()[1]  # (port 0: the one the kernel picked)
-    sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=BALANCED)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if BALANCED:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     sock.set_inheritable(not BALANCED)
     return sock
 
@@ -88,9 +102,9 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
     except OSError as e:
         log.error("front-end %d cannot reach the engine process: %s", number, e)
         raise SystemExit(1)
-    sock = bind_socket(*listen, join=True) if isinstance(listen, tuple) else listen
     app = create_app(client, server_config, owns_engine=True)  # owns its connection, not the engine process
     server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
+    sock = bind_socket(*listen, join=True) if isinstance(listen, tuple) else listen  # listens in server.run
     lifeline.send("ready")
 
     def watch_lifeline() -> None:
