@@ -258,6 +258,11 @@ def test_front_end_sockets_share_new_connections():
         pytest.skip("balanced front-end sockets are Linux's (SO_REUSEPORT); elsewhere they share one")
     first = bind_socket("127.0.0.1", 0)
     second = bind_socket("127.0.0.1", first.getsockname()[1], join=True)
+    idle = socket.create_connection(first.getsockname())  # a joining socket takes none before it listens
+    first.settimeout(2.0)
+    first.accept()[0].close()
+    idle.close()
+    second.listen(64)  # (uvicorn's, once it serves)
     with pytest.raises(OSError):  # a second server on the port is an error, not a share of it
         bind_socket("127.0.0.1", first.getsockname()[1])
     clients = [socket.create_connection(first.getsockname()) for _ in range(64)]

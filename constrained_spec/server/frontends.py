@@ -51,30 +51,37 @@ BALANCED = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
 
 def bind_socket(host: str, port: int, join: bool = False) -> socket.socket:
-    """A front-end's socket, bound but not listening (IPv6 when the host is an IPv6 address): uvicorn
-    makes it listen when it starts serving. Where BALANCED, every front-end binds one on the same
-    port (`join`: the port is `serve`'s already); elsewhere the `serve` process's is shared. The
-    kernel hands connections only to listening sockets, so none waits on a front-end that is still
-    starting (one that listened from its start held its share of the connections for the seconds
-    its app took to build: on the H100 host, a /v1/models right after /health timed out). `serve`
-    first binds the port plainly, so that a port another server holds, even with SO_REUSEPORT, is
-    an error rather than shared with it."""
+    """A front-end's socket (IPv6 when the host is an IPv6 address). Where BALANCED, every front-end
+    binds one on the same port; elsewhere the `serve` process's is shared. `serve`'s own (not
+    `join`) listens at once: it first binds the port plainly, so that a port another server holds,
+    even with SO_REUSEPORT, is an error rather than shared with it, and its listening socket keeps
+    the port from being taken while the other front-ends start. A joining front-end's is bound but
+    not listening, and uvicorn makes it listen once it serves: the kernel hands connections only to
+    listening sockets, so none waits on a front-end that is still starting, or starting again (one
+    that listened from its start held its share of the new connections while its app was built)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if BALANCED and not join:
+    if join and BALANCED:
+        return _bound_reuse_port(family, host, port)
+    if BALANCED:
         with socket.create_server((host, port), family=family) as probe:  # EADDRINUSE if taken
             port = probe.getsockname()[1]  # (port 0: the one the kernel picked)
+    sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=BALANCED)
+    sock.set_inheritable(not BALANCED)
+    return sock
+
+
+def _bound_reuse_port(family: int, host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if BALANCED:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(not BALANCED)
+    sock.set_inheritable(False)
     return sock
 
 
