@@ -60,12 +60,14 @@ class MaskAudit:
                       req.matcher.backend, len(req.output_ids), self.tokenizer.decode(req.output_ids[-30:]))
 
     def replay(self, req, reason: str) -> None:
-        """A fresh matcher over the ended request's output (a final grammar stop token included)."""
+        """A fresh matcher over the ended request's output (a final grammar stop token included): one
+        that shares no state with the requests' (`GrammarBackend.fresh_matcher`), since a copy of an
+        llguidance template that only consumes can refuse valid text after others filled masks."""
         m = req.matcher
         if m is None or reason not in ("stop", "length"):
             return
         self.replays += 1
-        fresh = self.grammar.matcher(m.compiled)
+        fresh = self.grammar.fresh_matcher(m.compiled)
         out = list(req.output_ids)
         taken = fresh.accept_tokens(out)
         if taken == len(out):
