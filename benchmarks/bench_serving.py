@@ -20,7 +20,8 @@ Workloads: `plain` (a story, `ignore_eos`, `--max-tokens` tokens), `json` (one s
 (the 30 schemas of schemas/handwritten, each with its own prompt), `shared-prefix` (one ~1,500-token
 system prompt with the schema and worked examples, then a short user message, every request; JSON),
 `multi-turn` (conversations of 4 turns whose prompts grow by the previous turns, a turn of every
-conversation before the next turn of any); greedy. The prefix cache is measured by running the same
+conversation before the next turn of any), `distinct` (the JSON task after a ~250-token system prompt of
+the request's own: no prefix to share, the prefix cache's worst case); greedy. The prefix cache is measured by running the same
 server with and without it: a server name with `+nocache` adds `--disable-prefix-cache`
 (`--servers split,split+nocache`); the report then has a cache on / off table. Every request is sent
 non-streamed and streamed (`--stream`). Reported: TTFT, TPOT (time per output token after the
@@ -117,6 +118,18 @@ def shared_system_prompt() -> str:
             + "\n\nAnswer the next request the same way.")
 
 
+_NOTE_WORDS = ("harbor", "ledger", "copper", "violet", "meadow", "signal", "orchard", "lantern", "granite", "ember",
+               "quarry", "saddle", "thimble", "willow", "cobalt", "falcon", "juniper", "marble", "nectar", "pepper",
+               "raven", "tundra", "velvet", "walnut", "zephyr", "basil", "canyon", "dune", "fjord", "glacier")
+
+
+def distinct_context(k: int) -> str:
+    """Request k's own ~250-token system prompt (seeded by k): two requests share nothing of it but,
+    now and then, a leading digit."""
+    rng = random.Random(k)
+    return f"{k}: case notes. " + " ".join(rng.choice(_NOTE_WORDS) for _ in range(200))
+
+
 MULTI_TURN_TURNS = 4
 _TURN_ASKS = ["Describe {topic}.", "Now make them ten years older.", "Give them one more skill.",
               "Now they retired: update the record."]
@@ -142,6 +155,10 @@ def make_jobs(workload: str, n: int, first: int = 0) -> list[Job]:
                                 {"role": "assistant", "content": _TURN_ANSWER}]
                 jobs.append(Job(_TURN_ASKS[turn].format(topic=TOPICS[c % len(TOPICS)]), PERSON_SCHEMA, False, history))
         return jobs[:n]
+    if workload == "distinct":  # no prefix past the chat template's first tokens: what a cache cannot help
+        return [Job(f"Give a JSON profile of {TOPICS[i % len(TOPICS)]} with name, age, email, skills and active.",
+                    PERSON_SCHEMA, False, [{"role": "system", "content": distinct_context(first + i)}])
+                for i in range(n)]
     if workload == "plain":
         return [Job(f"Write a short story about {TOPICS[i % len(TOPICS)]}.", None, True) for i in range(n)]
     if workload == "json":
@@ -151,7 +168,7 @@ def make_jobs(workload: str, n: int, first: int = 0) -> list[Job]:
         cases = [json.loads(line) for line in HANDWRITTEN.read_text().splitlines() if line.strip()]
         return [Job(cases[i % len(cases)]["prompt"] + " Answer in JSON.", cases[i % len(cases)]["schema"], False)
                 for i in range(n)]
-    raise SystemExit(f"unknown workload {workload!r} (plain, json, schemas, shared-prefix, multi-turn)")
+    raise SystemExit(f"unknown workload {workload!r} (plain, json, schemas, shared-prefix, multi-turn, distinct)")
 
 
 # -- the clients (run in worker processes) -----------------------------------------------------------
@@ -772,7 +789,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct, $SMOLLM2_GGUF if set)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workloads", default="plain,json",
-                    help="comma list of plain, json, schemas, shared-prefix, multi-turn")
+                    help="comma list of plain, json, schemas, shared-prefix, multi-turn, distinct")
     ap.add_argument("--clients", default="1,64,128", help="max-concurrency levels")
     ap.add_argument("--stream", default="both", choices=["no", "yes", "both"])
     ap.add_argument("--rates", default="32,64,128,256", help="Poisson request rates (req/s); empty: none")

@@ -4,6 +4,7 @@ and not, at a concurrency and a request rate, without errors, and the results ar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,10 @@ def test_prefix_cache_workloads_and_arms():
     assert [len(j.messages) for j in turns] == [2, 2, 4, 4, 6, 6, 8, 8]
     for earlier, later in zip(turns, turns[2:]):  # a turn's prompt starts with the conversation's last one
         assert later.messages[:len(earlier.messages)] == earlier.messages
+    distinct = [j.messages[0]["content"] for j in b.make_jobs("distinct", 12) + b.make_jobs("distinct", 4, first=12)]
+    assert len(set(distinct)) == 16 and min(map(len, distinct)) > 1000
+    for x, y in zip(distinct, distinct[1:]):  # nothing shared past a leading digit
+        assert os.path.commonprefix([x, y]) in ("", "1")
     assert b.server_flags("split+nocache") == ["--disable-prefix-cache"]
     assert b.server_flags("split-2+nocache") == ["--frontends", "2", "--disable-prefix-cache"]
     run = lambda server, ttft, tok: {"server": server, "workload": "shared-prefix", "stream": True, "mode": "clients",
