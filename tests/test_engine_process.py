@@ -313,11 +313,16 @@ def test_serve_with_two_front_ends(tiny_llama_dir, tmp_path):
         engine_pid = int(re.search(r"engine ready in process (\d+)", log).group(1))
         other_pid = int(re.search(r"front-end processes share the port \(this one and pids (\d+)\)", log).group(1))
 
-        def ask(n: int) -> list[int]:
-            codes: list[int] = []
+        def at_once(n: int, send) -> list:
+            """The status codes of n requests at once, each on a connection of its own (to whichever
+            front-end accepts it), or the name of the error that ended it."""
+            codes: list = []
 
-            def one():  # a client of its own: a connection of its own, to whichever front-end accepts it
-                codes.append(httpx.post(url + "/v1/chat/completions", json=_body(4), timeout=60).status_code)
+            def one():
+                try:
+                    codes.append(send().status_code)
+                except httpx.HTTPError as e:
+                    codes.append(type(e).__name__)
             threads = [threading.Thread(target=one) for _ in range(n)]
             for t in threads:
                 t.start()
@@ -325,22 +330,9 @@ def test_serve_with_two_front_ends(tiny_llama_dir, tmp_path):
                 t.join(90)
             return codes
 
-        def answered(n: int) -> list:
-            """/v1/models on n fresh connections at once: a front-end takes connections only once
-            it serves, so none waits on one that is still starting."""
-            codes: list = []
-
-            def one():
-                try:
-                    codes.append(httpx.get(url + "/v1/models", timeout=3).status_code)
-                except httpx.HTTPError as e:
-                    codes.append(type(e).__name__)
-            threads = [threading.Thread(target=one) for _ in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
-            return codes
+        ask = lambda n: at_once(n, lambda: httpx.post(url + "/v1/chat/completions", json=_body(4), timeout=60))
+        # a front-end takes connections only once it serves, so none waits on one that is still starting
+        answered = lambda n: at_once(n, lambda: httpx.get(url + "/v1/models", timeout=3))
 
         assert answered(16) == [200] * 16
         assert ask(8) == [200] * 8
