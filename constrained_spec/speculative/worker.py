@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from .verify_step import VerifyIO, VerifyLaunch
 
 if TYPE_CHECKING:  # the engine calls this package, never the other way at import time
     from ..engine.batch import ScheduledBatch
-    from ..engine.engine import Engine
+    from ..engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +97,24 @@ def make_drafter(config, runner=None) -> Drafter | None:
     raise ValueError(f"unknown speculative algorithm {algo!r}; available: ngram, eagle")
 
 
-class SpeculativeWorker:
-    """The speculative step of the engine that owns it. Of the engine it uses only `config`,
-    `runner` (the model runner: KV pool and table, graphs, `sample_ahead`), `tokenizer`, `masks`
-    (`MaskFiller.fill_chains`), `stats.steps`, `grammar_stop_ids` and `append_verified` (the
-    emitted tokens go back through the engine's own token path)."""
+class EngineSide(Protocol):
+    """What the worker uses of the engine that owns it (a protocol: this package names nothing of
+    the engine module, which imports it)."""
+    config: EngineConfig
+    runner: Any  # the model runner: KV pool and table, graphs, `sample_ahead`
+    tokenizer: Any
+    masks: Any  # the grammar mask filler (`MaskFiller.fill_chains`)
+    stats: Any  # `steps`: the engine's step count
+    grammar_stop_ids: frozenset
 
-    def __init__(self, engine: Engine, drafter: Drafter):
+    def append_verified(self, req, tokens: list[int]) -> None:
+        """The emitted tokens, back through the engine's own token path."""
+
+
+class SpeculativeWorker:
+    """The speculative step of the engine that owns it (`EngineSide`)."""
+
+    def __init__(self, engine: EngineSide, drafter: Drafter):
         self.engine = engine
         self.runner = engine.runner
         self.drafter = drafter
