@@ -644,13 +644,16 @@ def plot(summaries: list[dict], path: Path) -> None:
 
 
 def write_results(summaries: list[dict], out: Path, meta: dict) -> None:
+    """<out>.json, .md and .png (the suffix added to the whole name: `--out results/plain-t0.7` is
+    not cut to plain-t0)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "configs": summaries}, indent=1,
+    at = lambda suffix: out.with_name(out.name + suffix)
+    at(".json").write_text(json.dumps({"meta": meta, "configs": summaries}, indent=1,
                                                    ensure_ascii=False))
     header = f"# stress_schemas\n\n`{meta['command']}`\n\n{meta['schemas']} schemas, max_tokens {meta['max_tokens']}\n"
-    out.with_suffix(".md").write_text(format_report(summaries, header) + "\n")
+    at(".md").write_text(format_report(summaries, header) + "\n")
     try:
-        plot(summaries, out.with_suffix(".png"))
+        plot(summaries, at(".png"))
     except ImportError:
         print("matplotlib is missing: no chart (pip install -e '.[dev]')", file=sys.stderr)
 
