@@ -544,6 +544,8 @@ class Server:
                 self.stop()
                 raise TimeoutError(f"server not ready in {ready_timeout_s:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
+        from constrained_spec.server.runner import wait_for_frontends
+        wait_for_frontends(self.url)  # the whole server: front-ends past the first join as they start
         self.ready_s = time.perf_counter() - t0
 
     def log_tail(self, n: int = 30) -> str:

@@ -416,6 +416,8 @@ class Server:
                 self.stop()
                 raise TimeoutError(f"server not ready in {ready_timeout_s}s:\n{tail}")
             time.sleep(0.5)
+        from constrained_spec.server.runner import wait_for_frontends
+        wait_for_frontends(self.url)  # the whole server: front-ends past the first join as they start
         self.ready_s = time.perf_counter() - self.started_s
 
     def log_tail(self, n: int = 4000) -> str:

@@ -334,6 +334,9 @@ def test_serve_with_two_front_ends(tiny_llama_dir, tmp_path):
         # a front-end takes connections only once it serves, so none waits on one that is still starting
         answered = lambda n: at_once(n, lambda: httpx.get(url + "/v1/models", timeout=3))
 
+        assert answered(16) == [200] * 16  # front-end 0 serves at once; front-end 1 joins once it serves
+        from constrained_spec.server.runner import wait_for_frontends
+        assert wait_for_frontends(url, 120) == 2  # /health on fresh connections: "frontend" 0 and 1 of "frontends" 2
         assert answered(16) == [200] * 16
         assert ask(8) == [200] * 8
         metrics = httpx.get(url + "/metrics", timeout=30).text

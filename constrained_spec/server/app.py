@@ -54,6 +54,7 @@ class ServerConfig:
     retry_after_s: int = 1  # Retry-After on 503
     default_max_tokens: int | None = None  # chat requests without max_tokens; None: up to the context limit
     frontends: int = 1  # front-end processes over the engine: each admits its share of the default limit
+    frontend: int = 0  # this one's number (0: the `serve` process); /health says it
 
 
 class _ServerState:
@@ -347,7 +348,8 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                                    "pending_requests": state.pending}, status=503)
         return _json_response({"status": "ok", "model": served, "kv_free_slots": snap["kv_free"],
                                "kv_capacity": snap["kv_capacity"], "requests_running": snap["running"],
-                               "requests_waiting": snap["waiting"], "pending_requests": state.pending})
+                               "requests_waiting": snap["waiting"], "pending_requests": state.pending,
+                               "frontend": config.frontend, "frontends": config.frontends})
 
     @app.get("/metrics")
     async def prometheus_metrics():

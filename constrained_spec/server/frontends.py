@@ -23,6 +23,7 @@ requests.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -109,6 +110,7 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
     except OSError as e:
         log.error("front-end %d cannot reach the engine process: %s", number, e)
         raise SystemExit(1)
+    server_config = dataclasses.replace(server_config, frontend=number)
     app = create_app(client, server_config, owns_engine=True)  # owns its connection, not the engine process
     server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
     sock = bind_socket(*listen, join=True) if isinstance(listen, tuple) else listen  # listens in server.run
@@ -126,7 +128,11 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
 
 
 class FrontendProcesses:
-    """Front-ends 1..N-1 (the serve process is front-end 0, on `sock`), restarted if one dies."""
+    """Front-ends 1..N-1 (the serve process is front-end 0, on `sock`), restarted if one dies.
+    Started, not awaited: front-end 0 serves at once, and each other one takes connections from
+    when it serves (its socket listens only then). Front-end 0 waiting for them all before serving
+    held the connections the kernel handed its listening socket meanwhile: on the H100 host, with
+    four front-ends, a request right after a /health that another front-end answered waited ~10 s."""
 
     def __init__(self, count: int, info, server_config, sock: socket.socket, log_level: str,
                  ready_timeout_s: float = 120.0):
@@ -137,11 +143,8 @@ class FrontendProcesses:
         self._stopping = threading.Event()
         for number in range(1, count):
             self._start(number)
-        deadline = time.monotonic() + ready_timeout_s
-        for number, (proc, pipe) in self._procs.items():  # started together, awaited in turn
-            if not self._await_ready(proc, pipe, deadline):
-                log.error("front-end %d did not start (code %s); serving without it", number, proc.exitcode)
-        self._watcher = threading.Thread(target=self._watch, name="frontend-watcher", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, args=(ready_timeout_s,), name="frontend-watcher",
+                                         daemon=True)
         self._watcher.start()
 
     def _start(self, number: int) -> None:
@@ -154,15 +157,19 @@ class FrontendProcesses:
 
     @staticmethod
     def _await_ready(proc, pipe, deadline: float) -> bool:
-        while time.monotonic() < deadline and proc.is_alive():
-            if pipe.poll(0.1):
-                try:
+        try:
+            while time.monotonic() < deadline and proc.is_alive():
+                if pipe.poll(0.1):
                     return pipe.recv() == "ready"
-                except EOFError:
-                    return False
+        except (EOFError, OSError, ValueError):  # the process died, or `stop` closed the pipe
+            pass
         return False
 
-    def _watch(self) -> None:
+    def _watch(self, ready_timeout_s: float) -> None:
+        deadline = time.monotonic() + ready_timeout_s
+        for number, (proc, pipe) in list(self._procs.items()):  # started together, awaited in turn
+            if not self._await_ready(proc, pipe, deadline) and not self._stopping.is_set():
+                log.error("front-end %d did not start (code %s); serving without it", number, proc.exitcode)
         while not self._stopping.wait(1.0):
             for number, (proc, pipe) in list(self._procs.items()):
                 if not proc.is_alive() and not self._stopping.is_set():

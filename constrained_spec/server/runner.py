@@ -58,3 +58,24 @@ def start_server_thread(app, host: str = "127.0.0.1", port: int | None = None, l
             raise TimeoutError(f"uvicorn on {host}:{port} did not start within {ready_timeout}s")
         time.sleep(0.02)
     return ServerHandle(server, thread, host, port)
+
+
+def wait_for_frontends(url: str, timeout_s: float = 300.0) -> int:
+    """Waits until every front-end process of the `serve` at `url` serves, and returns how many there
+    are. Front-end 0 serves first and the others join as they start, each taking connections only
+    once it serves: /health on fresh connections, until each front-end's number has answered.
+    A benchmark waits for this so that it measures the whole server."""
+    import httpx
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            health = httpx.get(url + "/health", timeout=5).json()
+            seen.add(int(health.get("frontend", 0)))
+            if len(seen) >= int(health.get("frontends", 1)):
+                return len(seen)
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"front-ends {sorted(seen)} of the server at {url} serve after {timeout_s:.0f} s")
+        time.sleep(0.05)
