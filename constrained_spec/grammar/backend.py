@@ -284,9 +284,7 @@ class GrammarBackend:
         template (`LLGuidanceCompiler.new_matcher` says why)."""
         if compiled.backend != LLGUIDANCE:
             return self.matcher(compiled)
-        llg = self.llguidance
-        return LLGuidanceMatcher(compiled, llg.new_matcher(compiled.prepared), self.vocab_size,
-                                 llg.stop_token_ids, llg.special_ids)
+        return self._llguidance_matcher(compiled, self.llguidance.new_matcher(compiled.prepared))
 
     def _build_xgrammar(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
         loaded = self.xgrammar.load(spec, prepared, key)
@@ -317,10 +315,12 @@ class GrammarBackend:
     # -- matching --------------------------------------------------------------------------------
     def matcher(self, compiled: CompiledGrammar) -> RequestMatcher:
         if compiled.backend == LLGUIDANCE:
-            llg = self.llguidance
-            return LLGuidanceMatcher(compiled, compiled.grammar.deep_copy(), self.vocab_size,
-                                     llg.stop_token_ids, llg.special_ids)
+            return self._llguidance_matcher(compiled, compiled.grammar.deep_copy())
         return XGrammarMatcher(compiled, self.vocab_size, self._special_ids)
+
+    def _llguidance_matcher(self, compiled: CompiledGrammar, ll_matcher) -> LLGuidanceMatcher:
+        llg = self.llguidance
+        return LLGuidanceMatcher(compiled, ll_matcher, self.vocab_size, llg.stop_token_ids, llg.special_ids)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         pin = torch.cuda.is_available()

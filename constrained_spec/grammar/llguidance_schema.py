@@ -20,6 +20,7 @@ from .json_regex import FORMAT_PATTERNS
 from .json_types import types_overlap, value_type
 from .schema_refs import DATA_KEYWORDS, has_nested_id, local_target
 
+
 def for_llguidance(schema: Any, strict: bool) -> Any:
     check_writable(schema, "")
     if strict:
