@@ -29,6 +29,8 @@ HAS_CUDA = torch.cuda.is_available()
 NORM_SHAPES = [(1, 576), (5, 576), (3, 64), (2, 1000), (4, 1536)]
 ROPE_SHAPES = [(1, 9, 3, 64), (5, 9, 3, 64), (3, 4, 4, 32), (2, 14, 2, 128)]
 MASK_SHAPES = [(4, 64, 2), (2, 50, 4), (5, 1000, 32), (3, 33, 2), (4, 31, 1), (3, 100, 2), (1, 4099, 129)]
+# (rows, vocab, k) for the top-k log-probabilities (the EAGLE draft tail)
+TOPK_SHAPES = [(4, 64, 4), (5, 1000, 4), (6, 5000, 2), (7, 4099, 8), (3, 33, 1)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,7 +42,7 @@ def _tol(dtype):
 
 
 def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope_shapes=ROPE_SHAPES,
-                  mask_shapes=MASK_SHAPES) -> None:
+                  mask_shapes=MASK_SHAPES, topk_shapes=TOPK_SHAPES) -> None:
     from constrained_spec.kernels import reference as R
     from constrained_spec.kernels import triton_ops as T
     gen = torch.Generator().manual_seed(0)
@@ -112,6 +114,74 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         assert out.dtype == dtype and out.shape == logits.shape
         assert torch.equal(out, R.mask_logits_ref(logits, bitmask)), (rows, vocab, words)
         assert torch.equal(out, expected_mask(logits, bitmask))
+    check_topk(device, dtype, topk_shapes, gen)
+    check_frontier(device, dtype, gen)
+
+
+def check_frontier(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """speculative.frontier's kernel against its torch reference: recorded children and choices,
+    the next frontier's tokens, scores, parents' outputs and ancestor rows (scores without ties,
+    whose order the two may break differently; -inf children, as past a request's allowed tokens,
+    included)."""
+    from constrained_spec.speculative import frontier as F_
+    for B, K, H, D, C in ((1, 4, 576, 6, 3), (5, 4, 64, 6, 8), (3, 2, 100, 3, 4), (2, 1, 32, 4, 2)):
+        KK = K * K
+        child_s = torch.randperm(B * KK, generator=gen).float().view(B, KK) - B * KK
+        child_s[0, KK // 2:] = -torch.inf
+        child_t = torch.randint(0, 50000, (B, KK), generator=gen)
+        hidden = torch.randn(B * K, H, generator=gen).to(dtype)
+        t = torch.tensor([1 + (B % (D - 1))])
+        state = [torch.randint(0, 10 ** 6, (C * K, D), generator=gen),  # anc
+                 torch.zeros(C, D, KK, dtype=torch.int64), torch.full((C, D, KK), -torch.inf),
+                 torch.zeros(C, D, K, dtype=torch.int64),  # out_tok, out_score, out_best
+                 torch.zeros(C * K, dtype=torch.int64), torch.zeros(C * K), torch.zeros(C * K, H, dtype=dtype)]
+        ref = [x.clone() for x in state]
+        F_.advance_frontier_ref(child_s, child_t, hidden, t, *ref)
+        got = [x.to(device) for x in state]
+        if device == "cpu":  # the interpreter: call the kernel itself
+            F_._advance_kernel[(B,)](child_s, child_t, hidden, t, *got, hidden.stride(0), got[6].stride(0),
+                                     got[0].stride(0), got[1].stride(0), got[1].stride(1), got[3].stride(0),
+                                     got[3].stride(1), H, D, K=K, KK=KK, HBLOCK=triton_next_pow2(H),
+                                     DBLOCK=triton_next_pow2(D))
+        else:
+            F_.advance_frontier(child_s.to(device), child_t.to(device), hidden.to(device), t.to(device), *got)
+        for name, a, b in zip(("anc", "out_tok", "out_score", "out_best", "front_tok", "front_score", "parent_hidden"),
+                              got, ref):
+            assert torch.equal(a.cpu(), b), (name, B, K)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def check_topk(device: str, dtype: torch.dtype, shapes, gen: torch.Generator) -> None:
+    """topk_logprobs against the reference: the same scores, and tokens that score them (ties may
+    come in another order: bfloat16 logits tie often), distinct and allowed; -inf past a row's
+    allowed tokens. Masks cycle through all allowed, none allowed and random bits, and one row
+    allows two tokens only."""
+    from constrained_spec.kernels import reference as R
+    from constrained_spec.kernels import triton_ops as T
+    for rows, vocab, k in shapes:
+        logits = (3 * torch.randn(rows, vocab + 5, generator=gen)).to(device=device, dtype=dtype)[:, :vocab]
+        words = (vocab + 31) // 32
+        bitmask = random_bitmask(rows, words, gen).to(device)
+        if rows > 3:
+            bitmask[3] = 0
+            bitmask[3, 0] = 0b101
+        base = torch.randn(rows, generator=gen).to(device)
+        for mask, b in ((bitmask, base), (None, None), (bitmask, None)):
+            score, tok = T.topk_logprobs(logits, k, mask, b)
+            ref_score, _ = R.topk_logprobs_ref(logits, k, mask, b)
+            assert score.shape == (rows, k) and tok.dtype == torch.int64
+            full = torch.log_softmax((logits if mask is None else R.mask_logits_ref(logits, mask)).float(), -1)
+            full = torch.where(full.isnan(), -torch.inf, full) + (0 if b is None else b[:, None])
+            finite = ref_score.isfinite()
+            assert torch.equal(score.isfinite(), finite), (rows, vocab, k)
+            torch.testing.assert_close(score[finite], ref_score[finite], atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(full.gather(1, tok)[finite], ref_score[finite], atol=1e-4, rtol=1e-5)
+            for r in range(rows):
+                picked = tok[r][finite[r]].tolist()
+                assert len(set(picked)) == len(picked) and all(0 <= t < vocab for t in tok[r].tolist())
 
 
 def random_bitmask(rows: int, words: int, gen: torch.Generator) -> torch.Tensor:

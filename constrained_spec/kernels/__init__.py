@@ -18,7 +18,7 @@ import torch
 
 from . import cpu_native, reference
 from .reference import (add_rms_norm_ref, apply_rope_ref, build_cos_sin_cache, mask_logits_ref, rms_norm_ref,
-                        silu_and_mul_ref)
+                        silu_and_mul_ref, topk_logprobs_ref)
 
 try:  # triton is optional (CPU installs)
     from . import triton_ops as _tri
@@ -117,6 +117,17 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return mask_logits_ref(logits, bitmask)
 
 
+def topk_logprobs(logits: torch.Tensor, k: int, bitmask: torch.Tensor | None = None,
+                  base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of `logits` [R, V] under the grammar `bitmask` [R, W]
+    (as in `mask_logits`; None: no mask): (log-probabilities + `base` [R] (None: 0), tokens),
+    [R, k] float32 and int64, best first. A row whose every token is masked scores -inf. Two
+    launches on CUDA (k a power of two; ties: the lower token first) instead of ~25 small kernels."""
+    if _use_triton(logits):
+        return _tri.topk_logprobs(logits, k, bitmask, base)
+    return topk_logprobs_ref(logits, k, bitmask, base)
+
+
 __all__ = ["HAS_TRITON", "add_rms_norm", "apply_rope", "apply_rope_and_store", "build_cos_sin_cache", "cpu_native",
            "fused_kernels_enabled", "mask_logits", "reference", "rms_norm", "set_fused_kernels", "silu_and_mul",
-           "uses_native_cpu_kernels"]
+           "topk_logprobs", "uses_native_cpu_kernels"]

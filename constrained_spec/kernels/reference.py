@@ -68,3 +68,15 @@ def mask_logits_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
     if covered < vocab:
         allowed = F.pad(allowed, (0, vocab - covered))
     return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+def topk_logprobs_ref(logits: torch.Tensor, k: int, bitmask: torch.Tensor | None = None,
+                      base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k of log_softmax(masked logits) + base, their tokens); a fully masked row scores -inf."""
+    if bitmask is not None:
+        logits = mask_logits_ref(logits, bitmask)
+    scores = torch.log_softmax(logits.float(), -1)
+    scores = torch.where(scores.isnan(), -torch.inf, scores)
+    if base is not None:
+        scores = scores + base[:, None]
+    return scores.topk(k, -1)

@@ -205,3 +205,102 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
                                                         out.stride(0), V, bitmask.shape[1], BLOCK=BLOCK,
                                                         num_warps=4)
     return out
+
+
+# -- top-k log-probabilities (the EAGLE draft tail) ------------------------------------------------
+# Two launches instead of torch's ~25 (log_softmax, NaN cleanup, the path score, and a radix top-k
+# that splits a 49k-token row over 5+ kernels): each (row, chunk) program keeps its chunk's max,
+# sum of exponentials and top-k; one program per row merges its chunks.
+
+@triton.jit
+def _select_topk(x, idx, K: tl.constexpr, BIG: tl.constexpr):
+    """The K largest of x (ties: the lowest idx first; -inf entries only after every finite one,
+    each index at most once), as two [K] vectors (values, indices)."""
+    ks = tl.arange(0, K)
+    vals = tl.full((K,), float("-inf"), tl.float32)
+    ids = tl.zeros((K,), tl.int64)
+    taken = idx < 0  # all False
+    for j in tl.static_range(K):
+        m = tl.max(tl.where(taken, float("-inf"), x), axis=0)
+        pick = tl.min(tl.where((x == m) & ~taken, idx, BIG), axis=0)
+        taken = taken | (idx == pick)
+        vals = tl.where(ks == j, m, vals)
+        ids = tl.where(ks == j, pick, ids)
+    return vals, ids
+
+
+@triton.jit
+def _topk_chunk_kernel(logits_ptr, mask_ptr, m_ptr, s_ptr, v_ptr, i_ptr, logits_stride, mask_stride, V, W, C,
+                       HAS_MASK: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < V
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        words = cols >> 5
+        word = tl.load(mask_ptr + row * mask_stride + words, mask=in_vocab & (words < W), other=0)
+        x = tl.where(((word >> (cols & 31)) & 1) != 0, x, float("-inf"))
+    x = tl.where(x != x, float("-inf"), x)  # NaN
+    m = tl.max(x, axis=0)
+    safe_m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(x - safe_m), axis=0)
+    vals, ids = _select_topk(x, cols.to(tl.int64), K, 1 << 40)
+    out = row * C + chunk
+    tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, s)
+    ks = tl.arange(0, K)
+    tl.store(v_ptr + out * K + ks, vals)
+    tl.store(i_ptr + out * K + ks, ids)
+
+
+@triton.jit
+def _topk_merge_kernel(m_ptr, s_ptr, v_ptr, i_ptr, base_ptr, score_ptr, tok_ptr, C,
+                       HAS_BASE: tl.constexpr, K: tl.constexpr, CBLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cs = tl.arange(0, CBLOCK)
+    live = cs < C
+    m = tl.load(m_ptr + row * C + cs, mask=live, other=float("-inf"))
+    s = tl.load(s_ptr + row * C + cs, mask=live, other=0.0)
+    top = tl.max(m, axis=0)
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    lse = safe_top + tl.log(tl.sum(s * tl.exp(m - safe_top), axis=0))  # -inf when every token is masked
+    cand = tl.arange(0, CBLOCK * K)
+    live_c = cand < C * K
+    v = tl.load(v_ptr + row * C * K + cand, mask=live_c, other=float("-inf"))
+    i = tl.load(i_ptr + row * C * K + cand, mask=live_c, other=1 << 40)
+    vals, ids = _select_topk(v, i, K, 1 << 41)
+    score = vals - lse
+    score = tl.where(score != score, float("-inf"), score)  # -inf - -inf
+    if HAS_BASE:
+        score = score + tl.load(base_ptr + row)
+    ks = tl.arange(0, K)
+    tl.store(score_ptr + row * K + ks, score)
+    tl.store(tok_ptr + row * K + ks, ids)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, bitmask: torch.Tensor | None,
+                  base: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    R, V = logits.shape
+    if logits.stride(-1) != 1 or (bitmask is not None and bitmask.stride(-1) != 1):
+        raise ValueError("topk_logprobs needs unit stride over the vocab and the bitmask words")
+    if k & (k - 1):
+        raise ValueError(f"topk_logprobs: k must be a power of two (got {k})")
+    dev = logits.device
+    BLOCK = min(4096, triton.next_power_of_2(V))
+    C = triton.cdiv(V, BLOCK)
+    m = torch.empty((R, C), dtype=torch.float32, device=dev)
+    s = torch.empty((R, C), dtype=torch.float32, device=dev)
+    v = torch.empty((R, C, k), dtype=torch.float32, device=dev)
+    i = torch.empty((R, C, k), dtype=torch.int64, device=dev)
+    score = torch.empty((R, k), dtype=torch.float32, device=dev)
+    tok = torch.empty((R, k), dtype=torch.int64, device=dev)
+    if R == 0:
+        return score, tok
+    mask = bitmask if bitmask is not None else logits
+    _topk_chunk_kernel[(R, C)](logits, mask, m, s, v, i, logits.stride(0), mask.stride(0) if bitmask is not None else 0,
+                               V, bitmask.shape[1] if bitmask is not None else 0, C,
+                               HAS_MASK=bitmask is not None, K=k, BLOCK=BLOCK, num_warps=8)
+    _topk_merge_kernel[(R,)](m, s, v, i, base if base is not None else score, score, tok, C,
+                             HAS_BASE=base is not None, K=k, CBLOCK=triton.next_power_of_2(C), num_warps=1)
+    return score, tok

@@ -22,8 +22,8 @@ nothing of the host comes between two unmasked depths:
   the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
   (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
   for a masked depth (`eagle_masked_depths` > 1), the grammar rows the host filled after reading the
-  frontier (`frontier_host`, a sync); log-softmax plus the node's path score; top-k children per
-  node; the best K of the K*K children become the next frontier (their tokens, scores, parents'
+  frontier (`frontier_host`, a sync); the top-k children per node by path score (their
+  log-probabilities plus the node's: `kernels.topk_logprobs`, two launches on CUDA); the best K of the K*K children become the next frontier (their tokens, scores, parents'
   outputs and ancestor slots gathered); children and choices recorded in `out_*` for the host,
   which reads them once at the end.
 """
@@ -34,7 +34,8 @@ import torch
 
 from ..attention import AttentionMetadata, ForwardMode
 from ..pinned import PinnedBlock
-from ..kernels import mask_logits
+from ..kernels import topk_logprobs
+from .frontier import advance_frontier
 
 
 class DraftIO:
@@ -72,7 +73,6 @@ class DraftIO:
         self._columns = torch.arange(D, device=dev)
         self._q_starts = torch.arange(C * K + 1, dtype=torch.int32, device=dev)
         self._q_lens = torch.ones(C * K, dtype=torch.int32, device=dev)
-        self._row_of = torch.arange(C, device=dev)[:, None] * K  # flat index of each request's first node
         # grammar rows (the host fills them, a masked start or step copies them): the roots', or
         # the frontier's for a masked depth past the first
         self._masks = PinnedBlock({"bitmask": ((C * K, W), np.int32)}, dev)
@@ -140,12 +140,7 @@ class DraftIO:
         hidden = self._extend(rows, n, ids, pos, slots, q_starts, max_q, max_kv)
         root_hidden = hidden.index_select(0, last)
         logits = self.head.logits(self.target, root_hidden)
-        if masked:
-            self._masks.upload("bitmask", bs * self._row_bytes)
-            logits = mask_logits(logits, self._bitmask[:bs])
-        scores = torch.log_softmax(logits, -1)
-        scores = torch.where(scores.isnan(), -torch.inf, scores)
-        score, tok = scores.topk(K, -1)
+        score, tok = topk_logprobs(logits, K, self._uploaded_masks(bs) if masked else None)
         live = (rows != self.r.pad_row)[:, None]
         score = torch.where(live, score, -torch.inf)
         self.out_tok[:bs, 0, :K] = tok
@@ -201,24 +196,17 @@ class DraftIO:
         hidden = self.head(self.target, self.parent_hidden[:BK], self.front_tok[:BK], n_rep + t - 1, self.kv, meta,
                            self.r.backend)
         logits = self.head.logits(self.target, hidden)
-        if masked:
-            self._masks.upload("bitmask", BK * self._row_bytes)
-            logits = mask_logits(logits, self._bitmask[:BK])
-        scores = torch.log_softmax(logits, -1)
-        scores = torch.where(scores.isnan(), -torch.inf, scores) + self.front_score[:BK, None]
-        child_s, child_t = scores.topk(K, -1)  # [BK, K]
-        child_s, child_t = child_s.view(bs, K * K), child_t.view(bs, K * K)
-        best_s, best_i = child_s.topk(K, -1)  # the next frontier among each request's K*K children
-        depth = t.view(1, 1, 1).expand(bs, 1, K * K)
-        self.out_tok[:bs].scatter_(1, depth, child_t[:, None])
-        self.out_score[:bs].scatter_(1, depth, child_s[:, None])
-        self.out_best[:bs].scatter_(1, depth[:, :, :K], best_i[:, None])
-        parent = (self._row_of[:bs] + best_i // K).view(-1)  # flat frontier index of each new node's parent
-        self.front_tok[:BK] = child_t.gather(1, best_i).view(-1)
-        self.front_score[:BK] = best_s.view(-1)
-        self.parent_hidden[:BK] = hidden.index_select(0, parent)
-        anc.copy_(anc.index_select(0, parent))
+        child_s, child_t = topk_logprobs(logits, K, self._uploaded_masks(BK) if masked else None,
+                                         base=self.front_score[:BK])  # path scores [BK, K]
+        # the next frontier: the best K of each request's K*K children
+        advance_frontier(child_s.view(bs, K * K), child_t.view(bs, K * K), hidden, t, anc, self.out_tok,
+                         self.out_score, self.out_best, self.front_tok, self.front_score, self.parent_hidden)
         t.add_(1)
+
+    def _uploaded_masks(self, rows: int) -> torch.Tensor:
+        """The first `rows` grammar rows the host filled, on the device."""
+        self._masks.upload("bitmask", rows * self._row_bytes)
+        return self._bitmask[:rows]
 
     def frontier_host(self, B: int, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The frontier's tokens and path scores, and the choices that made it (each node's index

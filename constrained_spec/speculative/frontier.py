@@ -1,0 +1,101 @@
+"""The end of an EAGLE draft depth (`eagle_step.DraftIO.step`): from each request's K*K children
+(path scores and tokens, K per frontier node), the best K become the next frontier, and the
+depth's children and choices are recorded for the host.
+
+One Triton launch on CUDA (a program per request) instead of ~20 small torch kernels (a top-k,
+three scatters, gathers and copies), which cost a graphed draft depth about as much GPU time as
+the head's decoder layer; the torch reference runs elsewhere (and is the math the Triton kernel
+must match: `tests/test_fused_kernels.py`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import fused_kernels_enabled
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - CPU installs
+    triton = None
+
+
+def advance_frontier(child_s: torch.Tensor, child_t: torch.Tensor, hidden: torch.Tensor, t: torch.Tensor,
+                     anc: torch.Tensor, out_tok: torch.Tensor, out_score: torch.Tensor, out_best: torch.Tensor,
+                     front_tok: torch.Tensor, front_score: torch.Tensor, parent_hidden: torch.Tensor) -> None:
+    """child_s, child_t [B, K*K]: the children of request b's K frontier nodes (node j's at
+    j*K .. j*K + K - 1), path scores and tokens; hidden [B*K, H]: the head's output at each
+    frontier node; t [1]: the depth index the children are recorded at. In place: out_tok[b, t],
+    out_score[b, t] (all K*K children) and out_best[b, t] (the K chosen, best first, by index
+    among the children); the next frontier's tokens, scores (front_tok, front_score [B*K]),
+    parents' outputs (parent_hidden [B*K, H]) and ancestor slots (anc [B*K, D]: the parent's row)."""
+    B, KK = child_s.shape
+    K = int(round(KK ** 0.5))
+    if triton is not None and fused_kernels_enabled() and child_s.is_cuda and not K & (K - 1):
+        H, D = hidden.shape[1], anc.shape[1]
+        _advance_kernel[(B,)](child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
+                              parent_hidden, hidden.stride(0), parent_hidden.stride(0), anc.stride(0),
+                              out_tok.stride(0), out_tok.stride(1), out_best.stride(0), out_best.stride(1), H, D,
+                              K=K, KK=KK, HBLOCK=triton.next_power_of_2(H), DBLOCK=triton.next_power_of_2(D),
+                              num_warps=4)
+        return
+    advance_frontier_ref(child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
+                         parent_hidden)
+
+
+def advance_frontier_ref(child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
+                         parent_hidden) -> None:
+    B, KK = child_s.shape
+    K = int(round(KK ** 0.5))
+    best_s, best_i = child_s.topk(K, -1)
+    depth = t.view(1, 1, 1).expand(B, 1, KK)
+    out_tok[:B].scatter_(1, depth, child_t[:, None])
+    out_score[:B].scatter_(1, depth, child_s[:, None])
+    out_best[:B].scatter_(1, depth[:, :, :K], best_i[:, None])
+    parent = (torch.arange(B, device=child_s.device)[:, None] * K + best_i // K).view(-1)
+    front_tok[:B * K] = child_t.gather(1, best_i).view(-1)
+    front_score[:B * K] = best_s.view(-1)
+    parent_hidden[:B * K] = hidden.index_select(0, parent)
+    anc[:B * K] = anc[:B * K].index_select(0, parent)
+
+
+if triton is not None:
+    @triton.jit
+    def _advance_kernel(cs_ptr, ct_ptr, hidden_ptr, t_ptr, anc_ptr, out_tok_ptr, out_score_ptr, out_best_ptr,
+                        front_tok_ptr, front_score_ptr, parent_hidden_ptr, h_stride, ph_stride, anc_stride,
+                        ot_stride0, ot_stride1, ob_stride0, ob_stride1, H, D,
+                        K: tl.constexpr, KK: tl.constexpr, HBLOCK: tl.constexpr, DBLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.load(t_ptr)
+        c = tl.arange(0, KK)
+        s = tl.load(cs_ptr + b * KK + c)
+        tok = tl.load(ct_ptr + b * KK + c)
+        tl.store(out_tok_ptr + b * ot_stride0 + t * ot_stride1 + c, tok)
+        tl.store(out_score_ptr + b * ot_stride0 + t * ot_stride1 + c, s)
+        # the best K children, best first (ties: the lower index)
+        ks = tl.arange(0, K)
+        best = tl.zeros((K,), tl.int64)
+        best_s = tl.full((K,), float("-inf"), tl.float32)
+        best_t = tl.zeros((K,), tl.int64)
+        taken = c < 0
+        for j in tl.static_range(K):
+            m = tl.max(tl.where(taken, float("-inf"), s), axis=0)
+            pick = tl.min(tl.where((s == m) & ~taken, c, KK), axis=0)
+            taken = taken | (c == pick)
+            best = tl.where(ks == j, pick, best)
+            best_s = tl.where(ks == j, m, best_s)
+            best_t = tl.where(ks == j, tl.sum(tl.where(c == pick, tok, 0), axis=0), best_t)
+        tl.store(out_best_ptr + b * ob_stride0 + t * ob_stride1 + ks, best)
+        node = b * K + ks
+        tl.store(front_tok_ptr + node, best_t)
+        tl.store(front_score_ptr + node, best_s)
+        parent = b * K + best // K
+        h = tl.arange(0, HBLOCK)
+        hm = h[None, :] < H
+        rows = tl.load(hidden_ptr + parent[:, None] * h_stride + h[None, :], mask=hm)
+        tl.store(parent_hidden_ptr + node[:, None] * ph_stride + h[None, :], rows, mask=hm)
+        d = tl.arange(0, DBLOCK)
+        dm = d[None, :] < D
+        a = tl.load(anc_ptr + parent[:, None] * anc_stride + d[None, :], mask=dm)  # all read before any write
+        tl.debug_barrier()
+        tl.store(anc_ptr + node[:, None] * anc_stride + d[None, :], a, mask=dm)
