@@ -116,6 +116,7 @@ def check_kernels(device: str, dtype: torch.dtype, norm_shapes=NORM_SHAPES, rope
         assert torch.equal(out, expected_mask(logits, bitmask))
     check_topk(device, dtype, topk_shapes, gen)
     check_frontier(device, dtype, gen)
+    check_place_frontier(device)
 
 
 def check_frontier(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
@@ -148,6 +149,30 @@ def check_frontier(device: str, dtype: torch.dtype, gen: torch.Generator) -> Non
         for name, a, b in zip(("anc", "out_tok", "out_score", "out_best", "front_tok", "front_score", "parent_hidden"),
                               got, ref):
             assert torch.equal(a.cpu(), b), (name, B, K)
+
+
+def check_place_frontier(device: str) -> None:
+    """speculative.frontier's place kernel against its torch reference, rows near the table's end
+    (columns clamped) included."""
+    from constrained_spec.speculative import frontier as F_
+    gen = torch.Generator().manual_seed(5)
+    for N, K, D, M in ((4, 4, 6, 40), (8, 2, 3, 20), (1, 1, 4, 9)):
+        t = torch.tensor([1 + N % D])
+        own_base = 1000 + torch.arange(N) * 7
+        n_rep = torch.randint(1, M, (N,), generator=gen)
+        n_rep[0] = M - 2  # the last columns collapse on the row's end
+        state = [torch.randint(0, 999, (N, D), generator=gen), torch.randint(0, 999, (N, M), generator=gen),
+                 torch.zeros(N, dtype=torch.int64), torch.zeros(N, dtype=torch.int32), torch.zeros(N, dtype=torch.int64)]
+        ref = [x.clone() for x in state]
+        F_.place_frontier_ref(t, K, own_base, n_rep, *ref)
+        got = [x.to(device) for x in state]
+        if device == "cpu":  # the interpreter: call the kernel itself
+            F_._place_kernel[(N,)](t, own_base, n_rep, *got, got[0].stride(0), got[1].stride(0), M, D, K=K,
+                                   DBLOCK=triton_next_pow2(D))
+        else:
+            F_.place_frontier(t.to(device), K, own_base.to(device), n_rep.to(device), *got)
+        for name, a, b in zip(("anc", "draft_table", "own", "kv_lens", "positions"), got, ref):
+            assert torch.equal(a.cpu(), b), (name, N, K, D)
 
 
 def triton_next_pow2(n: int) -> int:

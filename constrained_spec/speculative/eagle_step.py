@@ -35,7 +35,7 @@ import torch
 from ..attention import AttentionMetadata, ForwardMode
 from ..pinned import PinnedBlock
 from ..kernels import topk_logprobs
-from .frontier import advance_frontier
+from .frontier import advance_frontier, place_frontier
 
 
 class DraftIO:
@@ -70,7 +70,9 @@ class DraftIO:
         pool = runner.kv.num_slots
         self._own_base = (pool + torch.arange(C, device=dev)[:, None] * (K * D)
                           + torch.arange(K, device=dev)[None, :]).reshape(-1)  # + (t - 1) * K
-        self._columns = torch.arange(D, device=dev)
+        self._own = torch.zeros(C * K, dtype=torch.int64, device=dev)  # a depth's scratch slots, lengths, positions
+        self._kv_lens = torch.zeros(C * K, dtype=torch.int32, device=dev)
+        self._positions = torch.zeros(C * K, dtype=torch.int64, device=dev)
         self._q_starts = torch.arange(C * K + 1, dtype=torch.int32, device=dev)
         self._q_lens = torch.ones(C * K, dtype=torch.int32, device=dev)
         # grammar rows (the host fills them, a masked start or step copies them): the roots', or
@@ -183,17 +185,13 @@ class DraftIO:
         K, D = self.K, self.D
         BK = bs * K
         t = self.t
-        own = self._own_base[:BK] + (t - 1) * K
-        anc = self.anc[:BK]
-        anc.scatter_(1, (t - 1).expand(BK, 1), own[:, None])
-        n_rep = self._n_rep[:BK]
-        columns = (n_rep[:, None] + self._columns).clamp_(max=self.max_context - 1)
-        self.draft_table[:BK].scatter_(1, columns, anc)
+        anc, own, kv_lens, positions = self.anc[:BK], self._own[:BK], self._kv_lens[:BK], self._positions[:BK]
+        place_frontier(t, K, self._own_base[:BK], self._n_rep[:BK], anc, self.draft_table[:BK], own, kv_lens, positions)
         table = self.draft_table[:BK] if max_kv is None else self.draft_table[:BK, :max_kv]
         meta = AttentionMetadata(
             mode=ForwardMode.DECODE, out_slots=own, q_starts=self._q_starts[:BK + 1], q_lens=self._q_lens[:BK],
-            kv_lens=(n_rep + t).to(torch.int32), slot_table=table, max_q_len=1, max_kv_len=table.shape[1])
-        hidden = self.head(self.target, self.parent_hidden[:BK], self.front_tok[:BK], n_rep + t - 1, self.kv, meta,
+            kv_lens=kv_lens, slot_table=table, max_q_len=1, max_kv_len=table.shape[1])
+        hidden = self.head(self.target, self.parent_hidden[:BK], self.front_tok[:BK], positions, self.kv, meta,
                            self.r.backend)
         logits = self.head.logits(self.target, hidden)
         child_s, child_t = topk_logprobs(logits, K, self._uploaded_masks(BK) if masked else None,
