@@ -239,13 +239,15 @@ def test_features_are_the_targets_pre_norm_hidden_states(engines, tiny_head_dir)
 
 
 @pytest.mark.gpu
-def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir):
+@pytest.mark.parametrize("topk", [3, 4])
+def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir, topk):
     """On CUDA the draft steps replay graphs (one per batch size and masking) and the output is the
-    plain engine's, greedy, with and without a schema."""
+    plain engine's, greedy, with and without a schema; top-4 drafts through the fused Triton tail
+    (`kernels.topk_logprobs`, `speculative.frontier`), top-3 through the torch one."""
     kw = dict(model=tiny_llama_dir, device="cuda", dtype="float32", max_running_requests=8, kv_cache_slots=1 << 14)
     plain = Engine(**kw)
-    spec = Engine(**kw, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
-                  speculative_policy="always", speculative_min_accept=0.0)
+    spec = Engine(**kw, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=topk,
+                  eagle_depth=4, speculative_policy="always", speculative_min_accept=0.0)
     try:
         assert spec.runner.graphs.can_draft(4)
         assert {("draft", "start", 4, False), ("draft", "start", 4, True), ("draft", "step", 4, False)} <= \

@@ -122,8 +122,8 @@ def topk_logprobs(logits: torch.Tensor, k: int, bitmask: torch.Tensor | None = N
     """The k most likely tokens of each row of `logits` [R, V] under the grammar `bitmask` [R, W]
     (as in `mask_logits`; None: no mask): (log-probabilities + `base` [R] (None: 0), tokens),
     [R, k] float32 and int64, best first. A row whose every token is masked scores -inf. Two
-    launches on CUDA (k a power of two; ties: the lower token first) instead of ~25 small kernels."""
-    if _use_triton(logits):
+    launches on CUDA where k is a power of two (ties: the lower token first) instead of ~25 small kernels."""
+    if _use_triton(logits) and not k & (k - 1):
         return _tri.topk_logprobs(logits, k, bitmask, base)
     return topk_logprobs_ref(logits, k, bitmask, base)
 
