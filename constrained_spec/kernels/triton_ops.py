@@ -213,7 +213,7 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 # sum of exponentials and top-k; one program per row merges its chunks.
 
 @triton.jit
-def _select_topk(x, idx, K: tl.constexpr, BIG: tl.constexpr):
+def select_topk(x, idx, K: tl.constexpr, BIG: tl.constexpr):
     """The K largest of x (ties: the lowest idx first; -inf entries only after every finite one,
     each index at most once), as two [K] vectors (values, indices)."""
     ks = tl.arange(0, K)
@@ -245,7 +245,7 @@ def _topk_chunk_kernel(logits_ptr, mask_ptr, m_ptr, s_ptr, v_ptr, i_ptr, logits_
     m = tl.max(x, axis=0)
     safe_m = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(tl.exp(x - safe_m), axis=0)
-    vals, ids = _select_topk(x, cols.to(tl.int64), K, 1 << 40)
+    vals, ids = select_topk(x, cols.to(tl.int64), K, 1 << 40)
     out = row * C + chunk
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
@@ -269,7 +269,7 @@ def _topk_merge_kernel(m_ptr, s_ptr, v_ptr, i_ptr, base_ptr, score_ptr, tok_ptr,
     live_c = cand < C * K
     v = tl.load(v_ptr + row * C * K + cand, mask=live_c, other=float("-inf"))
     i = tl.load(i_ptr + row * C * K + cand, mask=live_c, other=1 << 40)
-    vals, ids = _select_topk(v, i, K, 1 << 41)
+    vals, ids = select_topk(v, i, K, 1 << 41)
     score = vals - lse
     score = tl.where(score != score, float("-inf"), score)  # -inf - -inf
     if HAS_BASE:

@@ -20,6 +20,8 @@ from ..kernels import fused_kernels_enabled
 try:
     import triton
     import triton.language as tl
+
+    from ..kernels.triton_ops import select_topk
 except Exception:  # noqa: BLE001 - CPU installs
     triton = None
 
@@ -128,17 +130,8 @@ if triton is not None:
         tl.store(out_score_ptr + b * ot_stride0 + t * ot_stride1 + c, s)
         # the best K children, best first (ties: the lower index)
         ks = tl.arange(0, K)
-        best = tl.zeros((K,), tl.int64)
-        best_s = tl.full((K,), float("-inf"), tl.float32)
-        best_t = tl.zeros((K,), tl.int64)
-        taken = c < 0
-        for j in tl.static_range(K):
-            m = tl.max(tl.where(taken, float("-inf"), s), axis=0)
-            pick = tl.min(tl.where((s == m) & ~taken, c, KK), axis=0)
-            taken = taken | (c == pick)
-            best = tl.where(ks == j, pick, best)
-            best_s = tl.where(ks == j, m, best_s)
-            best_t = tl.where(ks == j, tl.sum(tl.where(c == pick, tok, 0), axis=0), best_t)
+        best_s, best = select_topk(s, c.to(tl.int64), K, KK)
+        best_t = tl.sum(tl.where(c[None, :] == best[:, None], tok[None, :], 0), axis=1)
         tl.store(out_best_ptr + b * ob_stride0 + t * ob_stride1 + ks, best)
         node = b * K + ks
         tl.store(front_tok_ptr + node, best_t)
