@@ -115,11 +115,13 @@ def test_stress_cpu_ngram(tmp_path):
 @pytest.mark.parametrize("name,backend", [("plain-t0.7", "xgrammar"), ("plain-greedy-stream", "xgrammar"),
                                           ("ngram-t0.7-stream", "xgrammar"), ("ngram-greedy", "xgrammar"),
                                           ("plain-t0.7", "auto"), ("ngram-greedy-stream", "auto")])
-def test_stress_gpu(name, backend, tmp_path):
+def test_stress_gpu(name, backend, tmp_path, smollm2_dir):
     """~100 schemas at 64 clients on CUDA, max_tokens 256: the short form of the GPU stress run, under
-    the default grammar backend and under auto (llguidance first)."""
+    the default grammar backend and under auto (llguidance first). The real model (skipped, with the
+    reason, where it cannot be had: the GPU machine reaches no registry unless its weights are carried)."""
     cases = stress.load_cases(limit=100 - len(stress.load_cases(limit=0)))
     config = stress.parse_config(name, clients=64, temperature=0.0, stream=False,
-                                 extra_args=["--device", "cuda", "--grammar-backend", backend])
+                                 extra_args=["--device", "cuda", "--grammar-backend", backend,
+                                             "--model", str(smollm2_dir)])
     summary, _ = stress.run_config(config, cases, 256, seed=0, log_dir=tmp_path)
     _assert_clean(summary)
