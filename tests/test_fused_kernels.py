@@ -137,7 +137,7 @@ def check_frontier(device: str, dtype: torch.dtype, gen: torch.Generator) -> Non
                  torch.zeros(C, D, K, dtype=torch.int64),  # out_tok, out_score, out_best
                  torch.zeros(C * K, dtype=torch.int64), torch.zeros(C * K), torch.zeros(C * K, H, dtype=dtype)]
         ref = [x.clone() for x in state]
-        F_.advance_frontier_ref(child_s, child_t, hidden, t, *ref)
+        F_.advance_frontier_ref(K, child_s, child_t, hidden, t, *ref)
         got = [x.to(device) for x in state]
         if device == "cpu":  # the interpreter: call the kernel itself
             F_._advance_kernel[(B,)](child_s, child_t, hidden, t, *got, hidden.stride(0), got[6].stride(0),
@@ -145,7 +145,7 @@ def check_frontier(device: str, dtype: torch.dtype, gen: torch.Generator) -> Non
                                      got[3].stride(1), H, D, K=K, KK=KK, HBLOCK=triton_next_pow2(H),
                                      DBLOCK=triton_next_pow2(D))
         else:
-            F_.advance_frontier(child_s.to(device), child_t.to(device), hidden.to(device), t.to(device), *got)
+            F_.advance_frontier(K, child_s.to(device), child_t.to(device), hidden.to(device), t.to(device), *got)
         for name, a, b in zip(("anc", "out_tok", "out_score", "out_best", "front_tok", "front_score", "parent_hidden"),
                               got, ref):
             assert torch.equal(a.cpu(), b), (name, B, K)

@@ -19,13 +19,15 @@ attention is the target's own decode attention (triton on CUDA, split over the c
 no tree mask. Scratch slots lie past the target pool's slots in the head's one-layer KV cache: K
 per depth per request. The depth is a device-side counter, so one graph serves every depth, and
 nothing of the host comes between two unmasked depths:
-  the frontier's scratch slots and ancestor columns into the draft table; the head over the frontier
-  (input: its parent's head output and its token, position n + t - 1); the target's norm and LM head;
+  the frontier's scratch slots and ancestor columns into the draft table (`frontier.place_frontier`);
+  the head over the frontier (input: its parent's head output and its token, position n + t - 1);
+  the target's norm and LM head;
   for a masked depth (`eagle_masked_depths` > 1), the grammar rows the host filled after reading the
   frontier (`frontier_host`, a sync); the top-k children per node by path score (their
-  log-probabilities plus the node's: `kernels.topk_logprobs`, two launches on CUDA); the best K of the K*K children become the next frontier (their tokens, scores, parents'
-  outputs and ancestor slots gathered); children and choices recorded in `out_*` for the host,
-  which reads them once at the end.
+  log-probabilities plus the node's: `kernels.topk_logprobs`, two launches on CUDA); the best K of
+  the K*K children become the next frontier (their tokens, scores, parents' outputs and ancestor
+  slots gathered: `frontier.advance_frontier`); children and choices recorded in `out_*` for the
+  host, which reads them once at the end.
 """
 from __future__ import annotations
 
@@ -197,7 +199,7 @@ class DraftIO:
         child_s, child_t = topk_logprobs(logits, K, self._uploaded_masks(BK) if masked else None,
                                          base=self.front_score[:BK])  # path scores [BK, K]
         # the next frontier: the best K of each request's K*K children
-        advance_frontier(child_s.view(bs, K * K), child_t.view(bs, K * K), hidden, t, anc, self.out_tok,
+        advance_frontier(K, child_s.view(bs, K * K), child_t.view(bs, K * K), hidden, t, anc, self.out_tok,
                          self.out_score, self.out_best, self.front_tok, self.front_score, self.parent_hidden)
         t.add_(1)
 

@@ -27,11 +27,12 @@ except Exception:  # noqa: BLE001 - CPU installs
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
-    return triton is not None and fused_kernels_enabled() and x.is_cuda
+    return fused_kernels_enabled() and x.is_cuda  # (no triton: fused kernels are never enabled)
 
 
 def place_frontier(t: torch.Tensor, K: int, own_base: torch.Tensor, n_rep: torch.Tensor, anc: torch.Tensor,
-                   draft_table: torch.Tensor, own: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor) -> None:
+                   draft_table: torch.Tensor, own: torch.Tensor, kv_lens: torch.Tensor,
+                   positions: torch.Tensor) -> None:
     """For the N = len(n_rep) frontier nodes at depth t [1] (1: the root's children): node i's
     scratch slot `own[i] = own_base[i] + (t - 1) * K` becomes its own ancestor column t - 1
     (anc [N, D]); its table row in `draft_table` [N, max_context] gets its ancestors' slots at
@@ -56,7 +57,7 @@ def place_frontier_ref(t, K, own_base, n_rep, anc, draft_table, own, kv_lens, po
     positions.copy_(n_rep + t - 1)
 
 
-def advance_frontier(child_s: torch.Tensor, child_t: torch.Tensor, hidden: torch.Tensor, t: torch.Tensor,
+def advance_frontier(K: int, child_s: torch.Tensor, child_t: torch.Tensor, hidden: torch.Tensor, t: torch.Tensor,
                      anc: torch.Tensor, out_tok: torch.Tensor, out_score: torch.Tensor, out_best: torch.Tensor,
                      front_tok: torch.Tensor, front_score: torch.Tensor, parent_hidden: torch.Tensor) -> None:
     """child_s, child_t [B, K*K]: the children of request b's K frontier nodes (node j's at
@@ -66,7 +67,6 @@ def advance_frontier(child_s: torch.Tensor, child_t: torch.Tensor, hidden: torch
     among the children); the next frontier's tokens, scores (front_tok, front_score [B*K]),
     parents' outputs (parent_hidden [B*K, H]) and ancestor slots (anc [B*K, D]: the parent's row)."""
     B, KK = child_s.shape
-    K = int(round(KK ** 0.5))
     if _triton_ok(child_s) and not K & (K - 1):
         H, D = hidden.shape[1], anc.shape[1]
         _advance_kernel[(B,)](child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
@@ -75,14 +75,13 @@ def advance_frontier(child_s: torch.Tensor, child_t: torch.Tensor, hidden: torch
                               K=K, KK=KK, HBLOCK=triton.next_power_of_2(H), DBLOCK=triton.next_power_of_2(D),
                               num_warps=4)
         return
-    advance_frontier_ref(child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
+    advance_frontier_ref(K, child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
                          parent_hidden)
 
 
-def advance_frontier_ref(child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
+def advance_frontier_ref(K, child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
                          parent_hidden) -> None:
     B, KK = child_s.shape
-    K = int(round(KK ** 0.5))
     best_s, best_i = child_s.topk(K, -1)
     depth = t.view(1, 1, 1).expand(B, 1, KK)
     out_tok[:B].scatter_(1, depth, child_t[:, None])
