@@ -37,7 +37,10 @@ def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _INTERPRET and torch.bfloat16 in (q.dtype, k.dtype)
 
 
-@triton.jit
+# B (the sequences) is neither specialized nor a block size of its own below 16: eager extends
+# (prompt chunks, the EAGLE head's catch-up) come with every batch size, and each new Triton
+# variant would compile on the step that first meets it.
+@triton.jit(do_not_specialize=["B"])
 def _extend_kernel(
     Q, K, V, O, SlotTable, KvLens, QStarts, QLens, TreeMask, MidO, MidLse,
     stride_qt, stride_qh,
@@ -219,7 +222,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *tstrides, *mstrides,
         scale * _LOG2E, num_splits,
         B, G=G, D=D, IS_TREE=is_tree, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_B=max(2, triton.next_power_of_2(B)),
+        BLOCK_B=max(16, triton.next_power_of_2(B)),
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
