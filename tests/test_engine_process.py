@@ -176,7 +176,9 @@ def test_a_request_the_engine_refuses_fails_alone(shared_process):
     client_a, server_a = _front_end(shared_process)
     client_b, server_b = _front_end(shared_process)
     try:
-        streams = [_Stream(server_a.url, _body(64)) for _ in range(2)]
+        # long enough that both are still running when B asks, on a loaded CI machine too (64 tokens
+        # sometimes finished first under the full suite)
+        streams = [_Stream(server_a.url, _body(400)) for _ in range(2)]
         for s in streams:
             s.first.wait(60)
         r = httpx.post(server_b.url + "/v1/chat/completions", json=_body(8), timeout=60)
