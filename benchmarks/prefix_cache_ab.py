@@ -1,6 +1,8 @@
 """The prefix cache's cost where it cannot help, the engine alone (no HTTP): bench_serving's
 `distinct` requests (JSON, each with its own ~250-token system prompt, 128 tokens) through
-`Engine.generate` with the cache off and on, in turn, for a few rounds, on one fixed-size KV pool.
+`Engine.generate` with the cache off and on, in turn, for a few rounds, on one fixed-size KV pool,
+small enough by default that the cache fills it and evicts (as it does in a server after its first
+seconds of such traffic).
 `--closed` sends them as `--clients` threads with one request each at a time (the served arrival
 pattern) instead of all at once.
 
@@ -43,7 +45,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=64, help="running requests (and threads with --closed)")
-    ap.add_argument("--kv-slots", type=int, default=600_000)
+    ap.add_argument("--kv-slots", type=int, default=100_000)
     ap.add_argument("--closed", action="store_true")
     args = ap.parse_args()
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)

@@ -44,9 +44,7 @@ class SlotPool:
 
     def alloc(self, n: int) -> np.ndarray:
         if n > self._top and self.cache is not None:
-            # evicting walks the tree's leaves: free a batch at once rather than a step's few slots
-            # every step once the cache has filled the pool
-            self.cache.evict(max(n - self._top, min(self.capacity // 64, 2048)))
+            self.cache.evict(n - self._top)  # a few heap pops: the tree keeps its candidates
         if n > self._top:
             raise OutOfSlots(f"asked for {n} KV slots, {self._top} free")
         self._top -= n

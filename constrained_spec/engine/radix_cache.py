@@ -10,7 +10,10 @@ past its cached prefix), or owned by exactly one tree node. Requests using a nod
 on it and on all its ancestors (`lock`), and referenced nodes are never evicted. Unreferenced leaves
 go least recently used first when the pool runs short (`evict`); freeing a leaf may make its parent
 a leaf in turn. Sizes are kept as counters so that the scheduler's "how many slots can I have"
-(free + evictable) costs nothing.
+(free + evictable) costs nothing. The eviction candidates live in a heap kept as the tree changes
+(entries go stale rather than being removed, and are skipped when popped): a full pool evicts at
+every few admissions, and a walk over thousands of leaves each time cost a loaded engine ~30% of
+its thread.
 
 Only verified tokens are ever inserted (the speculative step frees rejected draft slots before a
 request's context can be cached), and grammar state is not cached at all: a matcher starts fresh at
@@ -60,6 +63,11 @@ class RadixCache:
         self.size = 0  # tokens (= slots) held by the tree
         self.evictable_size = 0  # of those, in nodes no request references
         self.evicted_tokens = 0  # over the cache's life
+        self._nodes = 0  # nodes besides the root
+        # (last_access, tiebreak, node) of nodes that were unreferenced leaves when pushed; an entry
+        # is live while the node still is one, attached, with that last_access (`_is_candidate`)
+        self._candidates: list[tuple[int, int, Node]] = []
+        self._tiebreak = itertools.count()
 
     # -- lookups ---------------------------------------------------------------------------------
     def match(self, tokens) -> tuple[np.ndarray, Node]:
@@ -83,6 +91,7 @@ class RadixCache:
             node, pos = child, pos + n
             if partial:
                 break
+        self._offer(node)
         slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return slots, node
 
@@ -120,12 +129,15 @@ class RadixCache:
                 node.children[int(key[pos])] = leaf
                 self.size += len(leaf)
                 self.evictable_size += len(leaf)
+                self._nodes += 1
+                node = leaf
                 break
             n = _common_length(child.key, key[pos:])
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = stamp
             node, pos = child, pos + n
+        self._offer(node)
         return pos
 
     # -- references ------------------------------------------------------------------------------
@@ -150,6 +162,7 @@ class RadixCache:
             node.refs -= 1
             if node.refs == 0:
                 moved += len(node)
+                self._offer(node)
             node = node.parent
         self.evictable_size += moved
         return moved
@@ -160,36 +173,48 @@ class RadixCache:
         unreferenced leaves, least recently used first. Returns how many were freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.refs == 0]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+        while freed < num_tokens and self._candidates:  # not aliased: `_offer` may rebuild it
+            stamp, _, leaf = heapq.heappop(self._candidates)
+            if not self._is_candidate(leaf, stamp):
+                continue
             parent = leaf.parent
             del parent.children[int(leaf.key[0])]
+            leaf.parent = None  # detached: its other heap entries are stale
+            self._nodes -= 1
             self._free_slots(leaf.slots)
             freed += len(leaf)
-            if parent is not self.root and not parent.children and parent.refs == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._offer(parent)
         self.size -= freed
         self.evictable_size -= freed
         self.evicted_tokens += freed
         return freed
 
-    def _leaves(self):
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                yield node
+    def _offer(self, node: Node) -> None:
+        """Makes `node` an eviction candidate if it is an unreferenced leaf (called wherever a node
+        may have become one, or had its last_access changed while one)."""
+        if node.refs == 0 and not node.children and node is not self.root:
+            heapq.heappush(self._candidates, (node.last_access, next(self._tiebreak), node))
+            if len(self._candidates) > 2 * self._nodes + 64:
+                self._compact()
+
+    def _is_candidate(self, node: Node, stamp: int) -> bool:
+        return (node.parent is not None and node.refs == 0 and not node.children
+                and node.last_access == stamp)
+
+    def _compact(self) -> None:
+        """Drops stale entries (the heap holds at most ~2 per node; rebuilding is linear and
+        happens once per as many pushes)."""
+        live = {id(n): e for e in self._candidates if self._is_candidate(n := e[2], e[0])}
+        self._candidates = list(live.values())
+        heapq.heapify(self._candidates)
 
     # -- structure -------------------------------------------------------------------------------
     def _split(self, child: Node, n: int) -> Node:
         """Cuts `child`'s edge after `n` tokens; returns the new node holding the first part. The
         new node carries the child's references (every request locking the child uses it too)."""
         head = Node(child.key[:n], child.slots[:n], child.parent)
+        self._nodes += 1
         head.refs = child.refs
         head.last_access = child.last_access
         head.children[int(child.key[n])] = child
