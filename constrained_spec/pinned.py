@@ -36,8 +36,15 @@ class PinnedStaging:
         dst.copy_(src, non_blocking=True)
         if self._copied[k] is None:
             self._copied[k] = torch.cuda.Event()
-        self._copied[k].record()
+        record_on_current_stream(self._copied[k], dst.device.index)
         self._turn = 1 - k
+
+
+def record_on_current_stream(event: torch.cuda.Event, device_index: int) -> None:
+    """`event.record()` for a known device: a bare `record()` finds the current device through
+    `torch.cuda.is_available()` at every call, which one H100 host's profile of a loaded engine
+    thread put at ~5% of its samples."""
+    event.record(torch.cuda.current_stream(device_index))
 
 
 class PinnedBlock:

@@ -181,3 +181,26 @@ def test_request_ids_array_is_all_ids():
     req.output_ids.extend([8, 9])
     assert req.ids_array(5).tolist() == req.all_ids and req.ids_array(4).tolist() == [5, 6, 7, 8]
     assert req.ids_array(3).dtype == np.int64
+
+
+def test_prompts_in_step_find_exactly_the_requests_sharing_uncached_tokens():
+    """The scheduler's index of the prompts a step computes: a request is deferred only when its
+    first cached + IN_STEP_SHARE tokens equal such a prompt's."""
+    from constrained_spec.engine.request import Request
+    from constrained_spec.engine.scheduler import IN_STEP_SHARE, _PromptsInStep
+
+    def req(ids, cached):
+        r = Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+        r.cache_len = cached
+        return r
+
+    base = list(range(10, 10 + 20 + IN_STEP_SHARE + 30))
+    step = _PromptsInStep()
+    assert not step.shares(req(base, 20))
+    step.add(req(base, 20))
+    assert step.shares(req(base[:20 + IN_STEP_SHARE], 20))  # exactly IN_STEP_SHARE shared past the cache
+    assert not step.shares(req(base[:20 + IN_STEP_SHARE - 1], 20))  # too short to share that many
+    assert not step.shares(req(base[:20 + IN_STEP_SHARE - 1] + [7] + base[20 + IN_STEP_SHARE:], 20))
+    assert not step.shares(req([1] + base[1:], 20))  # same window, another cached prefix
+    step.add(req(range(5000, 5000 + IN_STEP_SHARE - 1), 0))  # too little uncached to be indexed
+    assert not step.shares(req(range(5000, 5000 + IN_STEP_SHARE - 1), 0))

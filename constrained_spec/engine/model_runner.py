@@ -17,6 +17,7 @@ import torch
 from ..attention import AttentionMetadata, ForwardMode, KVCache, get_attention_backend
 from ..models.cpu_linear import prepack_bf16_linears
 from ..models.native_forward import NativeForward
+from ..pinned import record_on_current_stream
 from .batch import ScheduledBatch
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, GraphStep
@@ -69,6 +70,8 @@ class ModelRunner:
         self.native_forward = NativeForward.build(self.model) if device.type == "cpu" else None
         self.mcfg = loaded.config
         self.device, self.dtype = device, dtype
+        self.cuda_index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
         self.vocab_size = self.mcfg.vocab_size
         self.backend = get_attention_backend(config.attention_backend, str(device))
         self.max_context = min(config.max_model_len or self.mcfg.max_position, self.mcfg.max_position)
@@ -280,7 +283,7 @@ class ModelRunner:
         params = None if greedy else self._sampling_params_host(reqs)
         tokens_host = step.graphs.launch_sample(step, bitmask is not None, greedy, params)
         event = torch.cuda.Event()
-        event.record()
+        record_on_current_stream(event, self.cuda_index)
         return StepResult(batch, tokens_host, None, event)
 
     def _sample_eager(self, batch, reqs, logits, bitmask, apply_bitmask) -> StepResult:
@@ -329,7 +332,7 @@ class ModelRunner:
         tokens_host = host(tokens)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            record_on_current_stream(event, self.cuda_index)
         return StepResult(batch, tokens_host, lp_host, event)
 
     def _logprobs(self, reqs, logits, tokens):

@@ -89,9 +89,9 @@ class PrefixCache:
         row, start = req.row, req.cache_len
         slots = self.table.host[row, :n].copy()
         tokens = req.ids_array(n)
-        dup = self.tree.insert(tokens, slots)
-        tree_slots, node = self.tree.match(tokens)
+        dup, node = self.tree.insert_path(tokens, slots)
         if dup > start:  # another request cached these positions first: use its slots, free ours
+            tree_slots = self.tree.match(tokens)[0]
             self.pool.free(slots[start:dup])
             self.table.host[row, start:dup] = tree_slots[start:dup]
             self._writes.append((row, start, tree_slots[start:dup]))

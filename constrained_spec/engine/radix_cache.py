@@ -48,7 +48,10 @@ def _common_length(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
+    a, b = a[:n], b[:n]
+    if a[-1] == b[-1] and np.array_equal(a, b):  # a whole edge matched: most steps of a walk
+        return n
+    diff = np.flatnonzero(a != b)
     return int(diff[0]) if len(diff) else n
 
 
@@ -115,6 +118,10 @@ class RadixCache:
         """Caches `slots` as the K/V of `tokens`. Returns how many leading tokens were cached
         already: the caller's slots for those positions are duplicates (the tree keeps its own) and
         are the caller's to free; the slots past them now belong to the tree."""
+        return self.insert_path(tokens, slots)[0]
+
+    def insert_path(self, tokens, slots: np.ndarray) -> tuple[int, Node]:
+        """`insert`, and the node whose path spells all of `tokens` (to lock, sparing a `match`)."""
         key = np.asarray(tokens, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         if len(key) != len(slots):
@@ -138,7 +145,7 @@ class RadixCache:
             child.last_access = stamp
             node, pos = child, pos + n
         self._offer(node)
-        return pos
+        return pos, node
 
     # -- references ------------------------------------------------------------------------------
     def lock(self, node: Node) -> int:

@@ -95,14 +95,14 @@ class Scheduler:
             budget -= n
             return True
 
-        fresh: list[np.ndarray] = []  # prompts being computed (a long part not cached yet)
+        fresh = _PromptsInStep()  # prompts being computed (a long part not cached yet)
         cached_lengths: dict = {}
         deferred: set = set()  # waiting for a prompt this step computes
         for req in self.running:  # chunked prefills and jump-forward tokens in progress
             if not req.needs_extend:
                 continue
-            if cache is not None and len(req.prompt_ids) - req.cache_len >= IN_STEP_SHARE:
-                fresh.append(np.asarray(req.prompt_ids, dtype=np.int64))
+            if cache is not None:
+                fresh.add(req)
             if budget > 0:
                 take(req)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
@@ -113,7 +113,7 @@ class Scheduler:
                 break
             if cache is not None:
                 free -= cache.admit(req)
-                if _shares_uncached(fresh, req):
+                if fresh.shares(req):
                     free += cache.unadmit(req)
                     deferred.add(req)
                     continue
@@ -121,8 +121,7 @@ class Scheduler:
                     free += cache.unadmit(req)
                     break
                 cache.admitted(req)
-                if len(req.prompt_ids) - req.cache_len >= IN_STEP_SHARE:
-                    fresh.append(np.asarray(req.prompt_ids, dtype=np.int64))
+                fresh.add(req)
             elif not take(req):
                 break
             self._admit(req)
@@ -188,13 +187,35 @@ class Scheduler:
         self.num_retractions += 1
 
 
-def _shares_uncached(fresh: list[np.ndarray], req: Request) -> bool:
-    """Whether the request shares IN_STEP_SHARE tokens past its cached prefix with a prompt that
-    this step computes."""
-    if not fresh:
-        return False
-    key = np.asarray(req.prompt_ids, dtype=np.int64)
-    need = req.cache_len + IN_STEP_SHARE
-    if len(key) < need:
-        return False
-    return any(len(prompt) >= need and np.array_equal(prompt[:need], key[:need]) for prompt in fresh)
+class _PromptsInStep:
+    """The prompts a step computes an uncached part of IN_STEP_SHARE tokens or more, indexed by
+    (cached length, the IN_STEP_SHARE tokens past it), so that whether a request shares that many
+    uncached tokens with one of them is one lookup: two prompts that share their first c + IN_STEP_SHARE
+    tokens, matched against the same tree, have the same cached length c. (A running chunked prefill
+    was matched at an earlier step; if the tree has grown under it since, a request sharing its
+    prompt is not found and computes the shared part too, which costs time, not correctness.)
+    Comparing each admitted request with every other instead cost ~2% of a loaded engine thread."""
+
+    def __init__(self):
+        self._by_key: dict[tuple[int, bytes], list[np.ndarray]] = {}
+
+    @staticmethod
+    def _key(req: Request) -> tuple[tuple[int, bytes] | None, np.ndarray]:
+        c, ids = req.cache_len, req.ids_array(len(req.prompt_ids))
+        if len(ids) < c + IN_STEP_SHARE:
+            return None, ids
+        return (c, ids[c:c + IN_STEP_SHARE].tobytes()), ids
+
+    def add(self, req: Request) -> None:
+        key, ids = self._key(req)
+        if key is not None:
+            self._by_key.setdefault(key, []).append(ids)
+
+    def shares(self, req: Request) -> bool:
+        if not self._by_key:
+            return False
+        key, ids = self._key(req)
+        if key is None:
+            return False
+        c = key[0]
+        return any(np.array_equal(prompt[:c], ids[:c]) for prompt in self._by_key.get(key, ()))

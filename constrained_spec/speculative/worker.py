@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from ..pinned import record_on_current_stream
 from .drafter import DraftBatch, Drafter
 from .grammar_draft import guided_chain, write_chain
 from .policy import MeasuredPolicy
@@ -245,7 +246,7 @@ class SpeculativeWorker:
 
     def _sync(self) -> None:
         if self._event is not None:
-            self._event.record()
+            record_on_current_stream(self._event, self.runner.cuda_index)
             self._event.synchronize()
 
     # -- drafting and grammar masking ------------------------------------------------------------
