@@ -141,8 +141,12 @@ class PrefixCache:
         if not self._writes:
             return
         writes, self._writes = self._writes, []
-        rows = np.concatenate([np.full(len(slots), row) for row, _, slots in writes])
-        positions = np.concatenate([np.arange(start, start + len(slots)) for _, start, slots in writes])
-        host = np.stack([rows, positions, np.concatenate([slots for _, _, slots in writes])]).astype(np.int64)
-        rows, positions, values = self.runner._to_device(host.reshape(-1)).split(host.shape[1])
+        lengths = np.fromiter((len(w[2]) for w in writes), np.int64, len(writes))
+        firsts = np.fromiter((w[1] for w in writes), np.int64, len(writes))
+        total = int(lengths.sum())
+        host = np.empty((3, total), np.int64)  # rows, positions, slots: a fixed number of numpy calls a step
+        host[0] = np.repeat(np.fromiter((w[0] for w in writes), np.int64, len(writes)), lengths)
+        host[1] = np.arange(total) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
+        host[2] = writes[0][2] if len(writes) == 1 else np.concatenate([w[2] for w in writes])
+        rows, positions, values = self.runner._to_device(host.reshape(-1)).split(total)
         self.table.write_device(rows, positions, values)
