@@ -6,7 +6,9 @@
 #   bash benchmarks/run_gpu.sh STAGE [STAGE ...]
 #
 # Stages (each writes benchmarks/results/ as its script says; the figures of docs/performance.md):
-#   tests      the GPU test suite (pytest -m gpu)
+#   tests      the GPU test suite (pytest -m gpu) but the served stress runs (~4 min on an H100 with
+#              the model; the whole suite takes longer than a 10-minute command)
+#   stress     the GPU stress runs alone (tests/test_stress_cpu.py::test_stress_gpu, ~6 min)
 #   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
 #   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
 #   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*
@@ -20,7 +22,7 @@
 #              batch 1 ->
 #              $OUT/spec_<device>_eagle_json.*, $OUT/spec_<device>_eagle_chat.*, each with EAGLE's host
 #              ms per step by phase (EAGLE_HEAD: the head folder; default the shipped one)
-#   all        tests gpu spec attention
+#   all        tests stress gpu spec attention
 #
 # PYTHON selects the interpreter (default: python3); OUT, where the eagle stages write (default
 # benchmarks/results/eagle); DEVICE=cpu with MODEL, TRAIN_ARGS and BENCH_ARGS runs the
@@ -29,7 +31,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-stage_tests() { "$PYTHON" -m pytest -q -m gpu tests; }
+stage_tests() { "$PYTHON" -m pytest -q -m gpu tests -k "not test_stress_gpu"; }
+stage_stress() { "$PYTHON" -m pytest -q -m gpu tests/test_stress_cpu.py -k test_stress_gpu; }
 stage_gpu() { "$PYTHON" benchmarks/bench_gpu.py; }
 stage_spec() {
   "$PYTHON" benchmarks/bench_spec.py --workloads json
@@ -62,10 +65,10 @@ stage_eagle_bench() {
   BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py "${common[@]}" --workloads chat --batches 1 \
     --name "spec_${DEVICE}_eagle_chat" ${BENCH_ARGS:-}
 }
-stage_all() { stage_tests; stage_gpu; stage_spec; stage_attention; }
+stage_all() { stage_tests; stage_stress; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 [ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
