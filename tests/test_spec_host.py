@@ -208,14 +208,15 @@ def test_greedy_accept_matches_torch(seed):
 
 
 # ------------------------------------------------------------------------------ measured policy
-def run_policy(policy, batch, seconds, steps=200, start=0.0, launch=None, spec_tokens=lambda t: 3):
+def run_policy(policy, batch, seconds, steps=200, start=0.0, launch=None, spec_tokens=lambda t: 3, catch_up=0.0):
     """Drives the policy like the engine: decide, run the step (spec: `seconds[True]` for
     `spec_tokens(step index)` tokens per request; plain: `seconds[False]` for 1), decide again.
     Returns the decisions.
 
     `launch`: model the overlap scheduler, where a plain step's interval ends once it is launched
     (`launch` seconds) if the pipeline was empty (first step, or after a speculative step), and the
-    next step absorbs the rest of its device time."""
+    next step absorbs the rest of its device time. `catch_up`: what a speculative step after a plain
+    one costs on top (an EAGLE head catching up over the positions decoded plainly)."""
     now, engine_steps, picks, pending = start, 0, [], 0.0
     for _ in range(steps):
         spec = policy.choose(batch, now, engine_steps)
@@ -223,6 +224,8 @@ def run_policy(policy, batch, seconds, steps=200, start=0.0, launch=None, spec_t
         if spec:
             policy.add_tokens(spec_tokens(len(picks) - 1) * batch)
             interval, pending = seconds[True] + pending, 0.0
+            if len(picks) > 1 and not picks[-2]:
+                interval += catch_up
         elif launch is not None and (not picks[:-1] or picks[-2]):
             interval, pending = launch, seconds[False] - launch
         else:
@@ -451,3 +454,28 @@ def test_policy_borrows_only_implied_decisions():
     assert p.arms[(64, False)].step_seconds == pytest.approx(0.0012)  # its own timing replaced the borrowed one
     p8 = run_policy(p, 8, {True: 0.0015, False: 0.001}, steps=10, start=3.0)
     assert all(p8)  # 16 speculates, so 8 does, from its first step
+
+
+@pytest.mark.parametrize("launch", [None, 0.0003])
+def test_policy_counts_what_switching_arms_costs(launch):
+    """Batch 16, speculation a little slower than plain (3.3 ms for 3 tokens a request against 1 ms
+    for 1), and every switch to speculation costs 4 ms more (the head's catch-up). Re-measuring
+    speculation as often as its per-step loss alone allows lost 5% of the time to it (mostly the switches);
+    with the switches' cost counted, re-measurements cost about explore_cost of the time in all. The
+    overlap pipeline (`launch`) must not be taken for a switching cost."""
+    from constrained_spec.speculative.policy import MeasuredPolicy
+    seconds = {True: 0.0033, False: 0.001}
+    p = MeasuredPolicy()
+    picks = run_policy(p, 16, seconds, steps=20000, launch=launch, catch_up=0.004)
+    assert p.switch_seconds(16) == pytest.approx(0.004, rel=0.3)
+    late = picks[2000:]
+    switches = sum(1 for a, b in zip(late, late[1:]) if b and not a)
+    spent = (len(late) - sum(late)) * seconds[False] + sum(late) * seconds[True] + switches * 0.004
+    lost = sum(late) * (seconds[True] - 3 * seconds[False]) + switches * 0.004
+    assert lost / spent < 0.02, (lost / spent, switches, sum(late))
+    assert switches >= 2  # still re-measured now and then
+    # without a switching cost the same bucket re-measures several times as often
+    q = MeasuredPolicy()
+    free = run_policy(q, 16, seconds, steps=20000, launch=launch)[2000:]
+    assert q.switch_seconds(16) < 0.0005
+    assert sum(1 for a, b in zip(free, free[1:]) if b and not a) > 3 * switches

@@ -64,15 +64,25 @@ class MeasuredPolicy:
     acceptance samples, so a close call the other way waits its turn): after the
     bucket has run `min_explore_ratio` to `max_explore_ratio` times as long as the re-measurement
     takes (a re-measurement's first step is no timing, so back to back ones would measure little).
+
+    Switching arms costs time of its own: an EAGLE head catches up over every position decoded
+    plainly since it last drafted (4 ms a switch at batch 64 on the H100, against a 2.4 ms plain
+    step), and the overlap pipeline drains. The first step after a switch is timed against its arm's
+    step time; summed over both directions the pipeline's share cancels (the speculative step after
+    a plain one absorbs what the plain one's interval left out) and what remains is the round trip's
+    cost, a moving average per bucket. A re-measurement waits that much longer: until the switches'
+    cost too is about `explore_cost` of the bucket's time (at most `max_explore_ratio` re-measurement
+    lengths more). Without it, buckets near break-even re-measured every few dozen milliseconds and
+    paid a catch-up each time.
     """
 
     def __init__(self, explore_cost: float = 0.01, min_explore_ratio: float = 3.0,
                  max_explore_ratio: float = 40.0, window: int = 15, min_samples: int = 4,
-                 explore_steps: int = 3, token_smoothing: float = 0.03):
+                 explore_steps: int = 3, token_smoothing: float = 0.03, switch_smoothing: float = 0.25):
         self.explore_cost, self.min_explore_ratio = explore_cost, min_explore_ratio
         self.max_explore_ratio = max_explore_ratio
         self.window, self.min_samples = window, min_samples
-        self.token_smoothing = token_smoothing
+        self.token_smoothing, self.switch_smoothing = token_smoothing, switch_smoothing
         self.explore_steps = explore_steps
         self.acceptance: dict[int, float] = {}  # bucket -> tokens per request per speculative step
         self.token_samples: dict[int, int] = {}  # bucket -> speculative steps whose tokens were counted
@@ -80,6 +90,7 @@ class MeasuredPolicy:
         self.arms: dict[tuple[int, bool], _Arm] = {}  # (bucket, speculative) -> measurements
         self._elapsed: dict[int, float] = {}  # bucket -> seconds run since its slower arm was measured
         self._streak: dict[int, tuple[bool, int]] = {}  # bucket -> (arm being re-measured, steps left)
+        self._switch: dict[tuple[int, bool], float] = {}  # (bucket, arm) -> extra seconds of its first step after a switch
         self._last: tuple[int, bool] | None = None  # the (bucket, arm) of the step decided last
         self._open: list | None = None  # [(bucket, speculative), start, engine step count, batch, tokens, clean]
 
@@ -110,13 +121,15 @@ class MeasuredPolicy:
                 ratio = self.min_explore_ratio
             else:
                 ratio = min(max(loss / self.explore_cost, self.min_explore_ratio), self.max_explore_ratio)
-            if self._elapsed.get(bucket, 0.0) >= ratio * self.explore_steps * slower.step_seconds:
+            span = self.explore_steps * slower.step_seconds  # what a re-measurement takes
+            wait = ratio * span + min(self.switch_seconds(bucket) / self.explore_cost, self.max_explore_ratio * span)
+            if self._elapsed.get(bucket, 0.0) >= wait:
                 speculate = not faster
                 self._elapsed[bucket] = 0.0
                 if self.explore_steps > 1:
                     self._streak[bucket] = (speculate, self.explore_steps - 1)
         key = (bucket, speculate)
-        self._open = [key, now, engine_steps, batch_size, 0, self._last == key]
+        self._open = [key, now, engine_steps, batch_size, 0, self._last]
         self._last = key
         return speculate
 
@@ -128,6 +141,12 @@ class MeasuredPolicy:
     def forget_open(self) -> None:
         """The step decided last did not run as decided (e.g. another rule overruled it)."""
         self._open = self._last = None
+
+    def switch_seconds(self, bucket: int) -> float:
+        """What a round trip between the arms costs in a bucket beyond their steps (class docstring),
+        once both directions were timed."""
+        to_spec, to_plain = self._switch.get((bucket, True)), self._switch.get((bucket, False))
+        return 0.0 if to_spec is None or to_plain is None else max(to_spec + to_plain, 0.0)
 
     def rates(self, bucket: int) -> tuple[float, float] | None:
         """(speculative, plain) tokens/s per request in a bucket, once both are measured."""
@@ -171,8 +190,9 @@ class MeasuredPolicy:
     def _close(self, now: float, engine_steps: int) -> None:
         if self._open is None:
             return
-        key, start, steps, batch, tokens, clean = self._open
+        key, start, steps, batch, tokens, before = self._open
         self._open = None
+        clean = before == key
         speculative = key[1]
         if speculative:
             if tokens <= 0:
@@ -183,9 +203,14 @@ class MeasuredPolicy:
             mean, spread = self.acceptance.get(key[0], 0.0), self.spread.get(key[0], 0.0)
             self.acceptance[key[0]] = mean + weight * (x - mean)
             self.spread[key[0]] = spread + weight * ((x - mean) ** 2 - spread)
-        if not clean or engine_steps != steps + 1 or now <= start:
-            return  # after a switch, or another step ran in between (a prefill): not a timing
+        if engine_steps != steps + 1 or now <= start:
+            return  # another step ran in between (a prefill): not a timing
         arm = self.arms.get(key)
+        if not clean:  # the first step after a switch: not a timing, but what the switch cost
+            if before is not None and before[0] == key[0] and arm is not None and arm.samples and not arm.borrowed:
+                extra, old = now - start - arm.step_seconds, self._switch.get(key)
+                self._switch[key] = extra if old is None else old + self.switch_smoothing * (extra - old)
+            return
         if arm is None:
             arm = self.arms[key] = _Arm()
         seconds = now - start
