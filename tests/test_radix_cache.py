@@ -94,6 +94,27 @@ def test_pool_with_cache_hands_out_evictable_slots():
     assert tree.size == 3 and pool.num_free == 0
 
 
+def _start_one(tree, pool, held: list, tokens: list) -> bool:
+    """A "request" for `tokens`: its cached prefix locked, slots for the rest; False if they do not fit."""
+    prefix, node = tree.match(tokens)
+    tree.lock(node)
+    need = len(tokens) - len(prefix)
+    if need > pool.num_free:
+        tree.unlock(node)
+        return False
+    held.append((node, tokens, pool.alloc(need)))
+    return True
+
+
+def _finish_one(tree, pool, request) -> None:
+    """A request's context into the tree, its duplicate slots freed, its reference dropped."""
+    node, tokens, own = request
+    cached = len(tokens) - len(own)
+    dup = tree.insert(tokens, np.concatenate([tree.match(tokens[:cached])[0], own]))
+    pool.free(own[:max(dup - cached, 0)])
+    tree.unlock(node)
+
+
 def test_random_workload_accounts_for_every_slot():
     rng = np.random.default_rng(0)
     pool = SlotPool(65)
@@ -102,20 +123,10 @@ def test_random_workload_accounts_for_every_slot():
     held = []  # (node, own slots) of live "requests"
     for _ in range(400):
         if held and (rng.random() < 0.5 or pool.num_free < 12):
-            node, tokens, own = held.pop(int(rng.integers(len(held))))
-            cached = len(tokens) - len(own)
-            dup = tree.insert(tokens, np.concatenate([tree.match(tokens[:cached])[0], own]))
-            pool.free(own[:max(dup - cached, 0)])
-            tree.unlock(node)
+            _finish_one(tree, pool, held.pop(int(rng.integers(len(held)))))
             continue
-        tokens = rng.integers(0, 3, size=int(rng.integers(2, 10))).tolist()
-        prefix, node = tree.match(tokens)
-        tree.lock(node)
-        need = len(tokens) - len(prefix)
-        if need > pool.num_free:
-            tree.unlock(node)
+        if not _start_one(tree, pool, held, rng.integers(0, 3, size=int(rng.integers(2, 10))).tolist()):
             continue
-        held.append((node, tokens, pool.alloc(need)))
         owned = np.concatenate([tree.all_slots()] + [h[2] for h in held])
         assert len(owned) == len(set(owned.tolist())), "a slot has two owners"
         assert len(owned) + pool._top == pool.capacity
@@ -149,11 +160,7 @@ def test_eviction_order_matches_a_full_walk_under_random_traffic():
     for step in range(1500):
         r = rng.random()
         if held and r < 0.35:
-            node, tokens, own = held.pop(int(rng.integers(len(held))))
-            cached = len(tokens) - len(own)
-            dup = tree.insert(tokens, np.concatenate([tree.match(tokens[:cached])[0], own]))
-            pool.free(own[:max(dup - cached, 0)])
-            tree.unlock(node)
+            _finish_one(tree, pool, held.pop(int(rng.integers(len(held)))))
         elif r < 0.5 and tree.evictable_size:
             victim = _lru_victim(tree)
             expected = victim.slots.tolist()
@@ -163,14 +170,7 @@ def test_eviction_order_matches_a_full_walk_under_random_traffic():
             tree._free_slots = pool.free
             assert got == expected, f"step {step}: evicted {got}, the LRU leaf holds {expected}"
         else:
-            tokens = rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist()
-            prefix, node = tree.match(tokens)
-            tree.lock(node)
-            need = len(tokens) - len(prefix)
-            if need > pool.num_free:
-                tree.unlock(node)
-                continue
-            held.append((node, tokens, pool.alloc(need)))
+            _start_one(tree, pool, held, rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist())
     assert len(tree._candidates) <= 2 * tree.num_nodes() + 64
 
 
