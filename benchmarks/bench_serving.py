@@ -23,7 +23,11 @@ system prompt with the schema and worked examples, then a short user message, ev
 conversation before the next turn of any), `distinct` (the JSON task after a ~250-token system prompt of
 the request's own: no prefix to share, the prefix cache's worst case); greedy. The prefix cache is measured by running the same
 server with and without it: a server name with `+nocache` adds `--disable-prefix-cache`
-(`--servers split,split+nocache`); the report then has a cache on / off table. Every request is sent
+(`--servers split,split+nocache`); the report then has a cache on / off table. A few percent between
+two servers run one after the other is within what a host drifts in a minute: `--interleave N` starts
+every server at once (each with its own `--kv-cache-memory-gb`, 48 GiB shared out unless given) and
+runs each configuration N times, the servers in turn (their order alternating), and the report
+takes the median run and, for an A/B, the median of the N paired ratios. Every request is sent
 non-streamed and streamed (`--stream`). Reported: TTFT, TPOT (time per output token after the
 first), ITL (inter-token latency: time between streamed chunks), end-to-end latency (p50/p90/p99),
 requests/s and output tokens/s. Non-streamed, TTFT is the end-to-end latency.
@@ -579,12 +583,14 @@ def _ratio(a, b) -> str:
 def report(payload: dict) -> str:
     runs, engine = payload["runs"], payload["engine"]
 
+    def rounds(server, workload, stream, mode, value) -> list[dict]:
+        return [r for r in runs
+                if (r["server"], r["workload"], r["stream"], r["mode"], r["value"]) == (server, workload, stream, mode, value)]
+
     def find(server, workload, stream, mode, value):
-        for r in runs:
-            if (r["server"], r["workload"], r["stream"], r["mode"], r["value"]) == (server, workload, stream, mode,
-                                                                                   value):
-                return r
-        return None
+        """The run of a configuration (with --interleave, the one of median tok/s)."""
+        found = sorted(rounds(server, workload, stream, mode, value), key=lambda r: r["out_tok_s"])
+        return found[(len(found) - 1) // 2] if found else None
 
     def eng(workload, clients):
         for r in engine:
@@ -674,10 +680,12 @@ def report(payload: dict) -> str:
                         if a is None or b is None:
                             continue
                         share = a.get("cached_share")
+                        paired = _paired_ratios(rounds(on, w, stream, "clients", c), rounds(off, w, stream, "clients", c))
+                        ratio = _ratio(a["out_tok_s"], b["out_tok_s"]) if len(paired) < 2 else (
+                            f"{_median(paired):.2f} (rounds: {', '.join(f'{x:.2f}' for x in paired)})")
                         lines.append(f"| {on} | {w} | {'yes' if stream else 'no'} | {c} | {_ms(a['ttft']['p50'])} "
                                      f"| {_ms(b['ttft']['p50'])} | {_ratio(b['ttft']['p50'], a['ttft']['p50'])} "
-                                     f"| {_tok(a['out_tok_s'])} | {_tok(b['out_tok_s'])} "
-                                     f"| {_ratio(a['out_tok_s'], b['out_tok_s'])} "
+                                     f"| {_tok(a['out_tok_s'])} | {_tok(b['out_tok_s'])} | {ratio} "
                                      f"| {'-' if share is None else f'{share:.2f}'} |")
     if payload["rates"]:
         lines += ["", f"## Request rate (Poisson arrivals; {payload['rate_workload']}, not streamed)", "",
@@ -691,6 +699,19 @@ def report(payload: dict) -> str:
                                  f"| {_ms(r['ttft']['p99'])} | {_ms(r['e2e']['p50'])} | {_ms(r['e2e']['p99'])} "
                                  f"| {r['errors']} / {r['invalid']} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired_ratios(on: list[dict], off: list[dict]) -> list[float]:
+    """tok/s on / off of each round both arms ran (`--interleave`)."""
+    off_by_round = {r.get("repeat", 0): r["out_tok_s"] for r in off}
+    return [r["out_tok_s"] / off_by_round[r.get("repeat", 0)] for r in sorted(on, key=lambda r: r.get("repeat", 0))
+            if off_by_round.get(r.get("repeat", 0))]
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def _cpu_table(payload: dict, find, eng) -> list[str]:
@@ -808,6 +829,9 @@ def main(argv=None) -> int:
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
                     help="client processes (default: a quarter of the cores, 1 to 8)")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--interleave", type=int, default=1,
+                    help="N > 1: all servers up at once, each max-concurrency configuration run N times, "
+                         "the servers in turn (paired A/B rounds)")
     args = ap.parse_args(argv)
 
     from constrained_spec.models import resolve_model_path
@@ -826,46 +850,76 @@ def main(argv=None) -> int:
 
     payload = {"model": model, "device": args.device, "machine": machine(), "max_tokens": args.max_tokens,
                "rounds": args.rounds, "workloads": workloads, "clients": clients, "streams": streams,
-               "rates": rates, "rate_workload": args.rate_workload, "servers": servers,
+               "rates": rates, "rate_workload": args.rate_workload, "servers": servers, "interleave": args.interleave,
                "command": "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "runs": [], "engine": [], "server_ready_s": {}}
 
     pool = client_pool(args.client_procs)
+
+    def start(name: str) -> Server:
+        extra = args.server_args.split() + server_flags(name)
+        if args.interleave > 1 and args.device != "cpu" and "--kv-cache-memory-gb" not in extra:
+            extra += ["--kv-cache-memory-gb", str(max(2, 48 // len(servers)))]  # all of them on one GPU
+        server = Server(model, args.device, extra, Path(tempfile.gettempdir()) / f"bench_serving_{name}.log")
+        payload["server_ready_s"][name] = server.ready_s
+        print(f"[{name}] ready in {server.ready_s:.1f} s at {server.url}", flush=True)
+        for w in sorted(set(workloads) | ({args.rate_workload} if rates else set())):
+            warm = [j.body(16, False) for j in make_jobs(w, max(clients), first=10**9)]
+            run_clients(pool, args.client_procs, server.url, warm, False, max(clients), None)
+        return server
+
+    def run_config(name: str, server: Server, w: str, stream: bool, c: int, rep: int) -> None:
+        # requests of their own per configuration and round (a workload of distinct prompts or
+        # conversations must not find an earlier round's in the cache); the servers of a round share them
+        first = 10**5 * (configs.index((w, stream, c)) * args.interleave + rep)
+        bodies = [j.body(args.max_tokens, stream) for j in make_jobs(w, n_requests(c), first=first)]
+        before = server_engine_counters(server.url)
+        cpu0 = cpu_time.snapshot(server.proc.pid)
+        r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
+        r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(server.proc.pid),
+                                              r["client_cpu_s"], r["duration_s"])
+        r["engine_side"] = engine_side(before, server_engine_counters(server.url), r["duration_s"])
+        payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
+                                "value": c, "repeat": rep, **r})
+        print(f"[{name}] {w} stream={stream} c={c}{f' round {rep}' if args.interleave > 1 else ''}: "
+              f"{r['out_tok_s']:,.0f} tok/s, TTFT p99 {_ms(r['ttft']['p99'])} ms, invalid {r['invalid']}, "
+              f"errors {r['errors']} {r['first_errors']}", flush=True)
+
+    def run_rates(name: str, server: Server) -> None:
+        for rate in rates:
+            n = max(16, int(rate * args.rate_seconds))
+            bodies = [j.body(args.max_tokens, False) for j in make_jobs(args.rate_workload, n)]
+            r = run_clients(pool, args.client_procs, server.url, bodies, False, None, rate)
+            payload["runs"].append({"server": name, "workload": args.rate_workload, "stream": False,
+                                    "mode": "rate", "value": rate, **r})
+            print(f"[{name}] rate {rate:g}: {r['req_s']:.1f} req/s, {r['out_tok_s']:,.0f} tok/s, "
+                  f"E2E p99 {_ms(r['e2e']['p99'])} ms, errors {r['errors']}", flush=True)
+
+    configs = [(w, stream, c) for w in workloads for stream in streams for c in clients]
     try:
-        for name in servers:
-            extra = args.server_args.split() + server_flags(name)
-            server = Server(model, args.device, extra, Path(tempfile.gettempdir()) / f"bench_serving_{name}.log")
-            payload["server_ready_s"][name] = server.ready_s
-            print(f"[{name}] ready in {server.ready_s:.1f} s at {server.url}", flush=True)
+        if args.interleave > 1:
+            up: dict[str, Server] = {}
             try:
-                for w in sorted(set(workloads) | ({args.rate_workload} if rates else set())):
-                    warm = [j.body(16, False) for j in make_jobs(w, max(clients), first=10**6)]
-                    run_clients(pool, args.client_procs, server.url, warm, False, max(clients), None)
-                for w in workloads:
-                    for stream in streams:
-                        for c in clients:
-                            bodies = [j.body(args.max_tokens, stream) for j in make_jobs(w, n_requests(c))]
-                            before = server_engine_counters(server.url)
-                            cpu0 = cpu_time.snapshot(server.proc.pid)
-                            r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
-                            r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(server.proc.pid),
-                                                                  r["client_cpu_s"], r["duration_s"])
-                            r["engine_side"] = engine_side(before, server_engine_counters(server.url), r["duration_s"])
-                            payload["runs"].append({"server": name, "workload": w, "stream": stream, "mode": "clients",
-                                                    "value": c, **r})
-                            print(f"[{name}] {w} stream={stream} c={c}: {r['out_tok_s']:,.0f} tok/s, "
-                                  f"TTFT p99 {_ms(r['ttft']['p99'])} ms, invalid {r['invalid']}, errors {r['errors']} {r['first_errors']}",
-                                  flush=True)
-                for rate in rates:
-                    n = max(16, int(rate * args.rate_seconds))
-                    bodies = [j.body(args.max_tokens, False) for j in make_jobs(args.rate_workload, n)]
-                    r = run_clients(pool, args.client_procs, server.url, bodies, False, None, rate)
-                    payload["runs"].append({"server": name, "workload": args.rate_workload, "stream": False,
-                                            "mode": "rate", "value": rate, **r})
-                    print(f"[{name}] rate {rate:g}: {r['req_s']:.1f} req/s, {r['out_tok_s']:,.0f} tok/s, "
-                          f"E2E p99 {_ms(r['e2e']['p99'])} ms, errors {r['errors']}", flush=True)
+                for name in servers:
+                    up[name] = start(name)
+                for w, stream, c in configs:
+                    for rep in range(args.interleave):
+                        for name in (servers if rep % 2 == 0 else servers[::-1]):
+                            run_config(name, up[name], w, stream, c, rep)
+                for name in servers:
+                    run_rates(name, up[name])
             finally:
-                server.stop()
+                for server in up.values():
+                    server.stop()
+        else:
+            for name in servers:
+                server = start(name)
+                try:
+                    for w, stream, c in configs:
+                        run_config(name, server, w, stream, c, 0)
+                    run_rates(name, server)
+                finally:
+                    server.stop()
     finally:
         pool.close()
         pool.join()
@@ -882,11 +936,12 @@ def main(argv=None) -> int:
         payload["model_name"] = engine.model_name
         try:
             for w in workloads:
-                engine_closed_loop(engine, make_jobs(w, max(clients), first=10**6), 16, max(clients))  # warm-up
+                engine_closed_loop(engine, make_jobs(w, max(clients), first=10**9), 16, max(clients))  # warm-up
                 for c in clients:
                     before = engine_stats_counters(engine)
                     cpu0 = cpu_time.snapshot(os.getpid())
-                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c)), args.max_tokens, c)
+                    first = 10**5 * configs.index((w, streams[0], c)) * args.interleave  # the servers' first round's
+                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c), first=first), args.max_tokens, c)
                     r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(os.getpid()), 0.0, r["duration_s"])
                     r["engine_side"] = engine_side(before, engine_stats_counters(engine), r["duration_s"])
                     payload["engine"].append({"workload": w, "clients": c, **r})

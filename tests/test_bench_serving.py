@@ -108,6 +108,41 @@ def test_prefix_cache_workloads_and_arms():
     assert "| split | shared-prefix | yes | 4 | 20.0 | 100 | 5.00 | 300 | 200 | 1.50 | 0.90 |" in md
 
 
+def test_interleaved_rounds_pair_the_arms(tiny_llama_dir, tmp_path):
+    """`--interleave 3`: both servers up at once, each configuration run 3 times with the servers in
+    turn, every round on requests of its own (distinct prompts never found cached from an earlier
+    round), and the cache table gives the median of the paired ratios."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--model", tiny_llama_dir, "--device", "cpu",
+           "--workloads", "distinct", "--clients", "2", "--stream", "no", "--rates", "", "--max-tokens", "4",
+           "--servers", "single,single+nocache", "--rounds", "1", "--client-procs", "1", "--no-engine",
+           "--interleave", "3", "--results-dir", str(tmp_path), "--server-args", "--dtype float32 --grammar-cache-dir none"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_serving.json").read_text())
+    runs = data["runs"]
+    assert [(x["server"], x["repeat"]) for x in runs] == [
+        ("single", 0), ("single+nocache", 0), ("single+nocache", 1), ("single", 1), ("single", 2), ("single+nocache", 2)]
+    assert all(x["errors"] == 0 and x["invalid"] == 0 for x in runs)
+    assert all(x["cached_share"] < 0.5 for x in runs if x["server"] == "single")  # no round reuses another's prompts
+    md = (tmp_path / "bench_serving.md").read_text()
+    assert "(rounds: " in md
+
+
+def test_report_takes_the_median_of_paired_rounds():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serving as b
+    run = lambda server, rep, tok: {"server": server, "workload": "distinct", "stream": False, "mode": "clients",
+                                    "value": 4, "repeat": rep, "out_tok_s": tok, "errors": 0, "invalid": 0,
+                                    **{k: {"p50": 0.1, "p99": 0.1} for k in ("ttft", "tpot", "itl", "e2e")}}
+    runs = [run("split", 0, 90.0), run("split+nocache", 0, 100.0), run("split", 1, 120.0),
+            run("split+nocache", 1, 100.0), run("split", 2, 50.0), run("split+nocache", 2, 50.0)]
+    md = b.report({"runs": runs, "engine": [], "servers": ["split", "split+nocache"], "model_name": "m", "device": "cpu",
+                   "machine": {}, "max_tokens": 8, "rounds": 1, "command": "x", "workloads": ["distinct"],
+                   "streams": [False], "clients": [4], "rates": []})
+    # median runs: 90 on, 100 off; paired ratios 0.90, 1.20, 1.00 -> 1.00
+    assert "| 90 | 100 | 1.00 (rounds: 0.90, 1.20, 1.00) |" in md
+
+
 def test_plot_without_rates(tmp_path):
     """A run of max-concurrency modes only (no --rates) still draws its plot: tok/s and TTFT p99
     against the clients, from the results file of such a run."""
