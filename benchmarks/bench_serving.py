@@ -783,8 +783,13 @@ def _plot_concurrency(payload: dict, path: Path, plt) -> None:
         ax1.plot(clients, [eng[c]["out_tok_s"] if c in eng else None for c in clients], marker="s",
                  linestyle=":", label=f"{w}: engine")
         for s in payload["servers"]:
-            rs = {r["value"]: r for r in payload["runs"]
-                  if (r["server"], r["workload"], r["stream"], r["mode"]) == (s, w, False, "clients")}
+            rs = {}  # clients -> the run of median tok/s (one per round with --interleave)
+            for c in clients:
+                found = sorted((r for r in payload["runs"] if (r["server"], r["workload"], r["stream"], r["mode"],
+                                                                r["value"]) == (s, w, False, "clients", c)),
+                               key=lambda r: r["out_tok_s"])
+                if found:
+                    rs[c] = found[(len(found) - 1) // 2]
             ax1.plot(clients, [rs[c]["out_tok_s"] if c in rs else None for c in clients], marker="o", label=f"{w}: {s}")
             ax2.plot(clients, [1000 * (rs[c]["ttft"]["p99"] or 0) if c in rs else None for c in clients], marker="o",
                      label=f"{w}: {s}")
