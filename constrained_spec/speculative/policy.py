@@ -66,8 +66,8 @@ class MeasuredPolicy:
     takes (a re-measurement's first step is no timing, so back to back ones would measure little).
 
     Switching arms costs time of its own: an EAGLE head catches up over every position decoded
-    plainly since it last drafted (4 ms a switch at batch 64 on the H100, against a 2.4 ms plain
-    step), and the overlap pipeline drains. The first step after a switch is timed against its arm's
+    plainly since it last drafted (on the H100 at batch 64, 4 ms of catch-up per speculative step
+    against a 2.4 ms plain step), and the overlap pipeline drains. The first step after a switch is timed against its arm's
     step time; summed over both directions the pipeline's share cancels (the speculative step after
     a plain one absorbs what the plain one's interval left out) and what remains is the round trip's
     cost, a moving average per bucket. A re-measurement waits that much longer: until the switches'
