@@ -45,6 +45,7 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -682,7 +683,7 @@ def report(payload: dict) -> str:
                         share = a.get("cached_share")
                         paired = _paired_ratios(rounds(on, w, stream, "clients", c), rounds(off, w, stream, "clients", c))
                         ratio = _ratio(a["out_tok_s"], b["out_tok_s"]) if len(paired) < 2 else (
-                            f"{_median(paired):.2f} (rounds: {', '.join(f'{x:.2f}' for x in paired)})")
+                            f"{statistics.median(paired):.2f} (rounds: {', '.join(f'{x:.2f}' for x in paired)})")
                         lines.append(f"| {on} | {w} | {'yes' if stream else 'no'} | {c} | {_ms(a['ttft']['p50'])} "
                                      f"| {_ms(b['ttft']['p50'])} | {_ratio(b['ttft']['p50'], a['ttft']['p50'])} "
                                      f"| {_tok(a['out_tok_s'])} | {_tok(b['out_tok_s'])} | {ratio} "
@@ -706,12 +707,6 @@ def _paired_ratios(on: list[dict], off: list[dict]) -> list[float]:
     off_by_round = {r.get("repeat", 0): r["out_tok_s"] for r in off}
     return [r["out_tok_s"] / off_by_round[r.get("repeat", 0)] for r in sorted(on, key=lambda r: r.get("repeat", 0))
             if off_by_round.get(r.get("repeat", 0))]
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def _cpu_table(payload: dict, find, eng) -> list[str]:

@@ -41,7 +41,8 @@ def fused_kernels_enabled() -> bool:
     return _ENABLED and HAS_TRITON
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether work on `x` goes to a Triton kernel (fused kernels on, and `x` on CUDA)."""
     return _ENABLED and HAS_TRITON and x.is_cuda
 
 
@@ -55,7 +56,7 @@ def uses_native_cpu_kernels(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), over the last dim."""
-    if _use_triton(x):
+    if uses_triton(x):
         return _tri.rms_norm(x, weight, eps)
     if uses_native_cpu_kernels(x) and weight.dtype is torch.bfloat16:
         return cpu_native.rms_norm(x, weight, eps)
@@ -66,7 +67,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual). On CUDA and in the native CPU kernel both are written
     in place: the normed output into `x`, the sum into `residual`."""
-    if _use_triton(x):
+    if uses_triton(x):
         return _tri.add_rms_norm(x, residual, weight, eps)
     if uses_native_cpu_kernels(x) and weight.dtype is torch.bfloat16:
         return cpu_native.add_rms_norm(x, residual, weight, eps)
@@ -77,7 +78,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE in place on q [T, H, D] and k [T, KVH, D] (views with unit last stride are
     fine). cos_sin_cache: float32 [max_pos, D] = cat(cos, sin) of the D/2 frequencies. Returns (q, k)."""
-    if _use_triton(q):
+    if uses_triton(q):
         return _tri.apply_rope(q, k, positions, cos_sin_cache)
     if uses_native_cpu_kernels(q):
         return cpu_native.apply_rope(q, k, positions, cos_sin_cache)
@@ -89,7 +90,7 @@ def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
                          slots: torch.Tensor) -> torch.Tensor:
     """RoPE on q (in place) and k, then k and v written to the KV cache at `slots`: one kernel on
     CUDA and for bfloat16 on the CPU instead of three. Returns q."""
-    if _use_triton(q):
+    if uses_triton(q):
         return _tri.apply_rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
     if uses_native_cpu_kernels(q):
         return cpu_native.apply_rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
@@ -101,7 +102,7 @@ def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> silu(gate) * up, [..., I]."""
-    if _use_triton(gate_up):
+    if uses_triton(gate_up):
         return _tri.silu_and_mul(gate_up)
     if uses_native_cpu_kernels(gate_up):
         return cpu_native.silu_and_mul(gate_up)
@@ -112,7 +113,7 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Grammar mask, out of place: logits [B, V], bitmask [B, W] int32; bit t of row b's words,
     `(word >> (t & 31)) & 1`, allows token t, the others (and columns past 32 * W) become -inf.
     One launch on CUDA instead of the reference's ~9 small kernels (it sits in the graphed sample tail)."""
-    if _use_triton(logits):
+    if uses_triton(logits):
         return _tri.mask_logits(logits, bitmask)
     return mask_logits_ref(logits, bitmask)
 
@@ -123,11 +124,11 @@ def topk_logprobs(logits: torch.Tensor, k: int, bitmask: torch.Tensor | None = N
     (as in `mask_logits`; None: no mask): (log-probabilities + `base` [R] (None: 0), tokens),
     [R, k] float32 and int64, best first. A row whose every token is masked scores -inf. Two
     launches on CUDA where k is a power of two (ties: the lower token first) instead of ~25 small kernels."""
-    if _use_triton(logits) and not k & (k - 1):
+    if uses_triton(logits) and not k & (k - 1):
         return _tri.topk_logprobs(logits, k, bitmask, base)
     return topk_logprobs_ref(logits, k, bitmask, base)
 
 
 __all__ = ["HAS_TRITON", "add_rms_norm", "apply_rope", "apply_rope_and_store", "build_cos_sin_cache", "cpu_native",
            "fused_kernels_enabled", "mask_logits", "reference", "rms_norm", "set_fused_kernels", "silu_and_mul",
-           "topk_logprobs", "uses_native_cpu_kernels"]
+           "topk_logprobs", "uses_native_cpu_kernels", "uses_triton"]

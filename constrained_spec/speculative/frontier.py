@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import fused_kernels_enabled
+from ..kernels import uses_triton
 
 try:
     import triton
@@ -24,10 +24,6 @@ try:
     from ..kernels.triton_ops import select_topk
 except Exception:  # noqa: BLE001 - CPU installs
     triton = None
-
-
-def _triton_ok(x: torch.Tensor) -> bool:
-    return fused_kernels_enabled() and x.is_cuda  # (no triton: fused kernels are never enabled)
 
 
 def place_frontier(t: torch.Tensor, K: int, own_base: torch.Tensor, n_rep: torch.Tensor, anc: torch.Tensor,
@@ -39,7 +35,7 @@ def place_frontier(t: torch.Tensor, K: int, own_base: torch.Tensor, n_rep: torch
     columns n_rep[i] .. n_rep[i] + D - 1 (its request's context length n_rep; clamped to the
     row); its attention length kv_lens[i] = n_rep[i] + t (int32) and position n_rep[i] + t - 1."""
     N, D = anc.shape
-    if _triton_ok(anc):
+    if uses_triton(anc):
         _place_kernel[(N,)](t, own_base, n_rep, anc, draft_table, own, kv_lens, positions, anc.stride(0),
                             draft_table.stride(0), draft_table.shape[1], D, K=K,
                             DBLOCK=triton.next_power_of_2(D), num_warps=1)
@@ -67,7 +63,7 @@ def advance_frontier(K: int, child_s: torch.Tensor, child_t: torch.Tensor, hidde
     among the children); the next frontier's tokens, scores (front_tok, front_score [B*K]),
     parents' outputs (parent_hidden [B*K, H]) and ancestor slots (anc [B*K, D]: the parent's row)."""
     B, KK = child_s.shape
-    if _triton_ok(child_s) and not K & (K - 1):
+    if uses_triton(child_s) and not K & (K - 1):
         H, D = hidden.shape[1], anc.shape[1]
         _advance_kernel[(B,)](child_s, child_t, hidden, t, anc, out_tok, out_score, out_best, front_tok, front_score,
                               parent_hidden, hidden.stride(0), parent_hidden.stride(0), anc.stride(0),
