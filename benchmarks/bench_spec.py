@@ -64,7 +64,12 @@ ENGINES = {  # name -> engine options on top of the common ones
     "ngram chain 16": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=16),
     # EAGLE head (--eagle-head, default: the shipped one): EAGLE-2 tree, a top-1 chain, and the tree at every step
     "eagle": dict(speculative_algorithm="eagle"),
-    "eagle chain": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7),
+    "eagle chain": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7),  # fused: naive EAGLE
+    "eagle chain always": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7, speculative_policy="always"),
+    # A/B of naive EAGLE: the chain drafted apart from the verify, as trees are (two reads a step)
+    "eagle chain apart": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7, eagle_fused_chain=False),
+    "eagle chain apart always": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7,
+                                     eagle_fused_chain=False, speculative_policy="always"),
     "eagle always": dict(speculative_algorithm="eagle", speculative_policy="always"),
     # A/B of grammar masking while drafting: depths 1-2 masked (one more host sync a step), and every depth
     "eagle mask2": dict(speculative_algorithm="eagle", eagle_masked_depths=2),
@@ -256,12 +261,17 @@ def eagle_table(records) -> str:
     eagle = [r for r in records if "draft_phase_ms" in r]
     if not eagle:
         return ""
-    phases = list(eagle[0]["draft_phase_ms"])
-    rows = [[r["workload"], r["batch"], r["engine"], *(r["draft_phase_ms"][p] for p in phases),
-             round(r["draft_syncs_per_step"], 2), round(r["draft_eager_share"], 2)] for r in eagle]
-    return ("\n\nEAGLE drafting, host ms per speculative step by phase (the median warm run; on CUDA `read` "
-            "includes waiting for the draft graphs), syncs per step, share of steps drafted eagerly:\n\n"
-            + markdown_table(["workload", "batch", "engine", *phases, "syncs/step", "eager share"], rows))
+    phases, steps = list(eagle[0]["draft_phase_ms"]), list(eagle[0]["phase_ms"])
+    rows = [[r["workload"], r["batch"], r["engine"], *(r["phase_ms"][p] for p in steps),
+             *(r["draft_phase_ms"][p] for p in phases), round(r["draft_syncs_per_step"], 2),
+             round(r["draft_eager_share"], 2)] for r in eagle]
+    return ("\n\nEAGLE, host ms per speculative step (the median warm run): the step's phases (`worker.SPEC_PHASES`: "
+            "draft holds the drafting below; wait, the device's verify work and, for a fused chain, the next "
+            "draft), then the drafting's own phases (on CUDA `read` includes waiting for the draft graphs; a "
+            "fused chain drafts apart only for requests that arrive), drafting syncs per step, share of steps "
+            "drafted eagerly:\n\n"
+            + markdown_table(["workload", "batch", "engine", *(f"step {p}" for p in steps), *phases, "syncs/step",
+                              "eager share"], rows))
 
 
 def plot(records, path, title):

@@ -18,8 +18,8 @@
 #   eagle      train-eagle for the default model into $OUT/smollm2-135m-eagle (~6 min on an H100), then
 #              eagle_bench with that head (~3 min)
 #   eagle_bench  bench_spec.py: plain, n-gram chain, EAGLE tree (depth 1 masked, and depths 1-2) and chain
-#              (measured policy), EAGLE tree speculating at every step; JSON at batch 1/8/32/64, chat at
-#              batch 1 ->
+#              (fused, naive EAGLE; measured policy), EAGLE tree and chain (fused and drafted apart)
+#              speculating at every step; JSON at batch 1/8/32/64, chat at batch 1 ->
 #              $OUT/spec_<device>_eagle_json.*, $OUT/spec_<device>_eagle_chat.*, each with EAGLE's host
 #              ms per step by phase (EAGLE_HEAD: the head folder; default the shipped one)
 #   all        tests stress gpu spec attention
@@ -57,7 +57,7 @@ stage_eagle() {
 }
 stage_eagle_bench() {
   mkdir -p "$OUT"
-  local head=(${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"}) engines="plain,ngram chain,eagle,eagle mask2,eagle chain,eagle always"
+  local head=(${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"}) engines="plain,ngram chain,eagle,eagle mask2,eagle chain,eagle always,eagle chain always,eagle chain apart always"
   local common=(--device "$DEVICE" "${MODEL_ARGS[@]}" "${head[@]}" --engines "$engines" --max-tokens 128
                 --min-prompts 16 --repeats 2)
   BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py "${common[@]}" --workloads json \

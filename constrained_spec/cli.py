@@ -174,6 +174,9 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                            "and a row fill per frontier node, deeper nodes the "
                                                            "grammar forbids are pruned before verify "
                                                            "(default: %(default)s)")),
+    "eagle_fused_chain": ("spec", dict(help="EAGLE chains (--eagle-topk 1): verify each chain and draft the next "
+                                            "in one launch, one read a step (naive EAGLE); greedy batches "
+                                            "(default: on)")),
     "speculative_num_draft_tokens": ("spec", dict(metavar="N", help="nodes per draft tree, the last verified token "
                                                                     "included (default: %(default)s)")),
     "speculative_max_batch": ("spec", dict(metavar="N", help="decode batches larger than this run plainly "

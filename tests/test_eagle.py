@@ -264,15 +264,45 @@ def test_eagle_on_cuda_graphs_is_lossless(tiny_llama_dir, tiny_head_dir, topk):
         spec.shutdown()
 
 
-def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engines):
+@pytest.mark.gpu
+def test_fused_chains_on_cuda_graphs_are_lossless(tiny_llama_dir, tiny_head_dir):
+    """Top-1 chains on CUDA: the verify tail, the acceptance and the next chain's draft replay one
+    graph per batch size and masking, each step reads once, and the output is the plain engine's,
+    greedy, with and without a schema, on the same chains the unfused step verifies."""
+    kw = dict(model=tiny_llama_dir, device="cuda", dtype="float32", max_running_requests=8, kv_cache_slots=1 << 14,
+              grammar_backend=PINNED)
+    spec_kw = dict(speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=1, eagle_depth=4,
+                   speculative_policy="always", speculative_min_accept=0.0)
+    plain, fused, apart = Engine(**kw), Engine(**kw, **spec_kw), Engine(**kw, **spec_kw, eagle_fused_chain=False)
+    try:
+        N = fused.spec.width
+        assert {("verify", "chain", 4, N, False), ("verify", "chain", 4, N, True)} <= set(fused.runner.graphs.graphs)
+        assert not any(k[:2] == ("verify", "chain") for k in apart.runner.graphs.graphs)
+        prompts = PROMPTS[:3] + [" ".join(PROMPTS) * 3]
+        for g in (None, GrammarSpec.json_schema(SCHEMA)):
+            ref = _greedy(plain, prompts, g)
+            assert _greedy(fused, prompts, g) == ref
+            assert _greedy(apart, prompts, g) == ref
+        st = fused.spec.stats
+        assert st.steps > 0 and fused.spec.fused_steps == st.steps
+        assert fused.spec.drafter.profile.calls < st.steps / 4  # drafted apart only for arrivals
+        assert fused.runner.pool.num_free == fused.runner.pool.capacity
+    finally:
+        for e in (plain, fused, apart):
+            e.shutdown()
+
+
+@pytest.mark.parametrize("topk", [2, 1])
+def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engines, topk):
     """A pool too small for every request: requests are retracted and prefilled again on new rows
-    and slots (the head's record of what it has seen no longer holds) and speculation pauses while
-    the trees do not fit; greedy output is still the plain engine's, and nothing fails."""
+    and slots (the head's record of what it has seen no longer holds, nor the chain a fused step
+    drafted) and speculation pauses while the trees do not fit; greedy output is still the plain
+    engine's, and nothing fails."""
     plain = engines("plain")
     prompts = [plain.chat_prompt([{"role": "user", "content": f"Name a color number {i}."}]) for i in range(12)]
     per_req = max(len(p) for p in prompts) + 24
     small = Engine(model=tiny_llama_dir, device="cpu", dtype=exact_dtype(), max_running_requests=12, grammar_backend=PINNED,
-                   kv_cache_slots=4 * per_req, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=2,
+                   kv_cache_slots=4 * per_req, speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=topk,
                    eagle_depth=3, speculative_num_draft_tokens=4, speculative_policy="always",
                    speculative_min_accept=0.0)
     try:
@@ -282,6 +312,49 @@ def test_eagle_with_retractions_is_lossless(tiny_llama_dir, tiny_head_dir, engin
         assert small.scheduler.num_retractions > 0 and small.spec.stats.steps > 0
     finally:
         small.shutdown()
+
+
+def test_fused_chains_draft_what_the_drafter_drafts(tiny_qwen2_dir, tmp_path):
+    """Top-1 chains run fused (`chain_step.py`: the next chain drafted in the verify's launch) and
+    draft, without a grammar, the very chains the drafter drafts apart, step by step; the drafter
+    itself drafts only for requests that arrive. With a grammar (drafts unmasked, pruned before
+    verify) and with seeded sampling (which drafts apart) the output is the plain engine's, fused
+    or not. (The tied-head Qwen2's head accepts drafts, so the fused step's acceptance is exercised.)"""
+    loaded = load_model(tiny_qwen2_dir, dtype=torch.float32, device="cpu")
+    head_dir = str(save_head(init_head(EagleHead(loaded.config), loaded.model), tmp_path, dtype=torch.float32))
+    kw = dict(model=tiny_qwen2_dir, device="cpu", dtype=exact_dtype(), max_running_requests=8, grammar_backend=PINNED,
+              kv_cache_slots=4096)
+    spec_kw = dict(speculative_algorithm="eagle", eagle_head=head_dir, eagle_topk=1, eagle_depth=4,
+                   speculative_policy="always", speculative_min_accept=0.0)
+    plain, fused, apart = Engine(**kw), Engine(**kw, **spec_kw), Engine(**kw, **spec_kw, eagle_fused_chain=False)
+    try:
+        assert fused.spec.drafter.fuses_chains and not apart.spec.drafter.fuses_chains
+        chains = {}
+        for spec in (fused, apart):
+            st, profile, io = spec.spec.stats, spec.spec.drafter.profile, spec.spec._verify_io()
+            verified, set_inputs = [], io.set_inputs
+            io.set_inputs = lambda size, rows, base, trees, slots: (
+                verified.append(trees.tokens[:, 1:].copy()), set_inputs(size, rows, base, trees, slots))
+            try:
+                assert _greedy(spec, PROMPTS, n=40) == _greedy(plain, PROMPTS, n=40)
+            finally:
+                del io.set_inputs
+            chains[spec] = verified
+            assert spec.spec.fused_steps == (st.steps if spec is fused else 0)
+            assert profile.calls == (st.steps if spec is apart else 1)  # fused: the first step's, for all four
+            assert st.accepted_tokens > 0
+        same = [np.array_equal(a, b) for a, b in zip(chains[fused], chains[apart])]
+        assert len(chains[fused]) == len(chains[apart]) and all(same), same
+        grammar = GrammarSpec.json_schema(SCHEMA)
+        params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3 + i) for i in range(len(PROMPTS))]
+        for spec in (fused, apart):
+            assert _greedy(spec, PROMPTS, grammar) == _greedy(plain, PROMPTS, grammar)
+            assert [o.token_ids for o in spec.generate(PROMPTS, params, grammar)] == \
+                [o.token_ids for o in plain.generate(PROMPTS, params, grammar)]
+            assert spec.runner.pool.num_free == spec.runner.pool.capacity
+    finally:
+        for e in (plain, fused, apart):
+            e.shutdown()
 
 
 def test_select_trees_matches_the_path_by_path_layout():

@@ -194,6 +194,29 @@ def test_chain_fill_gives_sequential_rows(backend, tokenizer):
         assert m.accept_tokens(chain[1:]) == len(chain) - 1
 
 
+def test_partial_chain_fill_stops_before_a_refused_token(backend, tokenizer):
+    """Unguided drafts: with `partial` a chain's rows stop before its first refused token (no
+    error), and the matcher is where it was."""
+    m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(PERSON))))
+    t = ids(tokenizer, '{"name": "Bo"')
+    assert m.accept_token(t[0])
+    chain = t[:3] + ids(tokenizer, "zebra")[:1] + t[3:5]  # refused at depth 3
+    rows = backend.allocate_bitmask(8)
+    rows.fill_(7)
+    with pytest.raises(RuntimeError):
+        LLGuidanceFill(1).fill_chains([m], [chain], rows, [0])
+    LLGuidanceFill(1).fill_chains([m], [chain], rows, [0], partial=True)
+    seq = m.fork()
+    for d in range(3):
+        if d:
+            assert seq.accept_token(chain[d])
+        one = backend.allocate_bitmask(1)
+        seq.fill_bitmask(one, 0)
+        assert torch.equal(one[0], rows[d]), d
+    assert (rows[3:] == 7).all()
+    assert m.accept_tokens(t[1:4]) == 3  # where it was
+
+
 def test_auto_prefers_llguidance_and_falls_back(backend):
     served = backend.compile(GrammarSpec.json_schema(PERSON).with_backend("auto"))
     assert served.backend == "llguidance"

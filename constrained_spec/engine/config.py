@@ -46,6 +46,8 @@ class EngineConfig:
     eagle_depth: int = 6  # EAGLE tree: deepest draft node (head steps per speculative step)
     eagle_masked_depths: int = 1  # EAGLE tree: depths masked by the grammar while drafted (each past the first
     #   costs a host sync and a row fill per frontier node; the traversal before verify prunes the rest)
+    eagle_fused_chain: bool = True  # EAGLE chains (eagle_topk 1): verify and the next chain's draft in one launch,
+    #   one read a step ("naive EAGLE", speculative/chain_step.py); greedy batches (sampled ones draft apart)
     ngram_branches: int = 1  # children per draft node: 1 = chain, >1 = tree
     ngram_max_match: int = 8  # longest context suffix the trie matches
     ngram_min_match: int = 1

@@ -12,7 +12,9 @@ Graphs exist for
 - the EXTEND forward (prefill) of up to R requests and T new tokens, per bucket (T, R), up to the
   sampling requests' logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it;
 - the EAGLE DRAFT work: its start (head extend and depth 1) and one depth of the tree (buffers and
-  code in `speculative/eagle_step.py`).
+  code in `speculative/eagle_step.py`);
+- for top-1 EAGLE chains, a fourth part of the verify step: its tail, acceptance and the next
+  chain's whole draft in one graph (`speculative/chain_step.py`, "naive EAGLE").
 Batches are padded up to the next captured size. Padding rows use a spare table row, write their
 K/V to the reserved slot 0 and attend to it alone, so they never touch live data. Attention inside
 a graph must not depend on host values that change per step (the triton backend's contract).
@@ -32,6 +34,7 @@ from ..pinned import PinnedStaging
 from .prefill_graph import PrefillIO
 from ..kernels import mask_logits
 from .sampler import SamplingBatch, sample
+from ..speculative.chain_step import ChainIO
 from ..speculative.verify_step import VerifyIO
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class CudaGraphRunner:
         self._meta_staging = PinnedStaging((B, 4), torch.int64)
         self._params_staging = (PinnedStaging((B, 4), torch.float32), PinnedStaging((B, 2), torch.int64))
         self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
+        self.chain_io: dict[int, ChainIO] = {}  # chain width -> the fused chain graphs' buffers
         self.prefill_io: list[PrefillIO] = []  # the prefill graphs' buffers, smallest bucket first
 
     def padded_size(self, batch: int) -> int | None:
@@ -190,6 +194,36 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         log.info("captured EAGLE draft CUDA graphs (batch sizes %s) in %.1f s", sizes, time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def capture_chain(self, drafter, q_len: int, max_batch: int) -> None:
+        """The fused chain step (`speculative/chain_step.ChainIO`: the verify tail, the acceptance
+        and the next chain's draft) per batch size up to `max_batch`, masked and not, after the verify
+        forward graph of width `q_len` whose logits it reads. Only for drafters that fuse their
+        chains (`Drafter.fuses_chains`). A capture that fails leaves the step eager (logged)."""
+        if not getattr(drafter, "fuses_chains", False) or q_len not in self.verify_io:
+            return
+        t0 = time.perf_counter()
+        io = self.chain_io[q_len] = ChainIO(self.verify_io[q_len], drafter.io)
+        sizes = [b for b in self.batch_sizes if b <= min(max_batch, io.capacity)]
+        try:
+            for bs in reversed(sizes):
+                logits = self.graphs[("verify", "forward", bs, q_len)][1]
+                for masked in (False, True):
+                    self._capture(("verify", "chain", bs, q_len, masked),
+                                  lambda bs=bs, m=masked, x=logits: io.tail_and_draft(x, bs, m))
+        except Exception:
+            log.exception("capturing the fused chain step failed; it runs eagerly")
+            for key in [k for k in self.graphs if k[:2] == ("verify", "chain")]:
+                del self.graphs[key]
+            return
+        torch.cuda.synchronize()
+        log.info("captured fused chain CUDA graphs (width %d, batch sizes %s) in %.1f s", q_len, sizes,
+                 time.perf_counter() - t0)
+
+    def can_chain(self, batch: int, q_len: int) -> bool:
+        bs = self.padded_size(batch)
+        return bs is not None and ("verify", "chain", bs, q_len, False) in self.graphs
+
     def can_draft(self, batch: int) -> bool:
         bs = self.padded_size(batch)
         return bs is not None and ("draft", "step", bs, False) in self.graphs
@@ -273,10 +307,11 @@ class CudaGraphRunner:
         return bs is not None and ("verify", "forward", bs, q_len) in self.graphs
 
     def replay_verify(self, batch: int, q_len: int, part: str, masked: bool = False) -> torch.Tensor | None:
-        """Replays one part ("forward", "tail" or "commit") of the verify step for `batch` requests,
-        padded to the captured size; the inputs are whatever `verify_io[q_len]` holds. Returns the
-        part's static output (the logits for forward and tail)."""
-        key = ("verify", part, self.padded_size(batch), q_len) + ((masked,) if part == "tail" else ())
+        """Replays one part ("forward", "tail", "chain" or "commit") of the verify step for `batch`
+        requests, padded to the captured size; the inputs are whatever `verify_io[q_len]` (and for
+        "chain" `chain_io[q_len]`) holds. Returns the part's static output (the logits for forward
+        and tail)."""
+        key = ("verify", part, self.padded_size(batch), q_len) + ((masked,) if part in ("tail", "chain") else ())
         graph, out = self.graphs[key]
         graph.replay()
         return out

@@ -121,6 +121,7 @@ class Engine:
         if self.spec is not None and self.runner.graphs is not None:
             self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)
             self.runner.graphs.capture_draft(self.spec.drafter, max_batch=config.speculative_max_batch)
+            self.runner.graphs.capture_chain(self.spec.drafter, self.spec.width, max_batch=config.speculative_max_batch)
         self.stats = EngineStats()
         self.audit = mask_audit.MaskAudit(self.grammar, self.tokenizer) if mask_audit.enabled() else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -257,21 +257,23 @@ class MaskFiller:
 
     # -- a speculative step's draft chains -------------------------------------------------------
     def fill_chains(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
-                    first_rows: Sequence[int], stop_ids: frozenset) -> None:
-        """A speculative step's rows for grammar-guided draft chains, a chain per pool thread at a
-        time (a thread per CHAINS_PER_THREAD chains); llguidance's chains in one llguidance call.
-        Raises if a chain token was refused."""
+                    first_rows: Sequence[int], stop_ids: frozenset, partial: bool = False) -> None:
+        """A speculative step's rows for draft chains, a chain per pool thread at a time (a thread per
+        CHAINS_PER_THREAD chains); llguidance's chains in one llguidance call. Raises if a chain
+        token was refused, unless `partial` (drafts the grammar did not guide): then a chain's rows
+        stop before its first refused token, and the rows after are left as they were (the
+        worker's pruning never trusts them: the refused node is not in its parent's row)."""
         llg = [j for j, m in enumerate(matchers) if m.backend == LLGUIDANCE]
         if llg:
             self._llguidance().fill_chains([matchers[j] for j in llg], [chains[j] for j in llg], bitmask,
-                                           [first_rows[j] for j in llg])
+                                           [first_rows[j] for j in llg], partial)
             pool = [j for j, m in enumerate(matchers) if m.backend != LLGUIDANCE]
             matchers, chains, first_rows = ([matchers[j] for j in pool], [chains[j] for j in pool],
                                             [first_rows[j] for j in pool])
         if not matchers:
             return
         helpers = self._native.helpers_for(len(chains), CHAINS_PER_THREAD)
-        self._native.chains_call(matchers, chains, bitmask, first_rows, stop_ids, helpers)()
+        self._native.chains_call(matchers, chains, bitmask, first_rows, stop_ids, helpers, partial)()
 
     # -- without a budget -------------------------------------------------------------------------
     def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> None:

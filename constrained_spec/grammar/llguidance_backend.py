@@ -303,17 +303,22 @@ class LLGuidanceFill:
         self._executor.unsafe_compute_mask_ptr([(m._m, int(r)) for m, r in zip(matchers, rows)], *_rows_arg(bitmask))
 
     def fill_chains(self, matchers: Sequence[LLGuidanceMatcher], chains: Sequence[Sequence[int]],
-                    bitmask: torch.Tensor, first_rows: Sequence[int]) -> None:
+                    bitmask: torch.Tensor, first_rows: Sequence[int], partial: bool = False) -> None:
         """matchers[i] (which has taken chains[i][0]) fills row first_rows[i] + d after
         chains[i][1:d + 1] for every d, and is where it was afterwards. Every chain token must be
-        legal (grammar-guided chains are): RuntimeError(REFUSED_DRAFT) otherwise."""
+        legal (grammar-guided chains are): RuntimeError(REFUSED_DRAFT) otherwise; with `partial`,
+        a chain's rows stop before its first refused token instead."""
         if not matchers:
             return
         _check(bitmask)
-        for m, c in zip(matchers, chains):
+        chains = list(chains)
+        for i, (m, c) in enumerate(zip(matchers, chains)):
             drafts = m.chain_entry(c, 0)[2]
-            if m._m.validate_tokens(drafts) != len(drafts):
-                raise RuntimeError(REFUSED_DRAFT)
+            legal = m._m.validate_tokens(drafts)
+            if legal != len(drafts):
+                if not partial:
+                    raise RuntimeError(REFUSED_DRAFT)
+                chains[i] = c[:1 + legal]
         entries = [m.chain_entry(c, r) for m, c, r in zip(matchers, chains, first_rows)]
         chained = [e for e in entries if e[2]]  # llguidance takes no empty draft: those are plain rows
         if len(chained) < len(entries):

@@ -116,13 +116,15 @@ class NativeFill:
         return np.flatnonzero(accepted == 0).tolist()
 
     def chains_call(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
-                    first_rows: Sequence[int], stop_ids: frozenset, helpers: int) -> Callable[[], None]:
+                    first_rows: Sequence[int], stop_ids: frozenset, helpers: int,
+                    partial: bool = False) -> Callable[[], None]:
         """A speculative step's rows for draft chains, prepared for later (what
         `backend.chain_fill_call` does, a chain per thread at a time): matchers[i], which has taken
         chains[i][0], fills row first_rows[i] + d after accepting chains[i][1:d + 1], for every
         d < len(chains[i]), and is rolled back at the end; a chain whose last token is one of
         `stop_ids` (it ends the grammar) leaves the row after it alone. The call raises
-        RuntimeError(REFUSED_DRAFT) if a chain token was refused (those matchers are rolled back)."""
+        RuntimeError(REFUSED_DRAFT) if a chain token was refused (those matchers are rolled back),
+        unless `partial`: then the walk of a chain ends before its first refused token."""
         _check_bitmask(bitmask)
         n = len(matchers)
         handles = _handles(matchers)
@@ -138,7 +140,7 @@ class NativeFill:
 
         def run() -> None:
             pool.fill_chains(*methods, handles, offsets, tokens, skip_last, rows, ptr, num_rows, width, ok, helpers)
-            if not ok.all():  # (the closure holds `matchers`: the FFI handles stay alive through the call)
+            if not (partial or ok.all()):  # (the closure holds `matchers`: the FFI handles stay alive through the call)
                 raise RuntimeError(f"{REFUSED_DRAFT} ({len(matchers) - int(ok.sum())} of {len(matchers)} chains)")
         return run
 

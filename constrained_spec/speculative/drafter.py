@@ -50,6 +50,10 @@ class Drafter(ABC):
     context_tokens: int = 8
     #: whether `propose` reads `DraftBatch.requests` (the EAGLE drafter: KV rows, grammar matchers)
     needs_requests: bool = False
+    #: whether the worker drafts this drafter's chains after each verify, in the same launch
+    #: (`chain_step.py`: the EAGLE drafter at top-1); `propose` then drafts only for requests that
+    #: have no chain from the step before, and `saw` hears which requests the head is caught up on
+    fuses_chains: bool = False
 
     def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
         """Register a request and its prompt."""

@@ -92,13 +92,14 @@ class EagleDrafter(Drafter):
     needs_requests = True
 
     def __init__(self, runner, head, num_draft_tokens: int = 8, topk: int = 4, depth: int = 6, capacity: int = 32,
-                 masked_depths: int = 1):
+                 masked_depths: int = 1, fused_chain: bool = True):
         if topk < 1 or not 1 <= depth < num_draft_tokens:
             raise ValueError(f"EAGLE needs topk >= 1 and 1 <= depth < draft tokens ({num_draft_tokens}); "
                              f"got topk {topk}, depth {depth}")
         if masked_depths < 1:
             raise ValueError(f"EAGLE masks at least depth 1 by the grammar; got masked depths {masked_depths}")
         self.masked_depths = min(masked_depths, depth)
+        self.fuses_chains = fused_chain and topk == 1
         self.runner, self.head, self.target = runner, head, runner.model
         if runner.features is None:
             raise ValueError("the model runner keeps no hidden states (speculative_algorithm must be 'eagle')")
@@ -173,6 +174,14 @@ class EagleDrafter(Drafter):
 
     def finish(self, request_id: Hashable) -> None:
         self._seen.pop(request_id, None)
+
+    def saw(self, reqs) -> None:
+        """The head has seen every cached position of these requests (a fused chain step ran it
+        over them, `chain_step.py`)."""
+        table = self.runner.table.host
+        for r in reqs:
+            n = r.num_cached
+            self._seen[r.request_id] = (r.row, int(table[r.row, 0]), n, int(table[r.row, n - 1]))
 
     def reset(self) -> bool:
         self._seen.clear()

@@ -131,7 +131,6 @@ class DraftIO:
         the root's grammar-masked log-probabilities, and their top-k children as the first
         frontier. Captured per batch size and masking (`eager` None: the staged block, every
         request padded to `width` positions); eager with `eager`'s packed tensors otherwise."""
-        K, dev = self.K, self.device
         self._inputs.upload()
         if eager is None:
             T, d = bs * self.width, self._dev
@@ -142,7 +141,29 @@ class DraftIO:
             ids, pos, slots, q_starts, last = (eager[k] for k in ("ids", "pos", "slots", "q_starts", "last"))
         rows, n = self._rows[:bs], self._n[:bs]
         hidden = self._extend(rows, n, ids, pos, slots, q_starts, max_q, max_kv)
-        root_hidden = hidden.index_select(0, last)
+        self._first_depth(bs, rows, n, hidden.index_select(0, last), masked)
+
+    def start_after_verify(self, bs: int, verify, accept_lens: torch.Tensor, max_kv: int | None = None) -> None:
+        """The start from a verify step's chain nodes (`chain_step.py`, naive EAGLE): the head over
+        every node of each request's chain in causal order (the nodes past the accepted ones write
+        K/V only into slots the host frees), inputs the features the verify forward just wrote and
+        the target's argmax at each node (an accepted node's next token; at the last accepted one,
+        the bonus), and its output at node accept_lens[b] as the root's hidden state; then depth 1,
+        unmasked (the host has not yet accepted the bonus into the grammar)."""
+        N = verify.width
+        meta = verify.node_metadata(bs, ForwardMode.EXTEND, max_kv)
+        hidden = self.head(self.target, self.r.features.index_select(0, meta.out_slots),
+                           verify.target_device[:bs * N], verify.chain_positions(bs), self.kv, meta, self.r.backend)
+        last = torch.arange(bs, device=self.device) * N + accept_lens
+        rows = verify.device_rows(bs)
+        self._first_depth(bs, rows, verify.device_base(bs) + accept_lens + 1, hidden.index_select(0, last), False)
+
+    def _first_depth(self, bs: int, rows: torch.Tensor, n: torch.Tensor, root_hidden: torch.Tensor,
+                     masked: bool) -> None:
+        """Depth 1 from the roots' hidden states (requests on table `rows` with n cached positions):
+        the root's log-probabilities, masked by the staged grammar rows when `masked`, their top-k
+        as the first frontier."""
+        K, dev = self.K, self.device
         logits = self.head.logits(self.target, root_hidden)
         score, tok = topk_logprobs(logits, K, self._uploaded_masks(bs) if masked else None)
         live = (rows != self.r.pad_row)[:, None]

@@ -290,6 +290,12 @@ class HostTrees:
         return (torch.from_numpy(self.next_token[b, :n]), torch.from_numpy(self.next_sibling[b, :n]),
                 torch.from_numpy(self.tokens[b, :n]))
 
+    def is_chain(self) -> np.ndarray:
+        """[B] bool: tree b is a chain in layout order (node i's only child is i + 1)."""
+        idx = np.arange(self.shape[1])
+        chain_next = np.where(idx + 1 < self.num_nodes[:, None], idx + 1, -1)
+        return (self.next_sibling < 0).all(1) & (self.next_token == chain_next).all(1)
+
     def allowed_by(self, bitmask: np.ndarray) -> np.ndarray:
         """[B, N] bool: node j's token is allowed by the bitmask row of its parent (the root always is).
 

@@ -62,7 +62,8 @@ class VerifyIO:
         self.bitmask = self._bitmask_block.host["bitmask"].reshape(C, N, width_words)
         self._bitmask = self._bitmask_block.device["bitmask"]
         self._row_bytes = 4 * width_words
-        self._target = torch.zeros(C * N, dtype=torch.int64, pin_memory=pinned)  # device -> host
+        self.target_device = torch.zeros(C * N, dtype=torch.int64, device=self.device)  # the tail's argmax
+        self._target = torch.zeros(C * N, dtype=torch.int64, pin_memory=pinned)  # its copy on the host
         self.target = self._target.numpy().reshape(C, N)
         self._commit = PinnedBlock({"rows": ((C,), np.int64), "bonus": ((C,), np.int64),
                                     "index": ((C * N,), np.int64), "slots": ((C * N,), np.int64)}, self.device)
@@ -117,18 +118,37 @@ class VerifyIO:
         r, N = self.r, self.width
         self._inputs.upload()
         n = bs * N
-        rows, base = self._rows[:bs], self._base[:bs]
-        columns = (base[:, None] + self._node_index).view(-1)  # node i sits at table column base + i
-        positions = (base[:, None] + self._depth[:n].view(bs, N)).view(-1)  # RoPE position: base + depth
-        slots = self._slots[:n]
-        r.table.write_device(rows[:, None].expand(bs, N).reshape(-1), columns, slots)
-        table = r.table.device_table[rows] if max_kv is None else r.table.device_table[rows, :max_kv]
-        meta = AttentionMetadata(
-            mode=ForwardMode.VERIFY, out_slots=slots, q_starts=self._q_starts[:bs + 1], q_lens=self._q_lens[:bs],
-            kv_lens=(base + N).to(torch.int32), slot_table=table, max_q_len=N,
-            max_kv_len=table.shape[1], tree_mask=self._tree_mask[:bs])
+        rows = self._rows[:bs]
+        columns = (self._base[:bs, None] + self._node_index).view(-1)  # node i sits at table column base + i
+        r.table.write_device(rows[:, None].expand(bs, N).reshape(-1), columns, self._slots[:n])
+        positions = (self._base[:bs, None] + self._depth[:n].view(bs, N)).view(-1)  # RoPE position: base + depth
+        meta = self.node_metadata(bs, ForwardMode.VERIFY, max_kv)
         hidden = r.run_model(self._tokens[:n], positions, meta)
         return r.model.compute_logits(hidden).float()
+
+    def node_metadata(self, bs: int, mode: ForwardMode, max_kv: int | None = None) -> AttentionMetadata:
+        """Attention over the staged nodes of `bs` rows: N queries per row after its cached context,
+        under the tree mask (VERIFY) or causal (EXTEND: a chain's nodes, as the EAGLE head reads them
+        after a verify, `chain_step.py`)."""
+        N, base, rows = self.width, self._base[:bs], self._rows[:bs]
+        table = self.r.table.device_table[rows] if max_kv is None else self.r.table.device_table[rows, :max_kv]
+        return AttentionMetadata(
+            mode=mode, out_slots=self._slots[:bs * N], q_starts=self._q_starts[:bs + 1], q_lens=self._q_lens[:bs],
+            kv_lens=(base + N).to(torch.int32), slot_table=table, max_q_len=N, max_kv_len=table.shape[1],
+            tree_mask=self._tree_mask[:bs] if mode == ForwardMode.VERIFY else None)
+
+    def device_rows(self, bs: int) -> torch.Tensor:
+        return self._rows[:bs]
+
+    def device_base(self, bs: int) -> torch.Tensor:
+        return self._base[:bs]
+
+    def device_tokens(self, bs: int) -> torch.Tensor:
+        return self._tokens[:bs * self.width].view(bs, self.width)
+
+    def chain_positions(self, bs: int) -> torch.Tensor:
+        """[bs*N] positions of chain nodes (node i at base + i) on the device."""
+        return (self._base[:bs, None] + self._node_index).view(-1)
 
     def tail(self, logits: torch.Tensor, bs: int, masked: bool) -> torch.Tensor:
         """Masks the logits with the bitmask rows (when `masked`) and copies the argmax per node to
@@ -140,7 +160,8 @@ class VerifyIO:
                 logits = mask_logits(logits, self._bitmask[:n])  # one Triton launch: capturable
             else:
                 logits = _mask_in_place_cpu(logits, self._bitmask[:n])
-        self._target[:n].copy_(logits.argmax(-1), non_blocking=True)
+        torch.argmax(logits, -1, out=self.target_device[:n])
+        self._target[:n].copy_(self.target_device[:n], non_blocking=True)
         return logits
 
     def commit(self, bs: int) -> None:
@@ -175,6 +196,13 @@ class VerifyLaunch:
         if self.graphed:
             return self.graphs.replay_verify(self.batch, self.io.width, "tail", masked)
         return self.io.tail(logits, self.size, masked)
+
+    def chain(self, logits: torch.Tensor, masked: bool, chain, max_kv: int | None) -> None:
+        """The fused chain step's tail, acceptance and next draft (`chain_step.ChainIO`)."""
+        if self.graphed and self.graphs.can_chain(self.batch, self.io.width):
+            self.graphs.replay_verify(self.batch, self.io.width, "chain", masked)
+        else:
+            chain.tail_and_draft(logits, self.size, masked, max_kv)
 
     def commit(self) -> None:
         if self.graphed:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..pinned import record_on_current_stream
+from .chain_step import ChainIO
 from .drafter import DraftBatch, Drafter
 from .grammar_draft import guided_chain, write_chain
 from .policy import MeasuredPolicy
@@ -94,7 +95,7 @@ def make_drafter(config, runner=None) -> Drafter | None:
         head = load_head(path, runner.mcfg, runner.dtype, runner.device)
         return EagleDrafter(runner, head, num_draft_tokens=config.speculative_num_draft_tokens,
                             topk=config.eagle_topk, depth=config.eagle_depth, capacity=config.speculative_max_batch,
-                            masked_depths=config.eagle_masked_depths)
+                            masked_depths=config.eagle_masked_depths, fused_chain=config.eagle_fused_chain)
     raise ValueError(f"unknown speculative algorithm {algo!r}; available: ngram, eagle")
 
 
@@ -112,6 +113,12 @@ class EngineSide(Protocol):
         """The emitted tokens, back through the engine's own token path."""
 
 
+def _chain_key(req, table: np.ndarray) -> tuple:
+    """Where a request is: row, cached length, output length, slot of its last cached position."""
+    n = req.num_cached
+    return req.row, n, len(req.output_ids), int(table[req.row, n - 1])
+
+
 class SpeculativeWorker:
     """The speculative step of the engine that owns it (`EngineSide`)."""
 
@@ -126,6 +133,11 @@ class SpeculativeWorker:
         self._recent: list[float] = []  # accepted drafts per request-step, recent window (`always`'s brake)
         self._paused_until = 0  # engine step count before which `always` decodes plainly
         self._io: VerifyIO | None = None  # the verify step's static buffers (shared with the graphs)
+        self._chain_io: ChainIO | None = None  # the fused chain step's (`chain_step.py`)
+        # request id -> ((row, cached length, output length, slot of the last cached position), next
+        # chain): the drafts a fused chain step made for the request's next step
+        self._chains: dict[str, tuple[tuple, np.ndarray]] = {}
+        self.fused_steps = 0
         if engine.config.speculative_policy not in ("measured", "always"):
             raise ValueError(f"speculative_policy must be 'measured' or 'always', not {engine.config.speculative_policy!r}")
         self.policy = self._new_policy()
@@ -174,6 +186,7 @@ class SpeculativeWorker:
         return True
 
     def forget(self, req) -> None:
+        self._chains.pop(req.request_id, None)
         if self._observed.pop(req.request_id, None) is not None:
             self.drafter.finish(req.request_id)
 
@@ -184,6 +197,7 @@ class SpeculativeWorker:
         requests. Call only while no request is running."""
         if self._observed:
             raise RuntimeError("reset_drafter while requests are running")
+        self._chains.clear()
         if not self.drafter.reset():  # the EAGLE drafter keeps its head and buffers (graphs read them)
             self.drafter = make_drafter(self.engine.config, self.runner)
             self.drafter.use_mask_filler(self.engine.masks)
@@ -197,6 +211,9 @@ class SpeculativeWorker:
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> None:
         reqs = batch.requests
+        if self.drafter.fuses_chains and all(r.params.greedy for r in reqs):
+            self._chain_step(reqs)
+            return
         io = self._verify_io()
         launch = VerifyLaunch(io, self.runner.graphs, len(reqs))
         st = self.stats
@@ -229,6 +246,92 @@ class SpeculativeWorker:
         st.mask_seconds += t3 - t2
         st.wait_seconds += t5 - t4
         st.commit_seconds += t6 - t5
+
+    def _chain_step(self, reqs) -> None:
+        """The step of a drafter that drafts top-1 chains after each verify (`chain_step.py`): the
+        chains the last step drafted (the drafter's own for requests that have none), their grammar
+        rows and pruning while the forward runs, then one launch for the tail, the acceptance and
+        the next chains, and one read."""
+        io, st = self._verify_io(), self.stats
+        chain = self._fused_io()
+        launch = VerifyLaunch(io, self.runner.graphs, len(reqs))
+        t0 = time.perf_counter()
+        trees = self._kept_chains(reqs)
+        rows, base, slots = self._take_slots(reqs)
+        io.set_inputs(launch.size, rows, base, trees, slots)
+        t1 = time.perf_counter()
+        kv_width = self._eager_kv_width(base)
+        logits = launch.forward(kv_width)
+        t2 = time.perf_counter()
+        masked = any(r.matcher is not None for r in reqs)
+        if masked:  # on CUDA this CPU work overlaps the forward
+            trees = self._mask_trees(reqs, trees, io)
+        chain.set_live(launch.size, trees.live.sum(1))
+        t3 = time.perf_counter()
+        launch.chain(logits, masked, chain, kv_width)
+        t4 = time.perf_counter()
+        self._sync()  # the step's one wait on the device
+        accepted = greedy_accept_host(trees, io.target[:len(reqs)])
+        lens, drafts = chain.read(len(reqs))
+        t5 = time.perf_counter()
+        self._commit(reqs, launch, io, trees, rows, base, slots, accepted)
+        self._keep(reqs, lens == accepted.accept_lens, drafts)
+        t6 = time.perf_counter()
+        self.fused_steps += 1
+        st.draft_seconds += t1 - t0
+        st.launch_seconds += (t2 - t1) + (t4 - t3)
+        st.mask_seconds += t3 - t2
+        st.wait_seconds += t5 - t4
+        st.commit_seconds += t6 - t5
+
+    def _fused_io(self) -> ChainIO:
+        if self._chain_io is None:
+            graphs = self.runner.graphs
+            self._chain_io = graphs.chain_io.get(self.width) if graphs is not None else None
+            if self._chain_io is None:
+                self._chain_io = ChainIO(self._verify_io(), self.drafter.io)
+        return self._chain_io
+
+    def _kept_chains(self, reqs) -> HostTrees:
+        """Each request's chain for this step: the one the last fused step drafted, where the
+        request is where that step left it; the drafter's own (`propose_arrays`) for the others
+        (new requests, or after plain steps, a retraction or a jump forward)."""
+        self._observe(reqs)
+        B, N, D = len(reqs), self.width, self.drafter.depth
+        tokens, next_token = np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64)
+        next_sibling, num_nodes = np.full((B, N), -1, np.int64), np.full(B, D + 1, np.int64)
+        next_token[:, :D] = np.arange(1, D + 1)
+        table, fresh = self.runner.table.host, []
+        for b, r in enumerate(reqs):
+            kept = self._chains.get(r.request_id)
+            if kept is not None and kept[0] == _chain_key(r, table):
+                tokens[b, 1:D + 1] = kept[1]
+            else:
+                fresh.append(b)
+        if fresh:
+            drafted = self.drafter.propose_arrays(DraftBatch([reqs[b].request_id for b in fresh],
+                                                             requests=[reqs[b] for b in fresh]))
+            for dst, src in zip((tokens, next_token, next_sibling, num_nodes), drafted):
+                dst[fresh] = src
+        tokens[:, 0] = [r.output_ids[-1] for r in reqs]
+        return HostTrees.build(tokens, next_token, next_sibling, num_nodes)
+
+    def _keep(self, reqs, agreed: np.ndarray, drafts: np.ndarray) -> None:
+        """After a fused step's commit: the next chain of each running request, and the drafter's
+        note that the head has seen its every cached position. Where the device's acceptance
+        disagreed with the host's (it cannot: the same argmax, the same rule), neither: the next
+        step drafts afresh and the head reads again from what it had seen."""
+        table, running = self.runner.table.host, []
+        for b, r in enumerate(reqs):
+            self._chains.pop(r.request_id, None)
+            if r.finished or not agreed[b]:
+                continue
+            self._chains[r.request_id] = (_chain_key(r, table), drafts[b].copy())
+            running.append(r)
+        if not agreed.all():
+            log.warning("fused chain step: device and host acceptance disagree for %d requests",
+                        int((~agreed).sum()))
+        self.drafter.saw(running)
 
     def _verify_io(self) -> VerifyIO:
         if self._io is None:
@@ -308,16 +411,24 @@ class SpeculativeWorker:
         N = self.width
         rows = self._guided_rows(reqs)
         guided = set(rows)
+        chains = trees.is_chain()  # unguided chains (a top-1 drafter's) are walked on the pool too
+        unguided = []
         for b, r in enumerate(reqs):
             if r.matcher is None:
                 io.bitmask[b] = -1  # all tokens allowed (the tail masks the whole batch)
-            elif b not in guided:
+            elif b in guided:
+                continue
+            elif chains[b]:
+                unguided.append(b)
+            else:
                 layout = trees.layout(b)
                 r.matcher.traverse_draft_tree(*layout, io.bitmask_rows[b * N:b * N + len(layout[0])])
-        if rows:
-            self.engine.masks.fill_chains([reqs[b].matcher for b in rows],
-                                          [trees.tokens[b, :trees.num_nodes[b]] for b in rows],
-                                          io.bitmask_rows, [b * N for b in rows], self.engine.grammar_stop_ids)
+        for walked, partial in ((rows, False), (unguided, True)):
+            if walked:
+                self.engine.masks.fill_chains([reqs[b].matcher for b in walked],
+                                              [trees.tokens[b, :trees.num_nodes[b]] for b in walked],
+                                              io.bitmask_rows, [b * N for b in walked], self.engine.grammar_stop_ids,
+                                              partial)
         return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
 
     # -- verification ----------------------------------------------------------------------------
