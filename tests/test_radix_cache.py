@@ -188,3 +188,34 @@ def test_eviction_cost_does_not_grow_with_the_tree():
     # a walk per call would take minutes here; the heap takes ~50 ms
     assert elapsed < 2.0, f"5,000 evictions from a 20,000-leaf tree took {elapsed:.2f} s"
     assert tree.num_nodes() == 15_000
+
+
+def test_insert_below_a_locked_node_equals_insert_from_the_root():
+    """Caching a request's prompt and answer from its matched node (`insert(..., below=...)`, which
+    spares the walk over the cached prefix) leaves the tree and the duplicates as a walk from the
+    root does, also when the node was split since it was locked and when others cached past it."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        trees = [_tree()[0], _tree()[0]]
+        base = rng.integers(0, 4, 12).tolist()
+        slot = iter(range(1000, 100000))
+        for tree in trees:
+            tree.insert(base, np.arange(12))
+        prompt = base[:int(rng.integers(1, 12))] + rng.integers(0, 4, 6).tolist()
+        nodes = []
+        for tree in trees:
+            slots, node = tree.match(prompt)
+            tree.lock(node)
+            nodes.append((node, len(slots)))
+        others = [base[:int(rng.integers(0, 12))] + rng.integers(0, 4, 8).tolist() for _ in range(3)]
+        for other in others:  # others cache meanwhile: splits above and below the node
+            ids = np.array([next(slot) for _ in other])
+            assert trees[0].insert(other, ids) == trees[1].insert(other, ids)
+        full = prompt + rng.integers(0, 4, 10).tolist()
+        ids = np.array([next(slot) for _ in full])
+        dup_root = trees[0].insert(full, ids)
+        dup_below = trees[1].insert(full, ids, below=nodes[1])
+        assert dup_below == dup_root
+        assert sorted(trees[0].all_slots().tolist()) == sorted(trees[1].all_slots().tolist())
+        for probe in [full, prompt, *others, base]:
+            assert trees[0].match(probe)[0].tolist() == trees[1].match(probe)[0].tolist()

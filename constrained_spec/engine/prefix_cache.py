@@ -89,7 +89,7 @@ class PrefixCache:
         row, start = req.row, req.cache_len
         slots = self.table.host[row, :n].copy()
         tokens = req.ids_array(n)
-        dup, node = self.tree.insert_path(tokens, slots)
+        dup, node = self.tree.insert_path(tokens, slots, (req.cache_node, start))
         if dup > start:  # another request cached these positions first: use its slots, free ours
             tree_slots = self.tree.match(tokens)[0]
             self.pool.free(slots[start:dup])
@@ -114,7 +114,7 @@ class PrefixCache:
         start = req.cache_len
         if keep:
             n = min(req.num_cached, req.total_len, held)
-            dup = self.tree.insert(req.ids_array(n), slots[:n])
+            dup = self.tree.insert(req.ids_array(n), slots[:n], (req.cache_node, start) if n >= start else None)
             self.pool.free(slots[start:max(dup, start)])
             self.pool.free(slots[max(n, start):])
         else:

@@ -114,19 +114,23 @@ class RadixCache:
             node = child
         return pos
 
-    def insert(self, tokens, slots: np.ndarray) -> int:
+    def insert(self, tokens, slots: np.ndarray, below: tuple[Node, int] | None = None) -> int:
         """Caches `slots` as the K/V of `tokens`. Returns how many leading tokens were cached
         already: the caller's slots for those positions are duplicates (the tree keeps its own) and
-        are the caller's to free; the slots past them now belong to the tree."""
-        return self.insert_path(tokens, slots)[0]
+        are the caller's to free; the slots past them now belong to the tree. `below`: (a node
+        whose path spells the first `length` of `tokens`, length), where the walk starts; the node
+        must be locked (so it is still in the tree: a split keeps it the deeper part)."""
+        return self.insert_path(tokens, slots, below)[0]
 
-    def insert_path(self, tokens, slots: np.ndarray) -> tuple[int, Node]:
-        """`insert`, and the node whose path spells all of `tokens` (to lock, sparing a `match`)."""
+    def insert_path(self, tokens, slots: np.ndarray, below: tuple[Node, int] | None = None) -> tuple[int, Node]:
+        """`insert`, and the node whose path spells all of `tokens` (to lock, sparing a `match`).
+        Starting `below` a request's matched node spares the walk over its cached prefix: a
+        request's prompt and answer are cached past a prefix that is mostly cached already."""
         key = np.asarray(tokens, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         if len(key) != len(slots):
             raise ValueError(f"{len(key)} tokens but {len(slots)} slots")
-        node, pos = self.root, 0
+        node, pos = below if below is not None and below[0] is not None else (self.root, 0)
         stamp = next(self._clock)
         while pos < len(key):
             child = node.children.get(int(key[pos]))
