@@ -120,48 +120,47 @@ def test_accept(backend, native):
     assert native.accept(ms[:0], [], 2) == []
 
 
+def chains_with_a_refusal(backend, depth: int):
+    """Matchers along TEXT with chains of three tokens from where each stands (ms[k] has taken
+    ids[:k + 1]: its chain's root is ids[k]), the first chain's token at `depth` one its grammar
+    refuses there, and every matcher's row as it stands (to check they are back where they were)."""
+    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
+    ms, ids = matchers_along(backend, SCHEMA, TEXT, n - 4)
+    ms = ms[1:]
+    chains = [[ids[k], ids[k + 1], ids[k + 2]] for k in range(len(ms))]
+    chains[0][depth] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]
+    return ms, chains, _rows_of(ms)
+
+
+def _rows_of(ms) -> torch.Tensor:
+    rows = torch.empty((len(ms), WIDTH), dtype=torch.int32)
+    for i, m in enumerate(ms):
+        m.fill_bitmask(rows, i)
+    return rows
+
+
 def test_refused_chain_token_raises_and_rolls_back(backend, native):
     """A draft chain the grammar refuses midway (a bug upstream: guided chains are legal) raises;
     every matcher, the refusing one included, is back where it was."""
-    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
-    ms, ids = matchers_along(backend, SCHEMA, TEXT, n - 4)
-    ms = ms[1:]  # ms[k] has taken ids[:k + 1]: its chain's root is ids[k]
-    chains = [[ids[k], ids[k + 1], ids[k + 2]] for k in range(len(ms))]
-    chains[0][2] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # refused after '{"'
-    before = torch.empty((len(ms), WIDTH), dtype=torch.int32)
-    for i, m in enumerate(ms):
-        m.fill_bitmask(before, i)
+    ms, chains, before = chains_with_a_refusal(backend, 2)  # refused after '{"'
     out = torch.zeros((3 * len(ms), WIDTH), dtype=torch.int32)
     call = native.chains_call(ms, chains, out, [3 * i for i in range(len(ms))], frozenset(), 2)
     with pytest.raises(RuntimeError, match="refused"):
         call()
-    after = torch.empty_like(before)
-    for i, m in enumerate(ms):
-        m.fill_bitmask(after, i)
-    assert torch.equal(after, before)
+    assert torch.equal(_rows_of(ms), before)
 
 
 def test_partial_chain_walk_stops_before_a_refused_token(backend, native):
     """Unguided drafts (a top-1 EAGLE chain): with `partial` a refused token ends its chain's walk,
     with no error; the rows up to it are the grammar's, the rows after are untouched, and every
     matcher is back where it was."""
-    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
-    ms, ids = matchers_along(backend, SCHEMA, TEXT, n - 4)
-    ms = ms[1:]  # ms[k] has taken ids[:k + 1]: its chain's root is ids[k]
-    chains = [[ids[k], ids[k + 1], ids[k + 2]] for k in range(len(ms))]
-    chains[0][1] = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]  # refused after '{'
-    before = torch.empty((len(ms), WIDTH), dtype=torch.int32)
-    for i, m in enumerate(ms):
-        m.fill_bitmask(before, i)
+    ms, chains, before = chains_with_a_refusal(backend, 1)  # refused after '{'
     out = torch.full((3 * len(ms), WIDTH), 7, dtype=torch.int32)
     native.chains_call(ms, chains, out, [3 * i for i in range(len(ms))], frozenset(), 2, partial=True)()
     assert torch.equal(out[0], before[0]) and (out[1:3] == 7).all()  # the root's row, then nothing
     for i in range(1, len(ms)):
         assert torch.equal(out[3 * i], before[i]) and not (out[3 * i + 1:3 * i + 3] == 7).all()
-    after = torch.empty_like(before)
-    for i, m in enumerate(ms):
-        m.fill_bitmask(after, i)
-    assert torch.equal(after, before)
+    assert torch.equal(_rows_of(ms), before)
 
 
 @pytest.mark.parametrize("helpers", [1, 3])

@@ -71,6 +71,15 @@ class SpecStats:
         """Tokens emitted per request-step (accepted drafts + the bonus token)."""
         return 1.0 + self.accepted_tokens / max(self.verified_requests, 1)
 
+    def add_phases(self, t0, t1, t2, t3, t4, t5, t6) -> None:
+        """A step's clock readings: drafted by t1, forward launched by t2, masks filled by t3,
+        tail launched by t4, read back and accepted by t5, committed by t6."""
+        self.draft_seconds += t1 - t0
+        self.launch_seconds += (t2 - t1) + (t4 - t3)
+        self.mask_seconds += t3 - t2
+        self.wait_seconds += t5 - t4
+        self.commit_seconds += t6 - t5
+
     def phase_seconds(self) -> dict[str, float]:
         """Host seconds spent in each phase of the speculative steps so far."""
         return {name: getattr(self, f"{name}_seconds") for name in SPEC_PHASES}
@@ -241,11 +250,7 @@ class SpeculativeWorker:
         t5 = time.perf_counter()
         self._commit(reqs, launch, io, trees, rows, base, slots, accepted)
         t6 = time.perf_counter()
-        st.draft_seconds += t1 - t0
-        st.launch_seconds += (t2 - t1) + (t4 - t3)
-        st.mask_seconds += t3 - t2
-        st.wait_seconds += t5 - t4
-        st.commit_seconds += t6 - t5
+        st.add_phases(t0, t1, t2, t3, t4, t5, t6)
 
     def _chain_step(self, reqs) -> None:
         """The step of a drafter that drafts top-1 chains after each verify (`chain_step.py`): the
@@ -278,11 +283,7 @@ class SpeculativeWorker:
         self._keep(reqs, lens == accepted.accept_lens, drafts)
         t6 = time.perf_counter()
         self.fused_steps += 1
-        st.draft_seconds += t1 - t0
-        st.launch_seconds += (t2 - t1) + (t4 - t3)
-        st.mask_seconds += t3 - t2
-        st.wait_seconds += t5 - t4
-        st.commit_seconds += t6 - t5
+        st.add_phases(t0, t1, t2, t3, t4, t5, t6)
 
     def _fused_io(self) -> ChainIO:
         if self._chain_io is None:
