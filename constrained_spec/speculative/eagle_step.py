@@ -153,7 +153,7 @@ class DraftIO:
         N = verify.width
         meta = verify.node_metadata(bs, ForwardMode.EXTEND, max_kv)
         hidden = self.head(self.target, self.r.features.index_select(0, meta.out_slots),
-                           verify.target_device[:bs * N], verify.chain_positions(bs), self.kv, meta, self.r.backend)
+                           verify.target_device[:bs * N], verify.node_columns(bs), self.kv, meta, self.r.backend)
         last = torch.arange(bs, device=self.device) * N + accept_lens
         rows = verify.device_rows(bs)
         self._first_depth(bs, rows, verify.device_base(bs) + accept_lens + 1, hidden.index_select(0, last), False)

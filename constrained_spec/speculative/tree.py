@@ -292,9 +292,7 @@ class HostTrees:
 
     def is_chain(self) -> np.ndarray:
         """[B] bool: tree b is a chain in layout order (node i's only child is i + 1)."""
-        idx = np.arange(self.shape[1])
-        chain_next = np.where(idx + 1 < self.num_nodes[:, None], idx + 1, -1)
-        return (self.next_sibling < 0).all(1) & (self.next_token == chain_next).all(1)
+        return _chain_rows(self.next_token, self.next_sibling, self.num_nodes)
 
     def allowed_by(self, bitmask: np.ndarray) -> np.ndarray:
         """[B, N] bool: node j's token is allowed by the bitmask row of its parent (the root always is).
@@ -362,11 +360,16 @@ def _chain_structure(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes
     return parents, depth, mask, live
 
 
-def _is_chain(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> bool:
-    """Every tree is a chain in layout order: node i's only child is i + 1, up to num_nodes."""
+def _chain_rows(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+    """[B] bool: tree b is a chain in layout order (node i's only child is i + 1, up to num_nodes)."""
     idx = np.arange(next_token.shape[1])
     chain_next = np.where(idx + 1 < np.minimum(num_nodes, len(idx))[:, None], idx + 1, -1)
-    return not (next_sibling >= 0).any() and np.array_equal(next_token, chain_next)
+    return (next_sibling < 0).all(1) & (next_token == chain_next).all(1)
+
+
+def _is_chain(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> bool:
+    """Every tree is a chain in layout order."""
+    return bool(_chain_rows(next_token, next_sibling, num_nodes).all())
 
 
 def host_parents(next_token: np.ndarray, next_sibling: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:

@@ -119,8 +119,7 @@ class VerifyIO:
         self._inputs.upload()
         n = bs * N
         rows = self._rows[:bs]
-        columns = (self._base[:bs, None] + self._node_index).view(-1)  # node i sits at table column base + i
-        r.table.write_device(rows[:, None].expand(bs, N).reshape(-1), columns, self._slots[:n])
+        r.table.write_device(rows[:, None].expand(bs, N).reshape(-1), self.node_columns(bs), self._slots[:n])
         positions = (self._base[:bs, None] + self._depth[:n].view(bs, N)).view(-1)  # RoPE position: base + depth
         meta = self.node_metadata(bs, ForwardMode.VERIFY, max_kv)
         hidden = r.run_model(self._tokens[:n], positions, meta)
@@ -146,8 +145,9 @@ class VerifyIO:
     def device_tokens(self, bs: int) -> torch.Tensor:
         return self._tokens[:bs * self.width].view(bs, self.width)
 
-    def chain_positions(self, bs: int) -> torch.Tensor:
-        """[bs*N] positions of chain nodes (node i at base + i) on the device."""
+    def node_columns(self, bs: int) -> torch.Tensor:
+        """[bs*N] table column of each node on the device: node i sits at base + i (for a chain,
+        also its position)."""
         return (self._base[:bs, None] + self._node_index).view(-1)
 
     def tail(self, logits: torch.Tensor, bs: int, masked: bool) -> torch.Tensor:
