@@ -242,11 +242,21 @@ def test_shutdown_stops_the_engine_process(tiny_llama_dir):
 
 
 def _exited(pid: int) -> bool:
-    """The process has exited (a zombie, or reaped already): its file descriptors are closed."""
+    """Every thread of the process has exited, so its file descriptors are closed. The leader shows
+    "Z" as soon as it exits, while other threads, sharing its descriptor table, may still be on
+    their way out holding its listening socket (which then takes new connections, and resets them):
+    so every task must be a zombie, or gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except (FileNotFoundError, ProcessLookupError):
         return True
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                return False
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # that thread was released meanwhile
+    return True
 
 
 def test_front_end_sockets_share_new_connections():
