@@ -1,7 +1,10 @@
 """Per-request decoding parameters (OpenAI names where OpenAI has one)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -18,6 +21,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; None: none
+    # added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 all but bans
+    # a token, 100 all but forces it); a grammar's mask still decides which tokens may come at all
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -28,6 +34,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 1e-5 or self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the request changes its logits before sampling (penalties, logit biases): steps
+        that cannot apply that (graphed sampling, speculative verification) leave it out."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
     def validate(self) -> None:
         def need(ok: bool, name: str, what: str):
             if not ok:
@@ -35,10 +47,22 @@ class SamplingParams:
 
         need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         need(0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]")
-        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(0.0 <= self.top_p <= 1.0, "top_p", "must be in [0, 1]")  # 0 keeps the most likely token alone
         need(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
         need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
+        if self.logit_bias is not None:
+            self._validate_logit_bias(need)
+
+    def _validate_logit_bias(self, need) -> None:
+        bias = self.logit_bias
+        need(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
+        need(len(bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens")
+        for token, value in bias.items():
+            need(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+                 f"keys must be token ids (integers >= 0), not {token!r}")
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                 and -100.0 <= value <= 100.0, "logit_bias", f"values must be in [-100, 100], not {value!r}")

@@ -80,6 +80,38 @@ def test_sampling_filters_and_penalties_run(exact_engine):
     assert len(set(pen.token_ids)) >= len(set(rep.token_ids))
 
 
+def test_logit_bias(exact_engine):
+    """OpenAI's logit_bias, per request: -100 bans a token, +100 forces one, a batch neighbour without a
+    bias decodes as alone, and a grammar's mask still wins over any bias."""
+    from constrained_spec.grammar import GrammarSpec
+    engine = exact_engine
+    p, q = chat(engine, "List some fruits."), chat(engine, "Name a colour.")
+    sp = lambda **kw: SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw)
+    plain = engine.generate([p], sp())[0].token_ids
+    banned = engine.generate([p], sp(logit_bias={plain[0]: -100, plain[1]: -100}))[0].token_ids
+    assert plain[0] not in banned and plain[1] not in banned
+    forced = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    both = engine.generate([p, q], [sp(logit_bias={forced: 100}), sp()])
+    assert both[0].token_ids == [forced] * 12
+    assert both[1].token_ids == engine.generate([q], sp())[0].token_ids
+    # sampled too: a banned token never comes, whatever the seed
+    drawn = engine.generate([p] * 4, [SamplingParams(max_tokens=12, temperature=1.0, seed=s, logit_bias={t: -100 for t in plain})
+                                      for s in range(4)])
+    assert all(not set(o.token_ids) & set(plain) for o in drawn)
+    # a grammar allows only true/false: a bias toward "{" cannot break it, one against "true" picks "false"
+    boolean = GrammarSpec.json_schema({"type": "boolean"})
+    true_id = engine.tokenizer.encode("true", add_special_tokens=False)[0]
+    out = engine.generate([q], SamplingParams(max_tokens=8, temperature=0, logit_bias={
+        engine.tokenizer.encode("{", add_special_tokens=False)[0]: 100, true_id: -100}), boolean)[0]
+    assert out.text == "false" and out.finish_reason is FinishReason.STOP
+    with pytest.raises(RequestError) as e:
+        engine.add_request(p, SamplingParams(max_tokens=4, logit_bias={engine.runner.vocab_size: 1.0}))
+    assert e.value.param == "logit_bias"
+    for bad in ({1: 101.0}, {-1: 1.0}, {"7": 1.0}, {1: float("nan")}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
 def test_stop_conditions(engine):
     p = chat(engine, "Count from 1 to 20 separated by commas.")
     full = engine.generate([p], SamplingParams(max_tokens=40, temperature=0))[0]

@@ -55,6 +55,12 @@ def test_malformed_json_body(http, content):
     (chat_body(response_format={"type": "yaml"}), None),
     (chat_body(regex="[a-z]+", grammar_backend="outlines"), "grammar_backend"),
     (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), None),
+    (chat_body(logit_bias={"hello": 1}), "logit_bias"),
+    (chat_body(logit_bias={"-3": 1}), "logit_bias"),
+    (chat_body(logit_bias={"99999999": 1}), "logit_bias"),
+    (chat_body(logit_bias={"12": 250}), "logit_bias"),
+    (chat_body(logit_bias={"12": "a lot"}), "logit_bias.12"),
+    (chat_body(functions=[{"name": "f", "parameters": {"type": "object"}}]), None),
 ])
 def test_invalid_fields(http, body, param):
     err = assert_error(http.post("/v1/chat/completions", json=body), 400)

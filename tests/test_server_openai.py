@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel
 
@@ -161,6 +162,23 @@ def test_n_and_logprobs(openai_client):
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
 
 
+def test_logit_bias(openai_client, engine_info):
+    """logit_bias as the openai package sends it (token ids as string keys): +100 forces a token,
+    -100 keeps the greedy answer's first tokens out; top_p 0 keeps the most likely token (greedy)."""
+    ask = lambda **kw: openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=0, **kw)
+    greedy = ask()
+    banana = engine_info.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert ask(logit_bias={str(banana): 100}).choices[0].message.content == " banana" * 6
+    first = engine_info.tokenizer.encode(greedy.choices[0].message.content, add_special_tokens=False)[:2]
+    banned = ask(logit_bias={str(t): -100 for t in first}).choices[0].message.content
+    assert not set(engine_info.tokenizer.encode(banned, add_special_tokens=False)) & set(first)
+    sampled = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=1.0,
+        top_p=0.0, seed=11)
+    assert sampled.choices[0].message.content == greedy.choices[0].message.content
+
+
 def test_completions_endpoint(openai_client, engine_info):
     r = openai_client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=5,
                                          temperature=0, logprobs=2)
@@ -176,6 +194,8 @@ def test_completions_endpoint(openai_client, engine_info):
     pieces = [ch.choices[0].text for ch in openai_client.completions.create(
         model=MODEL_ID, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if ch.choices]
     assert "".join(pieces) == c.text
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        openai_client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2, best_of=3)
 
 
 def test_cached_tokens_in_usage(openai_client, http):

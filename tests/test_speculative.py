@@ -36,7 +36,10 @@ def engines(smollm2_dir):
 
     def get(name, **kw):
         if name not in made:
-            made[name] = Engine(model=smollm2_dir, device="cpu", max_running_requests=8, **{"grammar_backend": PINNED, **kw})
+            # 8,192 KV slots hold every test's requests; the CPU default (1 GiB a pool, zeroed) made
+            # this module's engines ~10 GB, which beside another test file outgrew a 23 GiB machine
+            made[name] = Engine(model=smollm2_dir, device="cpu", max_running_requests=8,
+                                **{"grammar_backend": PINNED, "kv_cache_slots": 8192, **kw})
         return made[name]
     yield get
     for e in made.values():
@@ -175,6 +178,23 @@ def test_sampled_and_greedy_in_one_batch(engines, reference):
         elif o.finish_reason is FinishReason.STOP:
             v = json.loads(o.text)
             assert set(v) == {"name", "age", "tags"}
+    assert_pool_full(spec)
+
+
+def test_logit_bias_decodes_plainly_in_a_speculative_engine(engines, reference):
+    """Verification does not apply logit biases: a batch with a biased request decodes plainly (as
+    with penalties), so the request comes out as the plain engine's; the next batch speculates."""
+    ps, ref = reference
+    spec, plain = spec_engine(engines, 3), engines("plain")
+    banned = {t: -100.0 for t in ref[None][0][:3]}
+    biased = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logit_bias=banned)
+    want = plain.generate([ps[0]], biased)[0].token_ids
+    assert not set(want) & set(banned)
+    steps = spec.spec.stats.steps
+    assert spec.generate([ps[0]], biased)[0].token_ids == want
+    assert spec.spec.stats.steps == steps
+    assert greedy(spec, ps[1:2]) == ref[None][1:2]
+    assert spec.spec.stats.steps > steps
     assert_pool_full(spec)
 
 

@@ -162,7 +162,7 @@ class Engine:
         an update object and a callback on the engine's thread."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-        self._check_length(ids, params)
+        self._check_request(ids, params)
         if self.num_queued() >= self.config.max_queued_requests:
             raise RequestError("the engine's queue is full; retry later", code="queue_full")
         if step_tokens is not None and (detokenize or not each_step):
@@ -261,7 +261,7 @@ class Engine:
     def __exit__(self, *exc):
         self.shutdown()
 
-    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         if len(ids) >= self.max_context:
@@ -270,6 +270,10 @@ class Engine:
         if len(ids) + 1 > self.runner.pool.capacity:
             raise RequestError(f"the prompt has {len(ids)} tokens; the KV cache holds {self.runner.pool.capacity}",
                                param="messages", code="context_length_exceeded")
+        outside = [t for t in params.logit_bias or () if t >= self.runner.vocab_size]
+        if outside:
+            raise RequestError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
+                               f"{self.runner.vocab_size}", param="logit_bias", code="invalid_value")
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self) -> None:

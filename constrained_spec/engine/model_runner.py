@@ -276,8 +276,7 @@ class ModelRunner:
         step = logits
         self._rows_d = step.rows
         greedy = all(r.params.greedy for r in reqs)
-        plain = not any(r.params.logprobs is not None or r.params.frequency_penalty or r.params.presence_penalty
-                        for r in reqs)
+        plain = not any(r.params.logprobs is not None or r.params.adjusts_logits for r in reqs)
         if not (plain and step.graphs.can_sample(step, bitmask is not None, greedy)):
             return None
         params = None if greedy else self._sampling_params_host(reqs)
@@ -378,9 +377,24 @@ class ModelRunner:
             temperature=fd[0], top_p=fd[1], min_p=fd[2], top_k=fd[3].long(), seeds=idev[0], steps=idev[1],
             frequency_penalty=fd[4] if penalties else None, presence_penalty=fd[5] if penalties else None,
             token_counts=self.token_counts[rows_d] if penalties else None,
+            logit_bias=self._logit_bias(reqs),
             all_greedy=greedy,
             needs_filter=bool((f[1] < 1).any() or (f[2] > 0).any() or (f[3] < self.vocab_size).any()),
         )
+
+    def _logit_bias(self, reqs):
+        """Every request's logit_bias entries as (batch rows, token ids, biases) on the device, in
+        one copy; None when no request has one."""
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if not biased:
+            return None
+        n = sum(len(b) for _, b in biased)
+        host = np.empty((3, n), np.float64)  # token ids and rows are exact in float64
+        host[0] = np.repeat([i for i, _ in biased], [len(b) for _, b in biased])
+        host[1] = np.fromiter((t for _, b in biased for t in b), np.float64, n)
+        host[2] = np.fromiter((v for _, b in biased for v in b.values()), np.float64, n)
+        dev = self._to_device(host)
+        return dev[0].long(), dev[1].long(), dev[2].float()
 
     # -- KV release ------------------------------------------------------------------------------
     def rewind(self, req, n: int) -> None:

@@ -1,4 +1,4 @@
-"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded draws.
+"""Batched sampling on the device: logit biases, penalties, temperature, top-k, top-p, min-p, seeded draws.
 
 Randomness is counter-based: the noise for (seed, step, token) is a hash of the three, so a
 request samples the same tokens alone or in any batch, with no per-request generator objects and
@@ -25,6 +25,8 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None = None  # [B] float, None when no row uses penalties
     presence_penalty: torch.Tensor | None = None
     token_counts: torch.Tensor | None = None  # [B, V] counts of each token in the output so far
+    # (rows, token ids, biases) of every row's logit_bias entries, None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
     needs_filter: bool = False  # any row with top-k/top-p/min-p
 
@@ -43,6 +45,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Logit biases, then frequency and presence penalties (a new tensor where any applies). A
+    grammar-masked logit stays -inf whatever is added to it."""
+    if sb.logit_bias is not None:
+        rows, tokens, values = sb.logit_bias
+        logits = logits.index_put((rows, tokens), values.to(logits.dtype), accumulate=True)
     if sb.token_counts is None:
         return logits
     counts = sb.token_counts.to(logits.dtype)

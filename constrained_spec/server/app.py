@@ -115,6 +115,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     model_names = {served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
     texts = TokenTexts(engine.tokenizer)
     max_context = int(engine.max_context)
+    vocab = max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0))  # token ids are below this
 
     @asynccontextmanager
     async def lifespan(app):
@@ -207,11 +208,27 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
+        if req.logit_bias:
+            kw["logit_bias"] = logit_bias(req.logit_bias)
         try:
             return SamplingParams(**kw)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             raise bad_request(str(e), param=field, code="invalid_value")
+
+    def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+        """OpenAI's logit_bias (token ids as JSON object keys) with integer keys, each a token id."""
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab:
+                raise bad_request(f"logit_bias key {key!r} is not a token id (0 to {vocab - 1})", param="logit_bias",
+                                  code="invalid_value")
+            out[token] = value
+        return out
 
     def token_budget(req: _GenerationRequest, prompt_len: int, requested: int | None, param: str) -> int:
         if prompt_len >= max_context:
@@ -470,8 +487,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if isinstance(p, str):
                 ids = engine.tokenizer.encode(p, add_special_tokens=False) if p else []
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                vocab = len(engine.tokenizer)
-                bad = [t for t in p if t < 0 or t >= max(vocab, getattr(engine.tokenizer, "vocab_size", 0))]
+                bad = [t for t in p if t < 0 or t >= vocab]
                 if bad:
                     raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="prompt",
                                       code="invalid_value")

@@ -86,12 +86,13 @@ class _GenerationRequest(_Lenient):
     """Fields /v1/chat/completions and /v1/completions share."""
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = Field(default=None, discriminator="type")
@@ -137,10 +138,11 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None  # the deprecated form of tools
 
     @model_validator(mode="after")
     def _checks(self) -> "ChatCompletionRequest":
-        if self.tools:
+        if self.tools or self.functions:
             raise ValueError("tools are not supported; use response_format json_schema for structured output")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
@@ -159,6 +161,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -173,6 +176,8 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of is not supported (n completions are sampled and all returned)")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -157,7 +157,7 @@ class SpeculativeWorker:
     def should_speculate(self, batch: ScheduledBatch) -> bool:
         """Plain decoding for batches where speculation loses or cannot run: too large a batch, too
         few free KV slots or context left for a whole tree per request, requests that need
-        per-token state we do not verify (penalties, logprobs); then the measured policy's choice
+        what verification does not apply (penalties, logit biases, logprobs); then the measured policy's choice
         (a batch size where speculative steps have been slower than plain ones decodes plainly), or
         for `always` a pause while drafts keep failing."""
         if not self._can_speculate(batch):
@@ -176,8 +176,7 @@ class SpeculativeWorker:
             return False
         if any(r.num_cached + self.width > runner.max_context for r in batch.requests):
             return False
-        if any(r.params.frequency_penalty or r.params.presence_penalty or r.params.logprobs is not None
-               for r in batch.requests):
+        if any(r.params.adjusts_logits or r.params.logprobs is not None for r in batch.requests):
             return False
         return True
 
