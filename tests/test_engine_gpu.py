@@ -114,6 +114,29 @@ def test_sampled_graphs_match_eager(engines):
     assert graphed == eager
 
 
+def test_logit_bias_on_graphs(engines):
+    """logit_bias in a batch of graphed decode forwards (its sample runs eagerly): banned tokens never
+    come, unbiased neighbours decode as without it, and the graphs change nothing against eager."""
+    eng = engines("triton32", attention_backend="triton", dtype="float32")
+    ps = prompts(eng, 4)
+    plain = greedy(eng, ps, n=12)
+    sp = [SamplingParams(max_tokens=12, temperature=0, logit_bias={t: -100 for t in plain[i][:2]} if i % 2 else None)
+          for i in range(len(ps))]
+    graphed = [o.token_ids for o in eng.generate(ps, sp)]
+    for i, out in enumerate(graphed):
+        if i % 2:
+            assert not set(out) & set(plain[i][:2])
+        else:
+            assert out == plain[i]
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    try:
+        eng.runner.graphs = None
+        assert [o.token_ids for o in eng.generate(ps, sp)] == graphed
+    finally:
+        eng.runner.graphs = graphs
+
+
 def test_prefill_graphs_match_eager(engines):
     """Prefills replay the bucketed prefill graphs: one request's whole prompt, chunks over a cached
     prefix (a small max_prefill_tokens), and several requests at once, a chunk among them.
