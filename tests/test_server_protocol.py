@@ -68,3 +68,26 @@ def test_token_bytes_byte_level():
     t = TokenTexts(Tok())
     assert t.lookup(1) == (" caf", list(b" caf"))
     assert t.lookup(2)[1] == [_BYTE_DECODER["Ã"]]
+
+
+def test_request_params():
+    """A request's choices get seed, seed + 1, ...; the token budget is clamped to the context left;
+    logit_bias keys become token ids; what the engine would refuse is a 400 naming the field."""
+    from constrained_spec.server.request_params import RequestParams
+    params = RequestParams(vocab=100, max_context=64, default_max_tokens=None)
+    sp = params.sampling(chat(n=3, seed=5, temperature=0.5, top_p=0.0, logit_bias={"7": -100, "8": 2.5}), 10, None)
+    assert [p.seed for p in sp] == [5, 6, 7] and {p.max_tokens for p in sp} == {10}
+    assert sp[0].temperature == 0.5 and sp[0].top_p == 0.0 and sp[0].logit_bias == {7: -100, 8: 2.5}
+    assert [p.seed for p in params.sampling(chat(n=2), 4, None)] == [None, None]
+    assert params.token_budget(60, None, "messages") == 4 and params.token_budget(10, 20, "messages") == 20
+    assert params.token_budget(10, 500, "messages") == 54
+    for body, param in (({"logit_bias": {"100": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"logit_bias": {"3": 101}}, "logit_bias")):
+        with pytest.raises(APIError) as e:
+            params.sampling(chat(**body), 4, None)
+        assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(APIError) as e:
+        params.token_budget(64, None, "prompt")
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(APIError):
+        params.check_token_ids([1, 100], "prompt")

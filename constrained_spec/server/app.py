@@ -36,6 +36,7 @@ from .gate import Gate, too_large
 from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event
 from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
+from .request_params import RequestParams
 from .tokens import TokenTexts
 
 log = logging.getLogger("constrained_spec.server")
@@ -115,7 +116,8 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     model_names = {served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
     texts = TokenTexts(engine.tokenizer)
     max_context = int(engine.max_context)
-    vocab = max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0))  # token ids are below this
+    params = RequestParams(max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0)), max_context,
+                           config.default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -200,45 +202,6 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     def busy(message: str) -> APIError:
         return APIError(503, message, code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
 
-    def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None):
-        from ..sampling_params import SamplingParams
-        kw = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs,
-                  ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []))
-        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p"):
-            v = getattr(req, name)
-            if v is not None:
-                kw[name] = v
-        if req.logit_bias:
-            kw["logit_bias"] = logit_bias(req.logit_bias)
-        try:
-            return SamplingParams(**kw)
-        except ValueError as e:
-            field = str(e).split(" ", 1)[0]
-            raise bad_request(str(e), param=field, code="invalid_value")
-
-    def logit_bias(bias: dict[str, float]) -> dict[int, float]:
-        """OpenAI's logit_bias (token ids as JSON object keys) with integer keys, each a token id."""
-        out = {}
-        for key, value in bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                token = -1
-            if not 0 <= token < vocab:
-                raise bad_request(f"logit_bias key {key!r} is not a token id (0 to {vocab - 1})", param="logit_bias",
-                                  code="invalid_value")
-            out[token] = value
-        return out
-
-    def token_budget(req: _GenerationRequest, prompt_len: int, requested: int | None, param: str) -> int:
-        if prompt_len >= max_context:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context holds {max_context} "
-                                f"tokens (prompt plus completion)", param=param, code="context_length_exceeded")
-        room = max_context - prompt_len
-        if requested is None:
-            requested = config.default_max_tokens or room
-        return max(1, min(requested, room))
-
     def admit(n: int) -> None:
         if not healthy():
             raise unavailable()
@@ -266,9 +229,6 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if _is_grammar_error(e):
                 raise grammar_error(e, None)
             raise
-
-    def seeds(seed: int | None, n: int) -> list[int | None]:
-        return [None if seed is None else seed + i for i in range(n)]
 
     async def collect(gen: Generation, request: Request, n: int):
         """Runs a generation to the end (non-streaming); aborts it if the client disconnects."""
@@ -321,36 +281,6 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         for f in finals:
             if f is not None and finish_str(f.finish_reason) == "error":
                 raise generation_error(f)
-
-    def chat_logprobs(chunks: list[tuple[list[int], list[dict]]], top_n: int) -> dict:
-        content = []
-        for token_ids, entries in chunks:
-            for tid, lp in zip(token_ids, entries):
-                e = texts.entry(tid, lp["logprob"])
-                e["top_logprobs"] = [texts.entry(t, v) for t, v in (lp.get("top") or [])[:top_n]]
-                content.append(e)
-            for tid in token_ids[len(entries):]:  # grammar-forced tokens (jump-forward): probability 1
-                e = texts.entry(tid, 0.0)
-                e["top_logprobs"] = [texts.entry(tid, 0.0)] if top_n else []
-                content.append(e)
-        return {"content": content, "refusal": None}
-
-    def completion_logprobs(chunks, top_n: int, offset0: int = 0) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        off = offset0
-        for token_ids, entries in chunks:
-            for k, tid in enumerate(token_ids):
-                text = texts.text(tid)
-                lp = entries[k] if k < len(entries) else {"logprob": 0.0, "top": [(tid, 0.0)]}
-                tokens.append(text)
-                token_lps.append(float(lp["logprob"]))
-                top = {}
-                for t, v in (lp.get("top") or [])[:top_n]:
-                    top.setdefault(texts.text(t), float(v))
-                tops.append(top)
-                offsets.append(off)
-                off += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # -- routes ---------------------------------------------------------------------------------------
 
@@ -407,10 +337,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 prompt = await run_in_threadpool(engine.chat_prompt, messages)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
-        budget = token_budget(req, len(prompt), req.token_limit(), "messages")
+        budget = params.token_budget(len(prompt), req.token_limit(), "messages")
         grammar = await compile_grammar(req)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
-        params_list = [sampling_params(req, budget, top_n if req.logprobs else None, s) for s in seeds(req.seed, req.n)]
+        params_list = params.sampling(req, budget, top_n if req.logprobs else None)
         admit(req.n)
         admitted = True
         try:
@@ -429,7 +359,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             choices = []
             for i in range(req.n):
                 choice = {"index": i, "message": {"role": "assistant", "content": outs[i], "refusal": None},
-                          "logprobs": chat_logprobs(lps[i], top_n) if req.logprobs else None,
+                          "logprobs": texts.chat_logprobs(lps[i], top_n) if req.logprobs else None,
                           "finish_reason": finish_str(finals[i].finish_reason)}
                 choices.append(choice)
             return _json_response({"id": cid, "object": "chat.completion", "created": _now(), "model": model,
@@ -456,7 +386,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             ev = []
             if out.new_text or (req.logprobs and out.logprobs):
                 c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
-                     "logprobs": chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
+                     "logprobs": texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
                      if req.logprobs else None}
                 ev.append(chunk([c]))
             if out.finished:
@@ -487,10 +417,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if isinstance(p, str):
                 ids = engine.tokenizer.encode(p, add_special_tokens=False) if p else []
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                bad = [t for t in p if t < 0 or t >= vocab]
-                if bad:
-                    raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="prompt",
-                                      code="invalid_value")
+                params.check_token_ids(p, "prompt")
                 ids = list(p)
             else:
                 raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
@@ -498,15 +425,14 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
             prompts.append(ids)
-        budgets = [token_budget(req, len(p), req.token_limit(), "prompt") for p in prompts]
+        budgets = [params.token_budget(len(p), req.token_limit(), "prompt") for p in prompts]
         grammar = await compile_grammar(req)
         n = req.n
         top_n = req.logprobs or 0
         all_prompts, params_list = [], []
         for p, budget in zip(prompts, budgets):
-            for s in seeds(req.seed, n):
-                all_prompts.append(p)
-                params_list.append(sampling_params(req, budget, req.logprobs, s))
+            all_prompts += [p] * n
+            params_list += params.sampling(req, budget, req.logprobs)
         total = len(all_prompts)
         admit(total)
         admitted = True
@@ -524,7 +450,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 return Response(status_code=499)
             raise_engine_errors(finals)
             choices = [{"index": i, "text": outs[i],
-                        "logprobs": completion_logprobs(lps[i], top_n) if req.logprobs is not None else None,
+                        "logprobs": texts.completion_logprobs(lps[i], top_n) if req.logprobs is not None else None,
                         "finish_reason": finish_str(finals[i].finish_reason)} for i in range(total)]
             return _json_response({"id": cid, "object": "text_completion", "created": _now(), "model": served,
                                    "choices": choices, "usage": usage(prompt_tokens, finals, n),
@@ -557,7 +483,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 return []
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n, offsets[i])
+                lp = texts.completion_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n, offsets[i])
             offsets[i] += len(out.new_text)
             return [chunk([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])]
 

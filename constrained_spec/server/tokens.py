@@ -1,4 +1,5 @@
-"""Token text for logprobs: each token id as OpenAI shows it (text plus its raw UTF-8 bytes)."""
+"""Token text for logprobs: each token id as OpenAI shows it (text plus its raw UTF-8 bytes), and an
+answer's logprobs in the shapes of /v1/chat/completions and /v1/completions."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -49,3 +50,35 @@ class TokenTexts:
     def entry(self, token_id: int, logprob: float) -> dict:
         text, raw = self.lookup(token_id)
         return {"token": text, "logprob": float(logprob), "bytes": raw}
+
+    def chat_logprobs(self, chunks: list[tuple[list[int], list[dict]]], top_n: int) -> dict:
+        """`choices[].logprobs` of a chat completion from (token ids, their logprob entries) chunks."""
+        content = []
+        for token_ids, entries in chunks:
+            for tid, lp in zip(token_ids, entries):
+                e = self.entry(tid, lp["logprob"])
+                e["top_logprobs"] = [self.entry(t, v) for t, v in (lp.get("top") or [])[:top_n]]
+                content.append(e)
+            for tid in token_ids[len(entries):]:  # grammar-forced tokens (jump-forward): probability 1
+                e = self.entry(tid, 0.0)
+                e["top_logprobs"] = [self.entry(tid, 0.0)] if top_n else []
+                content.append(e)
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(self, chunks, top_n: int, offset0: int = 0) -> dict:
+        """The legacy completions shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for token_ids, entries in chunks:
+            for k, tid in enumerate(token_ids):
+                text = self.text(tid)
+                lp = entries[k] if k < len(entries) else {"logprob": 0.0, "top": [(tid, 0.0)]}
+                tokens.append(text)
+                token_lps.append(float(lp["logprob"]))
+                top = {}
+                for t, v in (lp.get("top") or [])[:top_n]:
+                    top.setdefault(self.text(t), float(v))
+                tops.append(top)
+                offsets.append(off)
+                off += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
