@@ -24,6 +24,9 @@ class SamplingParams:
     # added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 all but bans
     # a token, 100 all but forces it); a grammar's mask still decides which tokens may come at all
     logit_bias: dict[int, float] | None = None
+    # OpenAI's Predicted Outputs, as token ids: text the answer is expected to repeat (a document
+    # being edited). It changes only speed: the n-gram drafter drafts from it as from the prompt.
+    prediction: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,6 +59,9 @@ class SamplingParams:
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
         if self.logit_bias is not None:
             self._validate_logit_bias(need)
+        if self.prediction is not None:
+            need(isinstance(self.prediction, list) and all(isinstance(t, int) and t >= 0 for t in self.prediction),
+                 "prediction", "must be a list of token ids")
 
     def _validate_logit_bias(self, need) -> None:
         bias = self.logit_bias

@@ -179,6 +179,19 @@ def test_logit_bias(openai_client, engine_info):
     assert sampled.choices[0].message.content == greedy.choices[0].message.content
 
 
+def test_predicted_output(openai_client):
+    """`prediction` (OpenAI's Predicted Outputs) is taken, as a string or text parts, and changes no
+    greedy answer (this server does not speculate; tests/test_speculative.py shows the drafting)."""
+    ask = lambda **kw: openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
+        **kw).choices[0].message.content
+    plain = ask()
+    assert ask(prediction={"type": "content", "content": plain}) == plain
+    assert ask(prediction={"type": "content", "content": [{"type": "text", "text": "an apple"}]}) == plain
+    with pytest.raises(openai.BadRequestError):
+        ask(prediction={"type": "audio", "content": "x"})
+
+
 def test_completions_endpoint(openai_client, engine_info):
     r = openai_client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=5,
                                          temperature=0, logprobs=2)

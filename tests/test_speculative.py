@@ -198,6 +198,31 @@ def test_logit_bias_decodes_plainly_in_a_speculative_engine(engines, reference):
     assert_pool_full(spec)
 
 
+def test_a_predicted_output_is_drafted_and_changes_nothing_else(engines):
+    """OpenAI's Predicted Outputs: an answer given as `prediction` is drafted from (far more tokens
+    accepted a step than without it, as the trie has not seen the answer), and the output is the
+    plain engine's whatever the prediction says."""
+    spec, plain = spec_engine(engines, 1), engines("plain")
+    p = prompts(plain, ["Write a four-line poem about a lighthouse keeper named Ida."])[0]
+    want = plain.generate([p], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0].token_ids
+
+    def accepted_per_step(prediction):
+        st = spec.spec.stats
+        steps, accepted = st.steps, st.accepted_tokens
+        sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, prediction=prediction)
+        assert spec.generate([p], sp)[0].token_ids == want
+        return (st.accepted_tokens - accepted) / max(1, st.steps - steps)
+    spec.spec.reset_drafter()  # a fresh trie: neither run drafts from the other's output
+    without = accepted_per_step(None)
+    spec.spec.reset_drafter()
+    with_it = accepted_per_step(want)
+    assert with_it > max(2 * without, 4.0)
+    assert accepted_per_step(list(reversed(want))) >= 0  # a wrong prediction: slower, never wrong
+    with pytest.raises(ValueError, match="prediction"):
+        SamplingParams(prediction=[1, -2])
+    assert_pool_full(spec)
+
+
 def test_falls_back_when_the_pool_cannot_hold_the_trees(smollm2_dir, engines):
     """Near the end the pool has a slot per request but not a tree per request: plain steps follow
     speculative ones (reading the bonus token the verify step left in `last_token`). In float32:

@@ -202,6 +202,15 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     def busy(message: str) -> APIError:
         return APIError(503, message, code="server_busy", headers={"Retry-After": str(config.retry_after_s)})
 
+    async def prediction_ids(req: _GenerationRequest) -> list[int] | None:
+        """The predicted output's tokens (no more than the context holds: the rest could not be
+        repeated anyway); a long text is encoded off the event loop, as a long prompt is."""
+        if req.prediction is None:
+            return None
+        text = req.prediction.text()
+        encode = lambda: engine.tokenizer.encode(text, add_special_tokens=False)[:max_context]
+        return encode() if len(text) <= INLINE_PROMPT_CHARS else await run_in_threadpool(encode)
+
     def admit(n: int) -> None:
         if not healthy():
             raise unavailable()
@@ -340,7 +349,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         budget = params.token_budget(len(prompt), req.token_limit(), "messages")
         grammar = await compile_grammar(req)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
-        params_list = params.sampling(req, budget, top_n if req.logprobs else None)
+        params_list = params.sampling(req, budget, top_n if req.logprobs else None, await prediction_ids(req))
         admit(req.n)
         admitted = True
         try:
@@ -430,9 +439,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         n = req.n
         top_n = req.logprobs or 0
         all_prompts, params_list = [], []
+        prediction = await prediction_ids(req)
         for p, budget in zip(prompts, budgets):
             all_prompts += [p] * n
-            params_list += params.sampling(req, budget, req.logprobs)
+            params_list += params.sampling(req, budget, req.logprobs, prediction)
         total = len(all_prompts)
         admit(total)
         admitted = True

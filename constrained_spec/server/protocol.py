@@ -78,6 +78,15 @@ class ResponseFormatJsonSchema(_Lenient):
 ResponseFormat = Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema]
 
 
+class Prediction(_Lenient):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat."""
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -93,6 +102,7 @@ class _GenerationRequest(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    prediction: Prediction | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = Field(default=None, discriminator="type")

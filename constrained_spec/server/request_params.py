@@ -15,11 +15,12 @@ class RequestParams:
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens
 
-    def sampling(self, req: _GenerationRequest, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def sampling(self, req: _GenerationRequest, max_tokens: int, logprobs: int | None,
+                 prediction: list[int] | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (`n`): choice i samples with seed + i (random seeds when the
-        request sets none)."""
+        request sets none). `prediction`: the tokens of the request's predicted output."""
         kw = dict(max_tokens=max_tokens, stop=req.stop_list(), logprobs=logprobs, ignore_eos=req.ignore_eos,
-                  stop_token_ids=list(req.stop_token_ids or []))
+                  stop_token_ids=list(req.stop_token_ids or []), prediction=prediction or None)
         kw.update((name, getattr(req, name)) for name in _SAMPLING_FIELDS if getattr(req, name) is not None)
         if req.logit_bias:
             kw["logit_bias"] = self.logit_bias(req.logit_bias)

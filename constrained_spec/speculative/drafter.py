@@ -1,7 +1,8 @@
 """The drafter interface the engine talks to.
 
 Protocol per request (the engine's side):
-  1. ``add_request(rid, prompt_tokens)`` once, before the first ``propose``;
+  1. ``add_request(rid, prompt_tokens)`` once, before the first ``propose`` (after
+     ``add_prediction(rid, tokens)`` for a request with a predicted output);
   2. each step: ``propose(DraftBatch)`` -> :class:`DraftTrees` (node 0 of request b = the last
      verified token, i.e. the last token of its stream); verify; then
      ``observe(rid, emitted_tokens)`` with the tokens the step emitted (accepted drafts + bonus), so
@@ -54,6 +55,10 @@ class Drafter(ABC):
     #: (`chain_step.py`: the EAGLE drafter at top-1); `propose` then drafts only for requests that
     #: have no chain from the step before, and `saw` hears which requests the head is caught up on
     fuses_chains: bool = False
+
+    def add_prediction(self, request_id: Hashable, tokens: Sequence[int]) -> None:
+        """Text the request's answer is expected to repeat (OpenAI's Predicted Outputs), before its
+        prompt: a drafter that drafts from what it has seen may draft from it too."""
 
     def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
         """Register a request and its prompt."""

@@ -60,6 +60,9 @@ class NgramDrafter(Drafter):
     def add_request(self, request_id: Hashable, prompt_tokens: Sequence[int]) -> None:
         self.trie.insert(self._id(request_id), np.asarray(prompt_tokens, dtype=np.int32))
 
+    def add_prediction(self, request_id: Hashable, tokens: Sequence[int]) -> None:
+        self.trie.insert(self._id(request_id), np.asarray(tokens, dtype=np.int32))  # the prompt follows it
+
     def add_corpus(self, tokens: Sequence[int]) -> None:
         """Insert a standalone token stream into the shared trie (e.g. warm-up text)."""
         self.trie.insert(-1, np.asarray(tokens, dtype=np.int32))

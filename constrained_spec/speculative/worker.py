@@ -394,6 +394,8 @@ class SpeculativeWorker:
         for r in reqs:
             seen = self._observed.get(r.request_id)
             if seen is None:
+                if r.params.prediction:
+                    self.drafter.add_prediction(r.request_id, r.params.prediction)
                 self.drafter.add_request(r.request_id, r.prompt_ids)
                 seen = 0
             if seen < len(r.output_ids):
