@@ -1,0 +1,74 @@
+"""Everything at once against plain decoding: an engine with the prefix cache, n-gram speculation at
+every step, jump-forward and a KV pool small enough that it evicts cached prefixes and retracts
+running requests, fed rounds of concurrent requests whose prompts share system prompts, with and
+without JSON schemas, must answer token for token as a plain engine (no cache, no speculation, a
+large pool) does. The pieces have tests of their own; this one is for how they meet."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+from constrained_spec import SamplingParams
+from constrained_spec.engine import Engine
+from constrained_spec.grammar import GrammarSpec
+from grammar_pin import PINNED
+
+CASES = [json.loads(line) for line in
+         (Path(__file__).resolve().parent.parent / "schemas/handwritten/handwritten.jsonl").read_text().splitlines()
+         if line.strip()]
+SYSTEMS = ["You are a helpful assistant. " * k for k in range(1, 6)]
+
+
+def _rounds(engine: Engine, rng: random.Random, rounds: int) -> list[list[tuple]]:
+    out = []
+    for _ in range(rounds):
+        jobs = []
+        for _ in range(rng.randint(1, 12)):
+            case = rng.choice(CASES)
+            messages = [{"role": "system", "content": rng.choice(SYSTEMS)},
+                        {"role": "user", "content": case["prompt"] + rng.choice(["", " Be brief.", " Answer in JSON."])}]
+            grammar = GrammarSpec.json_schema(case["schema"]) if rng.random() < 0.7 else None
+            jobs.append((engine.chat_prompt(messages), SamplingParams(max_tokens=rng.choice([8, 24, 64, 96]),
+                                                                      temperature=0), grammar))
+        out.append(jobs)
+    return out
+
+
+def _answers(engine: Engine, jobs: list[tuple]) -> list[tuple]:
+    """The jobs sent at once, each from its own thread (so they share the engine's batches)."""
+    outs: list = [None] * len(jobs)
+
+    def one(k: int) -> None:
+        prompt, params, grammar = jobs[k]
+        o = engine.generate([prompt], params, grammar)[0]
+        outs[k] = (o.token_ids, o.finish_reason, o.error)
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return outs
+
+
+def test_cache_speculation_and_a_small_pool_answer_as_plain_decoding(tiny_llama_dir):
+    common = dict(model=tiny_llama_dir, device="cpu", dtype="float32", max_running_requests=8,
+                  grammar_backend=PINNED)  # one backend: auto hands grammars over mid-run (grammar_pin.py)
+    plain = Engine(**common, kv_cache_slots=1 << 15, disable_prefix_cache=True)
+    mixed = Engine(**common, kv_cache_slots=500, speculative_algorithm="ngram", speculative_policy="always",
+                   speculative_min_accept=0.0)
+    try:
+        for r, jobs in enumerate(_rounds(plain, random.Random(4), 12)):
+            assert _answers(mixed, jobs) == _answers(plain, jobs), f"round {r}"
+        # every part was exercised
+        assert mixed.spec.stats.steps > 100 and mixed.scheduler.num_retractions > 0
+        snap = mixed.runner.prefix_cache.snapshot()
+        assert snap["hit_tokens"] > 0 and snap["evicted_tokens"] > 0
+        # and nothing leaked: every slot is unused or the tree's, no reference or row left behind
+        pool, tree = mixed.runner.pool, mixed.runner.prefix_cache.tree
+        assert pool.num_unused + tree.size == pool.capacity and tree.evictable_size == tree.size
+        assert mixed.runner.table.num_free_rows == mixed.config.max_running_requests
+    finally:
+        plain.shutdown()
+        mixed.shutdown()
