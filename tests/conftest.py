@@ -91,6 +91,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_head_dir(tmp_path_factory, tiny_llama_dir) -> str:
+    """An EAGLE head for the tiny Llama: its last layer, fc passing the feature through plus noise."""
+    import torch
+    from constrained_spec.models import load_model
+    from constrained_spec.models.eagle import EagleHead, init_head, save_head
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    head = init_head(EagleHead(loaded.config), loaded.model)
+    with torch.no_grad():
+        head.fc.weight.add_(0.05 * torch.randn_like(head.fc.weight))
+    return str(save_head(head, tmp_path_factory.mktemp("head"), dtype=torch.float32, info={"test": True}))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> str:
     """Random 2-layer Qwen2 (qkv bias, tied head) with the SmolLM2 tokenizer."""
     from transformers import Qwen2Config

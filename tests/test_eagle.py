@@ -27,16 +27,6 @@ PROMPTS = ["Describe a cat.", "List three colors.", "Give a JSON profile of a ch
 
 
 @pytest.fixture(scope="module")
-def tiny_head_dir(tmp_path_factory, tiny_llama_dir):
-    """A head for the tiny Llama: its last layer, fc passing the feature through plus noise."""
-    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
-    head = init_head(EagleHead(loaded.config), loaded.model)
-    with torch.no_grad():
-        head.fc.weight.add_(0.05 * torch.randn_like(head.fc.weight))
-    return str(save_head(head, tmp_path_factory.mktemp("head"), dtype=torch.float32, info={"test": True}))
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_llama_dir, tiny_head_dir):
     made = {}
 

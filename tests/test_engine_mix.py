@@ -10,6 +10,8 @@ import random
 import threading
 from pathlib import Path
 
+import pytest
+
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine
 from constrained_spec.grammar import GrammarSpec
@@ -52,17 +54,25 @@ def _answers(engine: Engine, jobs: list[tuple]) -> list[tuple]:
     return outs
 
 
-def test_cache_speculation_and_a_small_pool_answer_as_plain_decoding(tiny_llama_dir):
+DRAFTERS = {"ngram": dict(speculative_algorithm="ngram"),
+            "eagle tree": dict(speculative_algorithm="eagle"),
+            "eagle fused chain": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7)}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_cache_speculation_and_a_small_pool_answer_as_plain_decoding(drafter, tiny_llama_dir, tiny_head_dir):
     common = dict(model=tiny_llama_dir, device="cpu", dtype="float32", max_running_requests=8,
                   grammar_backend=PINNED)  # one backend: auto hands grammars over mid-run (grammar_pin.py)
+    head = {"eagle_head": tiny_head_dir} if drafter.startswith("eagle") else {}
     plain = Engine(**common, kv_cache_slots=1 << 15, disable_prefix_cache=True)
-    mixed = Engine(**common, kv_cache_slots=500, speculative_algorithm="ngram", speculative_policy="always",
-                   speculative_min_accept=0.0)
+    mixed = Engine(**common, kv_cache_slots=500, speculative_policy="always", speculative_min_accept=0.0,
+                   **DRAFTERS[drafter], **head)
     try:
-        for r, jobs in enumerate(_rounds(plain, random.Random(4), 12)):
+        for r, jobs in enumerate(_rounds(plain, random.Random(4), 12 if drafter == "ngram" else 8)):
             assert _answers(mixed, jobs) == _answers(plain, jobs), f"round {r}"
         # every part was exercised
         assert mixed.spec.stats.steps > 100 and mixed.scheduler.num_retractions > 0
+        assert (mixed.spec.fused_steps > 0) == (drafter == "eagle fused chain")
         snap = mixed.runner.prefix_cache.snapshot()
         assert snap["hit_tokens"] > 0 and snap["evicted_tokens"] > 0
         # and nothing leaked: every slot is unused or the tree's, no reference or row left behind
