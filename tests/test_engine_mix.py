@@ -1,7 +1,7 @@
 """Everything at once against plain decoding: an engine with the prefix cache, n-gram speculation at
-every step, jump-forward and a KV pool small enough that it evicts cached prefixes and retracts
+every step, jump-forward and a KV pool small enough (350 slots) that it evicts cached prefixes and retracts
 running requests, fed rounds of concurrent requests whose prompts share system prompts, with and
-without JSON schemas, must answer token for token as a plain engine (no cache, no speculation, a
+without JSON schemas, greedy or seeded sampling, must answer token for token as a plain engine (no cache, no speculation, a
 large pool) does. The pieces have tests of their own; this one is for how they meet."""
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def _rounds(engine: Engine, rng: random.Random, rounds: int) -> list[list[tuple]
             messages = [{"role": "system", "content": rng.choice(SYSTEMS)},
                         {"role": "user", "content": case["prompt"] + rng.choice(["", " Be brief.", " Answer in JSON."])}]
             grammar = GrammarSpec.json_schema(case["schema"]) if rng.random() < 0.7 else None
-            jobs.append((engine.chat_prompt(messages), SamplingParams(max_tokens=rng.choice([8, 24, 64, 96]),
-                                                                      temperature=0), grammar))
+            sampled = rng.random() < 0.3  # seeded: a speculative engine draws what plain decoding draws
+            params = SamplingParams(max_tokens=rng.choice([8, 24, 64, 96]), temperature=0.8 if sampled else 0,
+                                    seed=rng.randint(0, 1000))
+            jobs.append((engine.chat_prompt(messages), params, grammar))
         out.append(jobs)
     return out
 
@@ -65,7 +67,7 @@ def test_cache_speculation_and_a_small_pool_answer_as_plain_decoding(drafter, ti
                   grammar_backend=PINNED)  # one backend: auto hands grammars over mid-run (grammar_pin.py)
     head = {"eagle_head": tiny_head_dir} if drafter.startswith("eagle") else {}
     plain = Engine(**common, kv_cache_slots=1 << 15, disable_prefix_cache=True)
-    mixed = Engine(**common, kv_cache_slots=500, speculative_policy="always", speculative_min_accept=0.0,
+    mixed = Engine(**common, kv_cache_slots=350, speculative_policy="always", speculative_min_accept=0.0,
                    **DRAFTERS[drafter], **head)
     try:
         for r, jobs in enumerate(_rounds(plain, random.Random(4), 12 if drafter == "ngram" else 8)):
