@@ -32,6 +32,13 @@ class TextPart(_Lenient):
     text: str
 
 
+def _text_of(content: Union[str, list[TextPart], None]) -> str:
+    """A message's (or a prediction's) content as one string: text parts joined."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
@@ -48,11 +55,7 @@ class ChatMessage(_Lenient):
         return v
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return _text_of(self.content)
 
 
 class JsonSchemaSpec(_Lenient):
@@ -84,7 +87,7 @@ class Prediction(_Lenient):
     content: Union[str, list[TextPart]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _text_of(self.content)
 
 
 class StreamOptions(_Lenient):

@@ -128,6 +128,13 @@ def _chain_key(req, table: np.ndarray) -> tuple:
     return req.row, n, len(req.output_ids), int(table[req.row, n - 1])
 
 
+def _root_only_trees(B: int, N: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Host tree arrays (tokens, next_token, next_sibling [B, N]; num_nodes [B]) of B trees of the
+    root alone, for a step's drafts to be written into."""
+    return (np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64), np.full((B, N), -1, np.int64),
+            np.ones(B, np.int64))
+
+
 class SpeculativeWorker:
     """The speculative step of the engine that owns it (`EngineSide`)."""
 
@@ -297,10 +304,10 @@ class SpeculativeWorker:
         request is where that step left it; the drafter's own (`propose_arrays`) for the others
         (new requests, or after plain steps, a retraction or a jump forward)."""
         self._observe(reqs)
-        B, N, D = len(reqs), self.width, self.drafter.depth
-        tokens, next_token = np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64)
-        next_sibling, num_nodes = np.full((B, N), -1, np.int64), np.full(B, D + 1, np.int64)
-        next_token[:, :D] = np.arange(1, D + 1)
+        B, D = len(reqs), self.drafter.depth
+        tokens, next_token, next_sibling, num_nodes = _root_only_trees(B, self.width)
+        next_token[:, :D] = np.arange(1, D + 1)  # chains of D drafts
+        num_nodes[:] = D + 1
         table, fresh = self.runner.table.host, []
         for b, r in enumerate(reqs):
             kept = self._chains.get(r.request_id)
@@ -358,8 +365,7 @@ class SpeculativeWorker:
         drafter can rank next tokens for a context (`Drafter.has_next_tokens`)."""
         self._observe(reqs)
         B, N = len(reqs), self.width
-        tokens, next_token = np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64)
-        next_sibling, num_nodes = np.full((B, N), -1, np.int64), np.ones(B, np.int64)
+        tokens, next_token, next_sibling, num_nodes = _root_only_trees(B, N)
         guided = self._guided_rows(reqs)
         free = sorted(set(range(B)).difference(guided))
         if free:
