@@ -8,12 +8,14 @@ import json
 import re
 
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel
 
 from server_fixtures import *  # noqa: F401,F403
 from server_fixtures import MODEL_ID
+
+# a dev dependency: a GPU host that installed the project without its extras collects the others
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.slow
 
