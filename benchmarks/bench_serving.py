@@ -454,14 +454,27 @@ def engine_stats_counters(engine) -> dict:
 
 # -- the in-process engine on the same requests --------------------------------------------------------
 
-def engine_closed_loop(engine, jobs: list[Job], max_tokens: int, concurrency: int) -> dict:
+def answer_limits(n: int, first: int, max_tokens: int, spread: float) -> list[int]:
+    """Each of n requests' max_tokens: `max_tokens`, or with `spread` > 0 drawn uniformly from
+    [max_tokens * (1 - spread), max_tokens], seeded by the requests' first number (so every server and
+    the engine get the same). Random weights answer until max_tokens: without a spread, clients admitted
+    together finish together and come back together, a lockstep real answers' varied lengths break."""
+    if spread <= 0:
+        return [max_tokens] * n
+    rng = random.Random(first)
+    low = max(1, round(max_tokens * (1 - spread)))
+    return [rng.randint(low, max_tokens) for _ in range(n)]
+
+
+def engine_closed_loop(engine, jobs: list[Job], limits: list[int], concurrency: int) -> dict:
     """The jobs through `Engine.add_request` with `concurrency` in flight (a new one as one ends),
-    as the HTTP clients send them: the engine's throughput on the same requests."""
+    as the HTTP clients send them: the engine's throughput on the same requests. limits[i]: job i's
+    max_tokens."""
     from constrained_spec import SamplingParams
     from constrained_spec.grammar import GrammarSpec
 
     prepared = []
-    for job in jobs:
+    for job, max_tokens in zip(jobs, limits, strict=True):
         prompt = engine.chat_prompt(job.messages)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=job.ignore_eos)
         grammar = GrammarSpec.json_schema(job.schema) if job.schema is not None else None
@@ -569,6 +582,10 @@ class Server:
 
 # -- reporting ----------------------------------------------------------------------------------------
 
+def _spread_note(spread: float) -> str:
+    return f" (each request's limit drawn from the top {spread:.0%} of that, the same for every server)" if spread else ""
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
 
@@ -602,7 +619,8 @@ def report(payload: dict) -> str:
     servers = payload["servers"]
     lines = [f"# Serving benchmark", "",
              f"Model {payload['model_name']} on {payload['device']} ({payload['machine'].get('gpu') or payload['machine'].get('cpu', '')}), "
-             f"greedy, up to {payload['max_tokens']} output tokens a request (`plain` ignores EOS), "
+             f"greedy, up to {payload['max_tokens']} output tokens a request"
+             f"{_spread_note(payload.get('max_tokens_spread', 0))} (`plain` ignores EOS), "
              f"{payload['rounds']} requests per client per configuration; command: `{payload['command']}`.", "",
              "## Max concurrency: served vs the in-process engine on the same requests", "",
              "tok/s is output tokens per second over the run; served / engine compares each server with the "
@@ -819,6 +837,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-workload", default="json")
     ap.add_argument("--rate-seconds", type=float, default=3.0, help="requests per rate: rate x this (at least 16)")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens-spread", type=float, default=0.0, metavar="F",
+                    help="each request's max_tokens drawn from [max-tokens x (1 - F), max-tokens] (seeded, the "
+                         "same for every server): answers of varied lengths, as real weights give, with random ones")
     ap.add_argument("--rounds", type=int, default=3, help="requests per client in max-concurrency mode "
                                                           "(at least 32 requests a configuration: a shorter run at "
                                                           "one client is over in a second, where one answer counts)")
@@ -829,10 +850,13 @@ def main(argv=None) -> int:
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
                     help="client processes (default: a quarter of the cores, 1 to 8)")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default="bench_serving", help="results file name (.json, .md, .png)")
     ap.add_argument("--interleave", type=int, default=1,
                     help="N > 1: all servers up at once, each max-concurrency configuration run N times, "
                          "the servers in turn (paired A/B rounds)")
     args = ap.parse_args(argv)
+    if not 0 <= args.max_tokens_spread < 1:
+        ap.error("--max-tokens-spread must lie in [0, 1)")
 
     from constrained_spec.models import resolve_model_path
     model = resolve_model_path(args.model)
@@ -849,6 +873,7 @@ def main(argv=None) -> int:
         return max(32, args.rounds * c)
 
     payload = {"model": model, "device": args.device, "machine": machine(), "max_tokens": args.max_tokens,
+               "max_tokens_spread": args.max_tokens_spread,
                "rounds": args.rounds, "workloads": workloads, "clients": clients, "streams": streams,
                "rates": rates, "rate_workload": args.rate_workload, "servers": servers, "interleave": args.interleave,
                "command": "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -872,7 +897,8 @@ def main(argv=None) -> int:
         # requests of their own per configuration and round (a workload of distinct prompts or
         # conversations must not find an earlier round's in the cache); the servers of a round share them
         first = 10**5 * (configs.index((w, stream, c)) * args.interleave + rep)
-        bodies = [j.body(args.max_tokens, stream) for j in make_jobs(w, n_requests(c), first=first)]
+        limits = answer_limits(n_requests(c), first, args.max_tokens, args.max_tokens_spread)
+        bodies = [j.body(m, stream) for j, m in zip(make_jobs(w, n_requests(c), first=first), limits)]
         before = server_engine_counters(server.url)
         cpu0 = cpu_time.snapshot(server.proc.pid)
         r = run_clients(pool, args.client_procs, server.url, bodies, stream, c, None)
@@ -888,7 +914,8 @@ def main(argv=None) -> int:
     def run_rates(name: str, server: Server) -> None:
         for rate in rates:
             n = max(16, int(rate * args.rate_seconds))
-            bodies = [j.body(args.max_tokens, False) for j in make_jobs(args.rate_workload, n)]
+            limits = answer_limits(n, 0, args.max_tokens, args.max_tokens_spread)
+            bodies = [j.body(m, False) for j, m in zip(make_jobs(args.rate_workload, n), limits)]
             r = run_clients(pool, args.client_procs, server.url, bodies, False, None, rate)
             payload["runs"].append({"server": name, "workload": args.rate_workload, "stream": False,
                                     "mode": "rate", "value": rate, **r})
@@ -936,12 +963,14 @@ def main(argv=None) -> int:
         payload["model_name"] = engine.model_name
         try:
             for w in workloads:
-                engine_closed_loop(engine, make_jobs(w, max(clients), first=10**9), 16, max(clients))  # warm-up
+                engine_closed_loop(engine, make_jobs(w, max(clients), first=10**9), [16] * max(clients),
+                                   max(clients))  # warm-up
                 for c in clients:
                     before = engine_stats_counters(engine)
                     cpu0 = cpu_time.snapshot(os.getpid())
                     first = 10**5 * configs.index((w, streams[0], c)) * args.interleave  # the servers' first round's
-                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c), first=first), args.max_tokens, c)
+                    limits = answer_limits(n_requests(c), first, args.max_tokens, args.max_tokens_spread)
+                    r = engine_closed_loop(engine, make_jobs(w, n_requests(c), first=first), limits, c)
                     r["cores_busy"] = cpu_time.cores_busy(cpu0, cpu_time.snapshot(os.getpid()), 0.0, r["duration_s"])
                     r["engine_side"] = engine_side(before, engine_stats_counters(engine), r["duration_s"])
                     payload["engine"].append({"workload": w, "clients": c, **r})
@@ -951,9 +980,9 @@ def main(argv=None) -> int:
 
     payload.setdefault("model_name", os.path.basename(model))
     md = report(payload)
-    (results_dir / "bench_serving.json").write_text(json.dumps(payload, indent=2))
-    (results_dir / "bench_serving.md").write_text(md)
-    plot(payload, results_dir / "bench_serving.png")
+    (results_dir / f"{args.name}.json").write_text(json.dumps(payload, indent=2))
+    (results_dir / f"{args.name}.md").write_text(md)
+    plot(payload, results_dir / f"{args.name}.png")
     print(md)
     failed = sum(r["errors"] + r["invalid"] for r in payload["runs"]) + sum(r["errors"] for r in payload["engine"])
     return 1 if failed else 0

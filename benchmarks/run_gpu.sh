@@ -12,6 +12,8 @@
 #   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
 #   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
 #   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*
+#   prefix     bench_serving.py, prefix cache on / off (interleaved rounds): short JSON prompts, prompts
+#              that share nothing, a 1,500-token shared system prompt, multi-turn -> bench_serving_prefix.*
 #   attention  bench_attention.py: Triton vs torch attention, one layer -> attention.*
 #   kernels    bench_kernels.py: decode forward by kernel set, mask kernel (prints only)
 #   mask       bench_mask_latency.py on CUDA -> mask_latency_cuda.*; bench_mask_fill.py -> mask_fill.*
@@ -39,6 +41,11 @@ stage_spec() {
   "$PYTHON" benchmarks/bench_spec.py --workloads rag
 }
 stage_serving() { "$PYTHON" benchmarks/bench_serving.py --device cuda --workloads plain,json,schemas; }
+stage_prefix() {
+  "$PYTHON" benchmarks/bench_serving.py --device cuda --workloads json,distinct,shared-prefix,multi-turn --clients 64 \
+    --stream yes --rates "" --no-engine --max-tokens 128 --rounds 16 --servers split,split+nocache --interleave 2 \
+    --name bench_serving_prefix
+}
 stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
 stage_kernels() { "$PYTHON" benchmarks/bench_kernels.py 1 8 32 64 128; }
 stage_mask() {
@@ -68,7 +75,7 @@ stage_eagle_bench() {
 stage_all() { stage_tests; stage_stress; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 [ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"

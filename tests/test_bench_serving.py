@@ -115,7 +115,8 @@ def test_interleaved_rounds_pair_the_arms(tiny_llama_dir, tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--model", tiny_llama_dir, "--device", "cpu",
            "--workloads", "distinct", "--clients", "2", "--stream", "no", "--rates", "", "--max-tokens", "4",
            "--servers", "single,single+nocache", "--rounds", "1", "--client-procs", "1", "--no-engine",
-           "--interleave", "3", "--results-dir", str(tmp_path), "--server-args", "--dtype float32 --grammar-cache-dir none"]
+           "--interleave", "3", "--max-tokens-spread", "0.5", "--results-dir", str(tmp_path),
+           "--server-args", "--dtype float32 --grammar-cache-dir none"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((tmp_path / "bench_serving.json").read_text())
@@ -126,6 +127,19 @@ def test_interleaved_rounds_pair_the_arms(tiny_llama_dir, tmp_path):
     assert all(x["cached_share"] < 0.5 for x in runs if x["server"] == "single")  # no round reuses another's prompts
     md = (tmp_path / "bench_serving.md").read_text()
     assert "(rounds: " in md
+    assert data["max_tokens_spread"] == 0.5 and "drawn from the top 50%" in md
+    assert all(x["out_tokens"] <= 4 * x["requests"] for x in runs)
+
+
+def test_answer_limits_vary_alike_for_every_arm():
+    """`--max-tokens-spread`: limits drawn from the top of max_tokens, the same for a given first
+    request number (every server and the engine), others for another round's numbers."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serving as b
+    assert b.answer_limits(5, 0, 128, 0.0) == [128] * 5
+    limits = b.answer_limits(400, 7, 128, 0.5)
+    assert limits == b.answer_limits(400, 7, 128, 0.5) != b.answer_limits(400, 8, 128, 0.5)
+    assert min(limits) >= 64 and max(limits) <= 128 and len(set(limits)) > 40
 
 
 def test_report_takes_the_median_of_paired_rounds():
