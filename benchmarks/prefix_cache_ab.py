@@ -3,6 +3,7 @@
 `Engine.generate` with the cache off and on, in turn, for a few rounds, on one fixed-size KV pool,
 small enough by default that the cache fills it and evicts (as it does in a server after its first
 seconds of such traffic).
+`--workload json`: bench_serving's short JSON prompts instead, which share the chat template's start.
 `--closed` sends them as `--clients` threads with one request each at a time (the served arrival
 pattern) instead of all at once.
 
@@ -28,9 +29,9 @@ from constrained_spec import Engine, SamplingParams  # noqa: E402
 from constrained_spec.grammar import GrammarSpec  # noqa: E402
 
 
-def prompts(tok, first: int, n: int) -> list[list[int]]:
+def prompts(tok, first: int, n: int, workload: str = "distinct") -> list[list[int]]:
     out = []
-    for job in bs.make_jobs("distinct", n, first):
+    for job in bs.make_jobs(workload, n, first):
         ids = tok.apply_chat_template(list(job.history) + [{"role": "user", "content": job.content}],
                                       add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64, help="running requests (and threads with --closed)")
     ap.add_argument("--kv-slots", type=int, default=100_000)
     ap.add_argument("--closed", action="store_true")
+    ap.add_argument("--workload", default="distinct", choices=["distinct", "json"],
+                    help="json: bench_serving's short JSON prompts (97%% of their tokens the chat template's cached start)")
     args = ap.parse_args()
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     grammar = GrammarSpec.json_schema(json.dumps(PERSON_SCHEMA))
@@ -56,8 +59,8 @@ def main() -> None:
                          kv_cache_slots=args.kv_slots, disable_prefix_cache=disable)
             try:
                 tok = eng.tokenizer
-                eng.generate(prompts(tok, 100_000, min(64, args.requests)), sp, grammar)  # warm-up
-                work = prompts(tok, 1000 * rnd, args.requests)
+                eng.generate(prompts(tok, 100_000, min(64, args.requests), args.workload), sp, grammar)  # warm-up
+                work = prompts(tok, 1000 * rnd, args.requests, args.workload)
                 steps0, decode0 = eng.stats.steps, eng.stats.decode_steps
                 t0 = time.perf_counter()
                 if args.closed:
