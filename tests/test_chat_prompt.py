@@ -81,3 +81,22 @@ def test_unsafe_boundaries_fall_back_to_whole_prompts(tokenizer):
     assert not enc.segmented
     messages = [{"role": "user", "content": "hello "}]
     assert enc(messages) == _whole(tokenizer, messages)
+
+
+def test_tools_reach_a_template_that_takes_them(tokenizer):
+    """OpenAI function definitions go to a chat template that renders `tools` (as Qwen2.5's does);
+    SmolLM2's does not, so the server describes them in the system prompt instead (`server/tools.py`)."""
+    import copy
+    assert not ChatPromptEncoder(tokenizer).takes_tools
+    with_tools = copy.copy(tokenizer)
+    with_tools.chat_template = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }} "
+                                "{% endfor %}<|im_end|>\n{% endif %}" + tokenizer.chat_template)
+    enc = ChatPromptEncoder(with_tools)
+    assert enc.takes_tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather?"}]
+    ids = enc(messages, tools=tools)
+    assert "Tools: get_weather" in tokenizer.decode(ids)
+    whole = with_tools.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
+    assert ids == list(whole["input_ids"] if hasattr(whole, "keys") else whole)
+    assert "Tools:" not in tokenizer.decode(enc(messages))  # without tools the template renders none

@@ -25,7 +25,9 @@ def test_chat_request_fields():
 
 
 @pytest.mark.parametrize("bad, param", [({"temperature": 3}, "temperature"), ({"n": 0}, "n"),
-                                        ({"top_logprobs": 2}, None), ({"tools": [{"type": "function"}]}, None)])
+                                        ({"top_logprobs": 2}, None), ({"tools": [{"type": "function"}]}, None),
+                                        ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+                                         "tools.0.function.name"), ({"tool_choice": "sometimes"}, None)])
 def test_chat_request_errors(bad, param):
     with pytest.raises(ValidationError) as e:
         chat(**bad)

@@ -41,10 +41,13 @@ class ChatPromptEncoder:
         if self._boundary is not None and not self._agrees(_CHECK):
             self._boundary = None
 
-    def __call__(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def __call__(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids from the tokenizer's chat template (as `apply_chat_template` with
-        tokenize=True gives them)."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        tokenize=True gives them); `tools` (OpenAI's function definitions) for a template that
+        `takes_tools`."""
+        extra = {} if tools is None else {"tools": tools}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **extra)
         if self._boundary is None:
             return self._encode(text)
         ids: list[int] = []
@@ -52,6 +55,14 @@ class ChatPromptEncoder:
             if turn:
                 ids += self._turn(turn)
         return ids
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders function definitions passed as `tools`."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("tool_use") or template.get("default")
+        return isinstance(template, str) and "tools" in template
 
     @property
     def segmented(self) -> bool:

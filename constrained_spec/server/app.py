@@ -16,6 +16,7 @@ the request is aborted and its KV slots return to the pool.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -38,6 +39,7 @@ from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
 from .request_params import RequestParams
 from .tokens import TokenTexts
+from .tools import ToolCallPlan, finish_reason_of_call, history_text, tool_call_plan
 
 log = logging.getLogger("constrained_spec.server")
 
@@ -333,17 +335,24 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
         check_model(req.model)
-        messages = []
-        for m in req.messages:
-            role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": m.text()})
+        plan = tool_call_plan(req)
+        if plan is not None and req.logprobs:
+            raise bad_request("logprobs are not returned with tool calls", param="logprobs")
+        messages = [_template_message(m) for m in req.messages]
+        tools_arg = None
+        if plan is not None:
+            if getattr(engine.chat_prompt, "takes_tools", False):
+                tools_arg = plan.tools_for_template()
+            else:
+                messages = plan.with_instructions(messages)
+        encode = engine.chat_prompt if tools_arg is None else functools.partial(engine.chat_prompt, tools=tools_arg)
         try:
             # a short prompt costs less than a thread hand-off (~0.1 ms of a front-end's time); a
             # long one would hold up the event loop's other requests
             if sum(len(m["content"]) for m in messages) <= INLINE_PROMPT_CHARS:
-                prompt = engine.chat_prompt(messages)
+                prompt = encode(messages)
             else:
-                prompt = await run_in_threadpool(engine.chat_prompt, messages)
+                prompt = await run_in_threadpool(encode, messages)
         except Exception as e:
             raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
         budget = params.token_budget(len(prompt), req.token_limit(), "messages")
@@ -358,7 +367,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             model = served
             if req.stream:
                 admitted = False  # the stream releases it
-                return SSEResponse(chat_stream(gen, req, cid, model, len(prompt), top_n),
+                return SSEResponse(chat_stream(gen, req, cid, model, len(prompt), top_n, plan),
                                     cleanup=_once(lambda: (gen.abort(), release(req.n))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, req.n)
@@ -367,9 +376,14 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise_engine_errors(finals)
             choices = []
             for i in range(req.n):
-                choice = {"index": i, "message": {"role": "assistant", "content": outs[i], "refusal": None},
+                reason = finish_str(finals[i].finish_reason)
+                if plan is not None:
+                    message, reason = plan.message(outs[i], reason)
+                else:
+                    message = {"role": "assistant", "content": outs[i], "refusal": None}
+                choice = {"index": i, "message": message,
                           "logprobs": texts.chat_logprobs(lps[i], top_n) if req.logprobs else None,
-                          "finish_reason": finish_str(finals[i].finish_reason)}
+                          "finish_reason": reason}
                 choices.append(choice)
             return _json_response({"id": cid, "object": "chat.completion", "created": _now(), "model": model,
                                    "choices": choices, "usage": usage(len(prompt), finals, req.n),
@@ -379,10 +393,11 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 release(req.n)
 
     async def chat_stream(gen: Generation, req: ChatCompletionRequest, cid: str, model: str, prompt_len: int,
-                          top_n: int):
+                          top_n: int, plan: ToolCallPlan | None):
         created = _now()
         include_usage = req.include_usage_in_stream
         finals: list[Any] = [None] * req.n
+        calls = None if plan is None else [plan.stream() for _ in range(req.n)]
 
         def chunk(choices, usage_=None, with_usage_key=include_usage):
             d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -393,7 +408,12 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
 
         def events(i: int, out) -> list[bytes]:
             ev = []
-            if out.new_text or (req.logprobs and out.logprobs):
+            if calls is not None:  # a forced tool call: its arguments stream as tool_calls deltas
+                items = calls[i].update(out.new_text, finish_str(out.finish_reason) if out.finished else None)
+                if items:
+                    ev.append(chunk([{"index": i, "delta": {"tool_calls": items}, "finish_reason": None,
+                                      "logprobs": None}]))
+            elif out.new_text or (req.logprobs and out.logprobs):
                 c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
                      "logprobs": texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
                      if req.logprobs else None}
@@ -401,13 +421,16 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if out.finished:
                 finals[i] = out
                 reason = finish_str(out.finish_reason)
+                if calls is not None and reason != "error":
+                    reason = finish_reason_of_call(reason)
                 ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
                 if reason == "error":  # the choice ends "error", then the error itself
                     ev.append(sse_event(generation_error(out).body()))
             return ev
 
         try:
-            yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = "" if calls is None else None  # a call's message has no content
+            yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": first}, "logprobs": None,
                                    "finish_reason": None}]) for i in range(req.n))
             async for items in gen.batches():
                 yield b"".join(e for i, out in items for e in events(i, out))
@@ -542,6 +565,16 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _template_message(m) -> dict:
+    """A request message as the chat template takes it: `developer` as `system`; an assistant turn's
+    tool calls and a tool's result as text."""
+    if m.role == "developer":
+        return {"role": "system", "content": m.text()}
+    if m.role == "assistant" and m.tool_calls:
+        return {"role": "assistant", "content": history_text(m.text(), m.tool_calls)}
+    return {"role": m.role, "content": m.text()}
 
 
 def _is_grammar_error(e: Exception) -> bool:

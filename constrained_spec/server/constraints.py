@@ -7,7 +7,8 @@ A request may carry at most one constraint:
 * extensions: ``regex`` (a regular expression the whole output matches), ``ebnf`` or ``grammar``
   (an EBNF grammar in xgrammar/GBNF syntax, start rule ``root``), ``choice`` (the output is exactly one
   of the strings); vLLM's ``guided_regex``, ``guided_grammar``, ``guided_choice`` and ``guided_json``
-  are aliases.
+  are aliases;
+* ``tools`` with a ``tool_choice`` that forces a call (`tools.py`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import orjson
 
 from .errors import APIError, bad_request
 from .protocol import ResponseFormatJsonObject, ResponseFormatJsonSchema, _GenerationRequest
+from .tools import tool_call_plan
 
 MAX_CHOICES = 4096
 
@@ -65,6 +67,8 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
         value = getattr(req, field)
         if value is not None:
             found.append((kind, field, value))
+    if getattr(req, "tools", None) and req.tool_choice != "none":
+        found.append(("tool_call", "tools", None))
     return found
 
 
@@ -93,6 +97,8 @@ def _spec_for(req: _GenerationRequest):
     from ..grammar import GrammarSpec  # deferred: keeps the protocol importable without xgrammar
 
     kind, field, value = found[0]
+    if kind == "tool_call":
+        return tool_call_plan(req).grammar()
     if kind == "json_object":
         return GrammarSpec.json_object()
     if kind == "json_schema":
@@ -152,7 +158,7 @@ def grammar_error(err: Exception, param: str | None) -> APIError:
         extra.append(f"at path '{path or '/'}'")
     if extra:
         message = f"{message} ({', '.join(extra)})"
-    if param and param.startswith("response_format") or param == "guided_json":
+    if param and param.startswith("response_format") or param in ("guided_json", "tools"):
         prefix, code = "invalid JSON schema: ", "invalid_schema"
         if keyword and ("unsupported" in message.lower() or "not supported" in message.lower()):
             code = "unsupported_schema"

@@ -39,10 +39,24 @@ def _text_of(content: Union[str, list[TextPart], None]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Lenient):
+    """A call in an earlier assistant turn (the conversation sent back with the tools' results)."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -88,6 +102,27 @@ class Prediction(_Lenient):
 
     def text(self) -> str:
         return _text_of(self.content)
+
+
+class ToolFunction(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Lenient):
@@ -149,14 +184,15 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None  # one call per choice either way
     functions: list[Any] | None = None  # the deprecated form of tools
 
     @model_validator(mode="after")
     def _checks(self) -> "ChatCompletionRequest":
-        if self.tools or self.functions:
-            raise ValueError("tools are not supported; use response_format json_schema for structured output")
+        if self.functions:
+            raise ValueError("functions (deprecated by OpenAI) is not supported; use tools and tool_choice")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
@@ -244,13 +280,26 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+    index: int | None = None  # in a stream's deltas
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
-FinishReasonStr = Literal["stop", "length", "abort", "error"]
+FinishReasonStr = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class ChatChoice(BaseModel):
@@ -273,6 +322,7 @@ class ChatCompletion(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

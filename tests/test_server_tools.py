@@ -1,0 +1,180 @@
+"""OpenAI tool calls: `tools` with a `tool_choice` that forces a call are generated under the called
+function's parameter schema. The plan and its stream on their own (every way of cutting an output
+into streamed pieces gives the same call), then the real SmolLM2 through the `openai` package: a
+named call's arguments validate, `required` picks one of the tools, streamed equals non-streamed,
+`chat.completions.parse` with `pydantic_function_tool`, a conversation carrying a tool's result,
+and the 400s."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from constrained_spec.server.errors import APIError
+from constrained_spec.server.protocol import ChatCompletionRequest
+from constrained_spec.server.tools import tool_call_plan
+from server_fixtures import *  # noqa: F401,F403
+from server_fixtures import MODEL_ID, chat_body
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+                                                          "required": ["timezone"]}}}]
+
+
+def _request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def test_plan_of_a_request():
+    assert tool_call_plan(_request()) is None
+    assert tool_call_plan(_request(tools=TOOLS, tool_choice="none")) is None
+    named = tool_call_plan(_request(tools=TOOLS, tool_choice=_named("get_weather")))
+    assert named.forced == "get_weather" and named.schema == WEATHER and named.strict
+    required = tool_call_plan(_request(tools=TOOLS, tool_choice="required"))
+    names = [alt["properties"]["name"]["const"] for alt in required.schema["anyOf"]]
+    assert names == ["get_weather", "get_time"] and required.forced is None
+    bare = tool_call_plan(_request(tools=[{"type": "function", "function": {"name": "ping", "strict": False}}],
+                                   tool_choice="required"))
+    assert bare.schema["anyOf"][0]["properties"]["arguments"] == {"type": "object", "properties": {},
+                                                                  "additionalProperties": False}
+    assert not bare.strict
+    for kw, param in (({"tools": TOOLS}, "tool_choice"), ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+                      ({"tools": TOOLS, "tool_choice": _named("nope")}, "tool_choice"),
+                      ({"tool_choice": "required"}, "tool_choice"), ({"tools": TOOLS + TOOLS[:1],
+                                                                     "tool_choice": "required"}, "tools")):
+        with pytest.raises(APIError) as e:
+            tool_call_plan(_request(**kw))
+        assert e.value.status == 400 and e.value.param == param, kw
+
+
+def test_message_and_stream_agree_however_the_output_is_cut():
+    cases = [("required", '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}',
+              "get_weather", '{"city": "Oslo", "unit": "celsius"}'),
+             ("required", '{ "name" : "get_time" ,\n "arguments" : {"timezone": "UTC"} }', "get_time",
+              '{"timezone": "UTC"}'),
+             (_named("get_weather"), '{"city": "Rome", "unit": "fahrenheit"}', "get_weather",
+              '{"city": "Rome", "unit": "fahrenheit"}')]
+    for choice, text, name, arguments in cases:
+        plan = tool_call_plan(_request(tools=TOOLS, tool_choice=choice))
+        message, reason = plan.message(text, "stop")
+        assert reason == "tool_calls" and message["content"] is None
+        (call,) = message["tool_calls"]
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        assert call["function"] == {"name": name, "arguments": arguments}
+        for size in range(1, 9):  # every piece size: the stream's deltas add up to the same call
+            stream = plan.stream()
+            items = [it for i in range(0, len(text), size) for it in stream.update(text[i:i + size])]
+            items += stream.update("", "stop")
+            assert items[0]["id"] == stream.call_id and items[0]["function"]["name"] == name
+            assert all("id" not in it and "name" not in it["function"] for it in items[1:])
+            assert "".join(it["function"]["arguments"] for it in items) == arguments, (text, size)
+
+
+def test_a_call_cut_short():
+    plan = tool_call_plan(_request(tools=TOOLS, tool_choice="required"))
+    message, reason = plan.message('{"name": "get_weather", "arguments": {"city": "Os', "length")
+    assert reason == "length" and message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                         "arguments": '{"city": "Os'}
+    message, reason = plan.message('{"name": "get_wea', "length")  # no name yet: no call, the text as content
+    assert reason == "length" and message["content"] == '{"name": "get_wea' and "tool_calls" not in message
+    stream = plan.stream()
+    assert stream.update('{"name": "get_wea') == [] and stream.update("", "length") == []
+
+
+def test_instructions_for_a_template_without_tools():
+    plan = tool_call_plan(_request(tools=TOOLS, tool_choice=_named("get_time")))
+    alone = plan.with_instructions([{"role": "user", "content": "What time is it in Paris?"}])
+    assert alone[0]["role"] == "system" and "get_time" in alone[0]["content"] and "timezone" in alone[0]["content"]
+    merged = plan.with_instructions([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}])
+    assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.\n\nYou can call these functions")
+
+
+# -- the real server ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_named_call_through_openai(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+        tool_choice=_named("get_weather"), max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # streamed: the same call, piece by piece
+    chunks = list(openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+        tool_choice=_named("get_weather"), max_tokens=60, temperature=0, stream=True))
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0][0].function.name == "get_weather" and deltas[0][0].id
+    assert "".join(d[0].function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_required_picks_a_tool(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,
+        tool_choice="required", max_tokens=60, temperature=0.8, seed=3, n=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+class Lookup(BaseModel):
+    city: str
+    days: int
+
+
+@pytest.mark.slow
+def test_parse_with_a_pydantic_tool(openai_client):
+    openai = pytest.importorskip("openai")
+    r = openai_client.chat.completions.parse(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Forecast for Lima, three days."}],
+        tools=[openai.pydantic_function_tool(Lookup)], tool_choice=_named("Lookup"), max_tokens=40, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Lookup)
+
+
+@pytest.mark.slow
+def test_conversation_with_a_tool_result(http):
+    body = chat_body(messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": -3}'},
+        {"role": "user", "content": "And in Rome?"}], tools=TOOLS, tool_choice=_named("get_weather"), max_tokens=40,
+        temperature=0)
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    # the same conversation answered in text when no call is forced
+    plain = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).json()
+    assert plain["choices"][0]["message"]["content"] and "tool_calls" not in plain["choices"][0]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, param", [({"tool_choice": "auto"}, "tool_choice"), ({}, "tool_choice"),
+                                          ({"tool_choice": _named("nope")}, "tool_choice"),
+                                          ({"tool_choice": _named("get_weather"), "logprobs": True}, "logprobs"),
+                                          ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+                                           "tools")])
+def test_refused_tool_requests(http, extra, param):
+    r = http.post("/v1/chat/completions", json=chat_body(tools=TOOLS, **extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
