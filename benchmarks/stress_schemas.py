@@ -7,7 +7,8 @@
 
 Schemas: schemas/jsonschemabench-dev.jsonl (400) plus schemas/conformance/cases.jsonl. Each configuration
 (`--configs`, comma separated; tokens joined by '-': plain|ngram|eagle, always (speculate at every step),
-greedy|t<T>, stream, c<clients>, fp<frequency penalty>) starts
+greedy|t<T>, stream, c<clients>, fp<frequency penalty>, tools: each object schema as the parameters of a
+function the request forces a call of, its arguments validated as the answer) starts
 its own server on a free 127.0.0.1 port (or uses `--url`). Every answer is classified:
 
   valid         200, finish "stop", JSON that validates (the schema's draft, with a format checker)
@@ -281,11 +282,18 @@ def classify_completion(ans: Answer, schema: dict, content: str, finish: str | N
 # ---------------------------------------------------------------- requests
 
 def request_body(case: Case, model: str, temperature: float, max_tokens: int, stream: bool, seed: int,
-                 sampling: dict | None = None) -> dict:
+                 sampling: dict | None = None, tools: bool = False) -> dict:
+    """The case's request: its schema as response_format, or with `tools` (for an object schema) as the
+    parameters of a function the request forces a call of."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", case.id)[:64]
     body = {**(sampling or {}), "model": model, "messages": [{"role": "user", "content": build_prompt(case.schema)}],
-            "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-            "response_format": {"type": "json_schema", "json_schema": {
-                "name": re.sub(r"[^A-Za-z0-9_-]", "_", case.id)[:64], "schema": case.schema, "strict": True}}}
+            "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    if tools and case.top == "object":
+        body["tools"] = [{"type": "function", "function": {"name": name, "parameters": case.schema, "strict": True}}]
+        body["tool_choice"] = {"type": "function", "function": {"name": name}}
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": case.schema,
+                                                                          "strict": True}}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return body
@@ -306,7 +314,8 @@ async def send_one(client: httpx.AsyncClient, case: Case, body: dict) -> Answer:
                 data = r.json()
                 choice = data["choices"][0]
                 ans.completion_tokens = (data.get("usage") or {}).get("completion_tokens", 0)
-                classify_completion(ans, case.schema, choice["message"].get("content") or "", choice["finish_reason"])
+                text, finish = _answer(choice["message"], choice["finish_reason"], body)
+                classify_completion(ans, case.schema, text, finish)
     except Exception as e:  # transport errors, broken bodies
         ans.outcome, ans.detail = "error", f"{type(e).__name__}: {e}"
     ans.latency_s = time.perf_counter() - t0
@@ -320,7 +329,7 @@ async def _send_streamed(client, case, body, ans: Answer, t0: float) -> None:
             ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code,
                                                                     _json_or_text((await r.aread()).decode()))
             return
-        pieces, finish, done = [], None, False
+        pieces, finish, done, called = [], None, False, None
         async for line in r.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -334,7 +343,11 @@ async def _send_streamed(client, case, body, ans: Answer, t0: float) -> None:
                 ans.content = "".join(pieces)
                 return
             for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                for call in delta.get("tool_calls") or ():  # a forced call: its arguments are the answer
+                    text = (text or "") + (call.get("function") or {}).get("arguments", "")
+                    called = (call.get("function") or {}).get("name") or called
                 if text:
                     if ans.ttft_s is None:
                         ans.ttft_s = time.perf_counter() - t0
@@ -345,7 +358,23 @@ async def _send_streamed(client, case, body, ans: Answer, t0: float) -> None:
         if not done:
             ans.outcome, ans.detail, ans.content = "error", "stream ended without [DONE]", "".join(pieces)
             return
-        classify_completion(ans, case.schema, "".join(pieces), finish)
+        message = {"content": "".join(pieces)} if "tools" not in body else {
+            "tool_calls": [{"function": {"name": called, "arguments": "".join(pieces)}}]}
+        classify_completion(ans, case.schema, *_answer(message, finish, body))
+
+
+def _answer(message: dict, finish: str | None, body: dict) -> tuple[str, str | None]:
+    """The text to validate and the finish reason to classify: a forced call's arguments, its
+    `tool_calls` finish counting as `stop`, and a call of another function (or none) as an error."""
+    if "tools" not in body:
+        return message.get("content") or "", finish
+    calls = message.get("tool_calls") or []
+    wanted = body["tool_choice"]["function"]["name"]
+    if finish == "length":
+        return (calls[0]["function"]["arguments"] if calls else message.get("content") or ""), finish
+    if finish != "tool_calls" or len(calls) != 1 or calls[0]["function"]["name"] != wanted:
+        return message.get("content") or "", f"{finish} without one call of {wanted}"
+    return calls[0]["function"]["arguments"], "stop"
 
 
 def _json_or_text(text: str):
@@ -357,7 +386,7 @@ def _json_or_text(text: str):
 
 async def run_load(url: str, cases: list[Case], model: str, clients: int, temperature: float, max_tokens: int,
                    stream: bool, seed: int, sampling: dict | None = None,
-                   timeout_s: float = 1800.0) -> tuple[list[Answer], float]:
+                   timeout_s: float = 1800.0, tools: bool = False) -> tuple[list[Answer], float]:
     """Sends every case with `clients` concurrent workers; returns the answers (in case order) and wall time."""
     queue: asyncio.Queue = asyncio.Queue()
     for i, case in enumerate(cases):
@@ -368,7 +397,7 @@ async def run_load(url: str, cases: list[Case], model: str, clients: int, temper
     async def worker(client):
         while not queue.empty():
             i, case = queue.get_nowait()
-            body = request_body(case, model, temperature, max_tokens, stream, seed + i, sampling)
+            body = request_body(case, model, temperature, max_tokens, stream, seed + i, sampling, tools)
             answers[i] = await send_one(client, case, body)
 
     t0 = time.perf_counter()
@@ -483,13 +512,15 @@ class Config:
     temperature: float
     stream: bool
     sampling: dict = field(default_factory=dict)  # more request fields, e.g. frequency_penalty
+    tools: bool = False  # object schemas as forced tool calls' parameters
 
 
 def parse_config(name: str, clients: int, temperature: float, stream: bool, extra_args: list[str]) -> Config:
     """'ngram-t0.7-stream-c128' -> n-gram speculation, T=0.7, streamed, 128 clients (unset parts: the flags);
-    'eagle-always' speculates with the EAGLE head at every step; 'fp0.5' adds frequency_penalty 0.5 to
+    'eagle-always' speculates with the EAGLE head at every step; 'tools' sends object schemas as forced
+    tool calls; 'fp0.5' adds frequency_penalty 0.5 to
     every request."""
-    server_args, sampling = list(extra_args), {}
+    server_args, sampling, tools = list(extra_args), {}, False
     for tok in name.split("-"):
         if tok == "plain":
             pass
@@ -505,11 +536,13 @@ def parse_config(name: str, clients: int, temperature: float, stream: bool, extr
             stream = True
         elif re.fullmatch(r"c\d+", tok):
             clients = int(tok[1:])
+        elif tok == "tools":
+            tools = True
         elif re.fullmatch(r"fp\d+(\.\d+)?", tok):
             sampling["frequency_penalty"] = float(tok[2:])
         else:
             raise ValueError(f"unknown configuration part {tok!r} in {name!r}")
-    return Config(name, server_args, clients, temperature, stream, sampling)
+    return Config(name, server_args, clients, temperature, stream, sampling, tools)
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -567,7 +600,7 @@ def run_config(config: Config, cases: list[Case], max_tokens: int, seed: int, ur
         models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         before = read_metrics(url)
         answers, wall = asyncio.run(run_load(url, cases, models[0]["id"], config.clients, config.temperature,
-                                             max_tokens, config.stream, seed, config.sampling))
+                                             max_tokens, config.stream, seed, config.sampling, tools=config.tools))
         summary = summarize(config, answers, wall, grammar_metrics(before, read_metrics(url)))
         if server is not None:
             summary["server_ready_s"] = server.ready_s

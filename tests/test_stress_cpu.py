@@ -111,10 +111,38 @@ def test_stress_cpu_ngram(tmp_path):
     _assert_clean(summary)
 
 
+def test_tool_call_requests_and_answers():
+    """`tools`: an object schema goes as a forced call's parameters (its arguments are the answer),
+    another as response_format; a call of another function, or none, is an error."""
+    obj, arr = (stress.Case("a/1", {"type": "object", "properties": {"x": {"type": "integer"}}}, "bounded", "object"),
+                stress.Case("b", {"type": "array"}, "free-form", "array"))
+    body = stress.request_body(obj, "m", 0.7, 32, False, 1, tools=True)
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "a_1"}} and "response_format" not in body
+    assert body["tools"][0]["function"]["parameters"] == obj.schema
+    assert "tools" not in stress.request_body(arr, "m", 0.7, 32, False, 1, tools=True)
+    call = lambda name, args: {"content": None, "tool_calls": [{"function": {"name": name, "arguments": args}}]}
+    assert stress._answer(call("a_1", '{"x": 1}'), "tool_calls", body) == ('{"x": 1}', "stop")
+    assert stress._answer(call("a_1", '{"x": '), "length", body) == ('{"x": ', "length")
+    assert stress._answer(call("other", "{}"), "tool_calls", body)[1] != "stop"
+    assert stress._answer({"content": "{}"}, "stop", body)[1] != "stop"
+    assert stress.parse_config("plain-tools-greedy", 8, 0.7, False, []).tools
+
+
+@pytest.mark.slow
+def test_stress_cpu_tools(tmp_path):
+    """Object schemas as forced tool calls, streamed, sampled (the others as response_format)."""
+    cases = cpu_cases(0)
+    config = stress.parse_config("tools-t0.7-stream", clients=8, temperature=0.0, stream=False,
+                                 extra_args=["--device", "cpu"])
+    summary, _ = stress.run_config(config, cases, CPU_MAX_TOKENS, seed=2, log_dir=tmp_path)
+    _assert_clean(summary)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,backend", [("plain-t0.7", "xgrammar"), ("plain-greedy-stream", "xgrammar"),
                                           ("ngram-t0.7-stream", "xgrammar"), ("ngram-greedy", "xgrammar"),
-                                          ("plain-t0.7", "auto"), ("ngram-greedy-stream", "auto")])
+                                          ("plain-t0.7", "auto"), ("ngram-greedy-stream", "auto"),
+                                          ("plain-tools-t0.7-stream", "auto")])
 def test_stress_gpu(name, backend, tmp_path, smollm2_dir):
     """~100 schemas at 64 clients on CUDA, max_tokens 256: the short form of the GPU stress run, under
     the default grammar backend and under auto (llguidance first). The real model (skipped, with the
