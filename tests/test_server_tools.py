@@ -1,7 +1,7 @@
-"""OpenAI tool calls: `tools` with a `tool_choice` that forces a call are generated under the called
-function's parameter schema. The plan and its stream on their own (every way of cutting an output
-into streamed pieces gives the same call), then the real SmolLM2 through the `openai` package: a
-named call's arguments validate, `required` picks one of the tools, streamed equals non-streamed,
+"""OpenAI tool calls: calls are generated under the called function's parameter schema. The plan and
+its stream on their own (every way of cutting an output into streamed pieces gives the same call or
+text), then the real SmolLM2 through the `openai` package: a named call's arguments validate,
+`required` picks one of the tools, `auto` calls or answers in text, streamed equals non-streamed,
 `chat.completions.parse` with `pydantic_function_tool`, a conversation carrying a tool's result,
 and the 400s."""
 from __future__ import annotations
@@ -49,8 +49,11 @@ def test_plan_of_a_request():
     assert bare.schema["anyOf"][0]["properties"]["arguments"] == {"type": "object", "properties": {},
                                                                   "additionalProperties": False}
     assert not bare.strict
-    for kw, param in (({"tools": TOOLS}, "tool_choice"), ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-                      ({"tools": TOOLS, "tool_choice": _named("nope")}, "tool_choice"),
+    for choice in (None, "auto"):  # OpenAI's default with tools: a call or {"content": text}
+        auto = tool_call_plan(_request(tools=TOOLS, tool_choice=choice))
+        assert auto.allow_text and auto.forced is None and len(auto.schema["anyOf"]) == 3
+        assert auto.schema["anyOf"][-1]["properties"] == {"content": {"type": "string"}}
+    for kw, param in (({"tools": TOOLS, "tool_choice": _named("nope")}, "tool_choice"),
                       ({"tool_choice": "required"}, "tool_choice"), ({"tools": TOOLS + TOOLS[:1],
                                                                      "tool_choice": "required"}, "tools")):
         with pytest.raises(APIError) as e:
@@ -74,8 +77,9 @@ def test_message_and_stream_agree_however_the_output_is_cut():
         assert call["function"] == {"name": name, "arguments": arguments}
         for size in range(1, 9):  # every piece size: the stream's deltas add up to the same call
             stream = plan.stream()
-            items = [it for i in range(0, len(text), size) for it in stream.update(text[i:i + size])]
-            items += stream.update("", "stop")
+            deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop")]
+            items = [it for d in deltas if d for it in d["tool_calls"]]
+            assert stream.finish_reason("stop") == "tool_calls"
             assert items[0]["id"] == stream.call_id and items[0]["function"]["name"] == name
             assert all("id" not in it and "name" not in it["function"] for it in items[1:])
             assert "".join(it["function"]["arguments"] for it in items) == arguments, (text, size)
@@ -86,10 +90,29 @@ def test_a_call_cut_short():
     message, reason = plan.message('{"name": "get_weather", "arguments": {"city": "Os', "length")
     assert reason == "length" and message["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                          "arguments": '{"city": "Os'}
-    message, reason = plan.message('{"name": "get_wea', "length")  # no name yet: no call, the text as content
-    assert reason == "length" and message["content"] == '{"name": "get_wea' and "tool_calls" not in message
+    message, reason = plan.message('{"name": "get_wea', "length")  # no name yet: no call, no text
+    assert reason == "length" and message["content"] == "" and "tool_calls" not in message
     stream = plan.stream()
-    assert stream.update('{"name": "get_wea') == [] and stream.update("", "length") == []
+    assert stream.update('{"name": "get_wea') is None and stream.update("", "length") is None
+
+
+def test_auto_answers_in_text_or_calls():
+    plan = tool_call_plan(_request(tools=TOOLS, tool_choice="auto"))
+    message, reason = plan.message('{"name": "get_time", "arguments": {"timezone": "UTC"}}', "stop")
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "get_time"
+    answer = r'It is \"sunny\" \\ 20\u00b0C \ud83c\udf1e\nok'  # JSON string escapes, a surrogate pair
+    text = '{"content": "' + answer + '"}'
+    decoded = json.loads('"' + answer + '"')
+    message, reason = plan.message(text, "stop")
+    assert reason == "stop" and message["content"] == decoded and "tool_calls" not in message
+    for size in range(1, 9):  # streamed in any pieces: the decoded text, escapes never split
+        stream = plan.stream()
+        deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop")]
+        pieces = [d["content"] for d in deltas if d]
+        assert "".join(pieces) == decoded and stream.finish_reason("stop") == "stop", size
+    message, reason = plan.message(text[:30], "length")  # cut inside the string: as far as it decodes
+    assert reason == "length" and decoded.startswith(message["content"]) and message["content"]
+    assert plan.message('{"con', "length")[0]["content"] == ""  # cut before it said which: nothing
 
 
 def test_instructions_for_a_template_without_tools():
@@ -120,6 +143,29 @@ def test_named_call_through_openai(openai_client):
     assert deltas[0][0].function.name == "get_weather" and deltas[0][0].id
     assert "".join(d[0].function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_auto_through_openai(openai_client):
+    """`auto` (also what leaving tool_choice out means): a call whose arguments validate, or text;
+    the streamed answer is the same."""
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for question in ("What time is it in Tokyo?", "Tell me a short joke about cats."):
+        kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": question}], tools=TOOLS, max_tokens=60,
+                  temperature=0)
+        choice = openai_client.chat.completions.create(**kw).choices[0]
+        chunks = list(openai_client.chat.completions.create(**kw, stream=True))
+        streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+        if choice.message.tool_calls:
+            (call,) = choice.message.tool_calls
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+            assert "".join(d.function.arguments or "" for d in calls) == call.function.arguments
+        else:
+            assert choice.finish_reason in ("stop", "length") and not calls
+            assert choice.message.content and streamed_text == choice.message.content
 
 
 @pytest.mark.slow
@@ -169,8 +215,7 @@ def test_conversation_with_a_tool_result(http):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, param", [({"tool_choice": "auto"}, "tool_choice"), ({}, "tool_choice"),
-                                          ({"tool_choice": _named("nope")}, "tool_choice"),
+@pytest.mark.parametrize("extra, param", [({"tool_choice": _named("nope")}, "tool_choice"),
                                           ({"tool_choice": _named("get_weather"), "logprobs": True}, "logprobs"),
                                           ({"tool_choice": "required", "response_format": {"type": "json_object"}},
                                            "tools"),

@@ -39,7 +39,7 @@ from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
 from .request_params import RequestParams
 from .tokens import TokenTexts
-from .tools import ToolCallPlan, finish_reason_of_call, history_text, tool_call_plan
+from .tools import ToolCallPlan, history_text, tool_call_plan
 
 log = logging.getLogger("constrained_spec.server")
 
@@ -340,11 +340,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise bad_request("logprobs are not returned with tool calls", param="logprobs")
         messages = [_template_message(m) for m in req.messages]
         tools_arg = None
-        if plan is not None:
+        if plan is not None:  # the tools listed by the template if it takes them, else in the system prompt
             if getattr(engine.chat_prompt, "takes_tools", False):
                 tools_arg = plan.tools_for_template()
-            else:
-                messages = plan.with_instructions(messages)
+            messages = plan.with_instructions(messages, list_tools=tools_arg is None)
         encode = engine.chat_prompt if tools_arg is None else functools.partial(engine.chat_prompt, tools=tools_arg)
         try:
             # a short prompt costs less than a thread hand-off (~0.1 ms of a front-end's time); a
@@ -408,11 +407,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
 
         def events(i: int, out) -> list[bytes]:
             ev = []
-            if calls is not None:  # a forced tool call: its arguments stream as tool_calls deltas
-                items = calls[i].update(out.new_text, finish_str(out.finish_reason) if out.finished else None)
-                if items:
-                    ev.append(chunk([{"index": i, "delta": {"tool_calls": items}, "finish_reason": None,
-                                      "logprobs": None}]))
+            if calls is not None:  # tools: a call's arguments as tool_calls deltas, or a text answer's pieces
+                delta = calls[i].update(out.new_text, finish_str(out.finish_reason) if out.finished else None)
+                if delta:
+                    ev.append(chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": None}]))
             elif out.new_text or (req.logprobs and out.logprobs):
                 c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
                      "logprobs": texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
@@ -422,7 +420,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 finals[i] = out
                 reason = finish_str(out.finish_reason)
                 if calls is not None and reason != "error":
-                    reason = finish_reason_of_call(reason)
+                    reason = calls[i].finish_reason(reason)
                 ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
                 if reason == "error":  # the choice ends "error", then the error itself
                     ev.append(sse_event(generation_error(out).body()))

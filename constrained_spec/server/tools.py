@@ -1,16 +1,18 @@
-"""OpenAI tool calls (`tools`, `tool_choice`) as a constraint: the call a request forces is generated
-under the JSON schema of its function's parameters, so its arguments always parse and validate.
+"""OpenAI tool calls (`tools`, `tool_choice`) as a constraint: calls are generated under the JSON
+schema of the called function's parameters, so their arguments always parse and validate.
 
 * `tool_choice: {"type": "function", "function": {"name": f}}`: the output is f's arguments, a JSON
   object under f's `parameters`.
 * `"required"`: the output is `{"name": f, "arguments": {...}}` for one of the tools (`anyOf` over
   them, the name first), split into name and arguments for the response.
+* `"auto"` (OpenAI's default when tools are given): the same, or `{"content": "..."}`, the model's
+  text answer; which one is the model's choice, told by the first key.
 * `"none"`: no call, and the tools are not shown to the model.
-* `"auto"`, OpenAI's default when tools are given, leaves the choice between text and a call to the
-  model, in its own call format, which no grammar decides: refused (400) naming the two choices above.
 
-One call per choice. The model sees the tools through its chat template where the template takes
-them (`tools=`); otherwise as a block appended to the system prompt.
+The envelopes are this server's own format, the same for every model: a grammar decides the output,
+and a model's native call format (special tokens, tags) is nothing a JSON schema describes. One call
+per choice. The model sees the tools through its chat template where the template takes them
+(`tools=`), otherwise as a block appended to the system prompt, and the format in the system prompt.
 """
 from __future__ import annotations
 
@@ -26,9 +28,12 @@ from .errors import bad_request
 # an arguments object with no parameters declared: `{}` (OpenAI: "omitting parameters defines a
 # function with an empty parameter list")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# where a "required" call's arguments start: after its name
-_REQUIRED_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_WRAPPER_TAIL = re.compile(r"\s*\}?\s*$")  # what may be the end of a "required" call's wrapper
+TEXT_ANSWER = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
+               "additionalProperties": False}
+# where an envelope's arguments start: after the call's name; where a text answer's string starts
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_TEXT_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+_WRAPPER_TAIL = re.compile(r"\s*\}?\s*$")  # what may be the end of an envelope
 
 
 def new_call_id() -> str:
@@ -37,20 +42,20 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolCallPlan:
-    """What a request's `tools` and `tool_choice` ask for: `forced` names the one function called,
-    or is None for `required` (the model picks)."""
+    """What a request's `tools` and `tool_choice` ask for: `forced` names the one function called
+    (None: the model picks, in an envelope); `allow_text` lets it answer in text instead (`auto`)."""
     functions: tuple  # the request's ToolFunction models, in order
     forced: str | None
     strict: bool
+    allow_text: bool = False
 
     @property
     def schema(self) -> dict:
         if self.forced is not None:
             return self._parameters(self._function(self.forced))
-        return {"anyOf": [{"type": "object",
-                           "properties": {"name": {"const": f.name}, "arguments": self._parameters(f)},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for f in self.functions]}
+        calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": self._parameters(f)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in self.functions]
+        return {"anyOf": calls + ([TEXT_ANSWER] if self.allow_text else [])}
 
     def grammar(self):
         from ..grammar import GrammarSpec  # deferred: keeps the protocol side importable without xgrammar
@@ -61,16 +66,22 @@ class ToolCallPlan:
         return [{"type": "function", "function": {"name": f.name, "description": f.description or "",
                                                   "parameters": self._parameters(f)}} for f in self.functions]
 
-    def with_instructions(self, messages: list[dict]) -> list[dict]:
-        """The messages with the tools described in the system prompt (for a template that takes
-        no `tools`)."""
-        listed = "\n".join(orjson.dumps({"name": f.name, "description": f.description or "",
-                                         "parameters": self._parameters(f)}).decode() for f in self.functions)
+    def with_instructions(self, messages: list[dict], list_tools: bool = True) -> list[dict]:
+        """The messages with the answer's format in the system prompt, and the tools listed there
+        (`list_tools`: for a template that takes no `tools`)."""
+        lines = []
+        if list_tools:
+            lines.append("You can call these functions:")
+            lines += [orjson.dumps({"name": f.name, "description": f.description or "",
+                                    "parameters": self._parameters(f)}).decode() for f in self.functions]
         if self.forced is not None:
-            ask = f"Call the function {self.forced}: answer with its arguments as one JSON object."
+            lines.append(f"Call the function {self.forced}: answer with its arguments as one JSON object.")
+        elif self.allow_text:
+            lines.append('To call a function, answer with one JSON object {"name": ..., "arguments": {...}}; '
+                         'to answer in text instead, answer with {"content": "your answer"}.')
         else:
-            ask = 'Call one of them: answer with one JSON object {"name": ..., "arguments": {...}}.'
-        block = f"You can call these functions:\n{listed}\n{ask}"
+            lines.append('Call one of them: answer with one JSON object {"name": ..., "arguments": {...}}.')
+        block = "\n".join(lines)
         if messages and messages[0]["role"] == "system":
             first = messages[0]
             return [{**first, "content": f"{first['content']}\n\n{block}" if first["content"] else block}, *messages[1:]]
@@ -78,27 +89,24 @@ class ToolCallPlan:
 
     # -- the response ----------------------------------------------------------------------------
     def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
-        """A choice's message and finish reason from its output text: the call (`tool_calls`,
-        finish `tool_calls`; `length` if cut short, with the arguments as far as they got). A
-        `required` output cut before its name is complete holds no call: its text is the content."""
-        name, arguments = self._split(text, finished=finish_reason == "stop")
-        reason = finish_reason_of_call(finish_reason)
-        if name is None:
-            return {"role": "assistant", "content": text, "refusal": None}, reason
-        call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}, reason
+        """A choice's message and finish reason from its output text: a call (`tool_calls`, finish
+        `tool_calls`; `length` if cut short, with the arguments as far as they got), or a text answer
+        (`auto`), or, for an envelope cut before it said which, nothing."""
+        finished = finish_reason == "stop"
+        if self.forced is not None:
+            return _call_message(self.forced, text), call_finish_reason(finish_reason)
+        head = _CALL_HEAD.match(text)
+        if head is not None:
+            rest = text[head.end():].lstrip()
+            arguments = _strip_wrapper(rest) if finished else rest
+            return _call_message(_unescape(head.group(1)), arguments), call_finish_reason(finish_reason)
+        content = ""
+        if self.allow_text and _TEXT_HEAD.match(text):
+            content = TextAnswer().feed(text).decoded  # the string as far as it got (all of it, finished)
+        return {"role": "assistant", "content": content, "refusal": None}, finish_reason
 
     def stream(self) -> "ToolCallStream":
         return ToolCallStream(self)
-
-    def _split(self, text: str, finished: bool) -> tuple[str | None, str]:
-        if self.forced is not None:
-            return self.forced, text
-        head = _REQUIRED_HEAD.match(text)  # the grammar puts the name first
-        if head is None:
-            return None, ""
-        rest = text[head.end():].lstrip()
-        return _unescape(head.group(1)), _strip_wrapper(rest) if finished else rest
 
     def _function(self, name: str):
         return next(f for f in self.functions if f.name == name)
@@ -108,55 +116,123 @@ class ToolCallPlan:
         return f.parameters if f.parameters is not None else NO_PARAMETERS
 
 
+def _call_message(name: str, arguments: str) -> dict:
+    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+
+
+def call_finish_reason(finish_reason: str) -> str:
+    """A call's choice ends `tool_calls` where its output ended `stop`."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class ToolCallStream:
-    """A streamed choice's call as OpenAI streams it: `delta.tool_calls` items, the first with the
-    call's id, type and name, the next ones with pieces of its arguments. A `required` call waits
-    until its name is complete, and holds back a closing brace that may be its wrapper's."""
+    """A streamed choice as OpenAI streams calls: `delta.tool_calls` items, the first with the call's
+    id, type and name, the next ones with pieces of its arguments; or, for a text answer (`auto`),
+    `delta.content` pieces of the decoded string. An envelope waits until its first key says which,
+    and a call's holds back a closing brace that may be the envelope's."""
 
     def __init__(self, plan: ToolCallPlan):
         self.plan = plan
         self.call_id = new_call_id()
         self.name = plan.forced
+        self.text: TextAnswer | None = None  # set once the output is a text answer
         self._pending = ""  # text not yet sent
         self._started = False
 
-    def update(self, text: str, finish_reason: str | None = None) -> list[dict]:
-        """The delta's items (at most one) for the choice's new text; `finish_reason` (the engine's)
-        with its last text. A `required` output cut before its name holds no call: no items."""
+    def update(self, text: str, finish_reason: str | None = None) -> dict | None:
+        """The delta for the choice's new output text (None: nothing to send yet); `finish_reason`
+        (the engine's) with its last text."""
         self._pending += text
-        if self.name is None:
-            head = _REQUIRED_HEAD.match(self._pending)
-            if head is None:
-                return []
-            self.name = _unescape(head.group(1))
-            self._pending = self._pending[head.end():]
+        if self.name is None and self.text is None:
+            head = _CALL_HEAD.match(self._pending)
+            if head is not None:
+                self.name = _unescape(head.group(1))
+                self._pending = self._pending[head.end():]
+            elif self.plan.allow_text and _TEXT_HEAD.match(self._pending):
+                self.text = TextAnswer()
+            else:
+                return None
+        if self.text is not None:
+            pending, self._pending = self._pending, ""
+            piece = self.text.feed(pending).take()
+            return {"content": piece} if piece else None
+        return self._call_delta(finish_reason)
+
+    def finish_reason(self, finish_reason: str) -> str:
+        return finish_reason if self.text is not None else call_finish_reason(finish_reason)
+
+    def _call_delta(self, finish_reason: str | None) -> dict | None:
         wrapped = self.plan.forced is None
         if wrapped and not self._started:
             self._pending = self._pending.lstrip()
         if finish_reason is not None:
             out = _strip_wrapper(self._pending) if wrapped and finish_reason == "stop" else self._pending
             self._pending = ""
-        elif wrapped:  # the tail may close the wrapper
+        elif wrapped:  # the tail may close the envelope
             cut = _WRAPPER_TAIL.search(self._pending).start()
             out, self._pending = self._pending[:cut], self._pending[cut:]
         else:
             out, self._pending = self._pending, ""
         if not self._started:
             if not out and finish_reason is None:  # the header goes with the first piece of arguments
-                return []
+                return None
             self._started = True
-            return [{"index": 0, "id": self.call_id, "type": "function",
-                     "function": {"name": self.name, "arguments": out}}]
-        return [{"index": 0, "function": {"arguments": out}}] if out else []
+            return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                    "function": {"name": self.name, "arguments": out}}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": out}}]} if out else None
 
 
-def finish_reason_of_call(finish_reason: str) -> str:
-    """A forced call's choice ends `tool_calls` where its output ended `stop`."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+class TextAnswer:
+    """The string of a `{"content": "..."}` envelope, decoded as it arrives: the raw text is scanned
+    once, escapes are decoded only when complete, and the string's closing quote ends it."""
+
+    def __init__(self):
+        self._raw = ""  # the envelope's text so far
+        self._start: int | None = None  # where the string's body starts
+        self._scan = 0  # next raw index to look at
+        self._escape: int | None = None  # where an incomplete escape starts
+        self._end: int | None = None  # the closing quote
+        self.decoded = ""
+        self._sent = 0
+
+    def feed(self, text: str) -> "TextAnswer":
+        self._raw += text
+        if self._start is None:
+            head = _TEXT_HEAD.match(self._raw)
+            if head is None:
+                return self
+            self._start = self._scan = head.end()
+        raw, i = self._raw, self._scan
+        while i < len(raw) and self._end is None:
+            c = raw[i]
+            if self._escape is not None:
+                if i - self._escape + 1 >= (6 if raw[self._escape + 1] == "u" else 2):
+                    self._escape = None
+            elif c == "\\":
+                self._escape = i
+            elif c == '"':
+                self._end = i
+            i += 1
+        self._scan = i
+        stop = self._end if self._end is not None else (self._escape if self._escape is not None else i)
+        body = raw[self._start:stop]
+        for candidate in (body, body[:-6]):  # the second: a high surrogate whose low half has not come yet
+            try:
+                self.decoded = orjson.loads(f'"{candidate}"')
+                break
+            except orjson.JSONDecodeError:
+                continue
+        return self
+
+    def take(self) -> str:
+        """What was decoded since the last take."""
+        piece, self._sent = self.decoded[self._sent:], len(self.decoded)
+        return piece
 
 
 def _strip_wrapper(arguments_and_close: str) -> str:
-    """A complete "required" call's text after `"arguments":`: the arguments without the wrapper's
+    """A complete envelope's text after `"arguments":`: the arguments without the envelope's
     closing brace."""
     s = arguments_and_close.rstrip()
     return s[:-1].rstrip() if s.endswith("}") else s
@@ -167,8 +243,8 @@ def _unescape(json_string_body: str) -> str:
 
 
 def tool_call_plan(req) -> ToolCallPlan | None:
-    """The request's forced call, or None (no tools, or tool_choice "none"). Raises APIError(400)
-    for a choice this server cannot serve or a function that is not among the tools."""
+    """The request's plan, or None (no tools, or tool_choice "none"). Raises APIError(400) for a
+    function that is not among the tools, or tools whose names repeat."""
     tools, choice = req.tools, req.tool_choice
     if not tools:
         if choice is not None and choice != "none":
@@ -180,26 +256,20 @@ def tool_call_plan(req) -> ToolCallPlan | None:
         raise bad_request("tools must have distinct function names", param="tools")
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise bad_request("tool_choice 'auto' (the default with tools) is not supported: the server calls a tool "
-                          "when asked to. Pass tool_choice 'required' (the model picks one of the tools) or "
-                          "{'type': 'function', 'function': {'name': ...}}", param="tool_choice",
-                          code="unsupported_value")
-    if choice == "required":
-        forced, strict_of = None, functions
-    else:
+    forced, allow_text, strict_of = None, choice is None or choice == "auto", functions
+    if not isinstance(choice, str) and choice is not None:
         forced = choice.function.name
         if forced not in names:
             raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools "
                               f"({', '.join(names)})", param="tool_choice")
         strict_of = [f for f in functions if f.name == forced]
     # strict as response_format's json_schema: closed objects unless a function says strict false
-    return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of))
+    return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of), allow_text=allow_text)
 
 
 def history_text(content: str, tool_calls: list[Any] | None) -> str:
     """An assistant turn that called tools, as text for the chat template: its content, then each
-    call as {"name", "arguments"} JSON (the shape `required` generates)."""
+    call as {"name", "arguments"} JSON (the envelope the server generates)."""
     parts = [content] if content else []
     for call in tool_calls or []:
         try:
