@@ -55,7 +55,9 @@ def test_plan_of_a_request():
         assert auto.schema["anyOf"][-1]["properties"] == {"content": {"type": "string"}}
     for kw, param in (({"tools": TOOLS, "tool_choice": _named("nope")}, "tool_choice"),
                       ({"tool_choice": "required"}, "tool_choice"), ({"tools": TOOLS + TOOLS[:1],
-                                                                     "tool_choice": "required"}, "tools")):
+                                                                     "tool_choice": "required"}, "tools"),
+                      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+                       "tools.0.function.parameters")):
         with pytest.raises(APIError) as e:
             tool_call_plan(_request(**kw))
         assert e.value.status == 400 and e.value.param == param, kw

@@ -254,6 +254,11 @@ def tool_call_plan(req) -> ToolCallPlan | None:
     names = [f.name for f in functions]
     if len(set(names)) < len(names):
         raise bad_request("tools must have distinct function names", param="tools")
+    for i, f in enumerate(functions):  # arguments are a JSON object (what clients json.loads into keywords)
+        kind = f.parameters.get("type", "object") if isinstance(f.parameters, dict) else "object"
+        if kind != "object":
+            raise bad_request(f"the parameters of function {f.name!r} must be a JSON schema of an object; its type "
+                              f"is {kind!r}", param=f"tools.{i}.function.parameters", code="invalid_schema")
     if choice == "none":
         return None
     forced, allow_text, strict_of = None, choice is None or choice == "auto", functions
