@@ -60,6 +60,12 @@ def test_sync_parse_and_chat(server):
             assert stream.text() == reply.choices[0].message.content
             assert stream.usage.completion_tokens == reply.usage.completion_tokens
         assert client.chat_text("Pick one.", choice=["left", "right"], max_tokens=4) in ("left", "right")
+        weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+        called = client.chat("Weather in Paris?", tools=[weather], max_tokens=40, temperature=0,
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert called.choices[0].finish_reason == "tool_calls"
+        assert "city" in json.loads(called.choices[0].message.tool_calls[0].function.arguments)
         done = client.complete("1, 2, 3,", max_tokens=12, temperature=0, regex=r" [0-9]{1,2}, [0-9]{1,2}")
         assert done.choices[0].finish_reason == "stop"
         assert re.fullmatch(r" [0-9]{1,2}, [0-9]{1,2}", done.choices[0].text)

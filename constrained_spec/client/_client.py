@@ -107,7 +107,9 @@ def _chat_body(default_model: str | None, messages: Messages, *, model: str | No
                presence_penalty: float | None, logprobs: bool | None, top_logprobs: int | None,
                response_format: Mapping[str, Any] | None, json_schema: SchemaLike | None, schema_name: str | None,
                strict: bool, regex: str | None, ebnf: str | None, choice: Sequence[str] | None,
-               include_usage: bool | None, extra_body: Mapping[str, Any] | None) -> dict[str, Any]:
+               include_usage: bool | None, extra_body: Mapping[str, Any] | None,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               tool_choice: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"messages": _messages(messages, system)}
     if model or default_model:
         body["model"] = model or default_model
@@ -120,6 +122,7 @@ def _chat_body(default_model: str | None, messages: Messages, *, model: str | No
                  top_logprobs=top_logprobs,
                  response_format=_response_format(response_format, json_schema, schema_name, strict),
                  regex=regex, ebnf=ebnf, choice=list(choice) if choice is not None else None,
+                 tools=list(tools) if tools is not None else None, tool_choice=tool_choice,
                  extra_body=dict(extra_body or {}))
 
 
@@ -392,12 +395,14 @@ class Client(_Base):
              response_format: Mapping[str, Any] | None = None, json_schema: SchemaLike | None = None,
              schema_name: str | None = None, strict: bool = True, regex: str | None = None, ebnf: str | None = None,
              choice: Sequence[str] | None = None, include_usage: bool | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
              extra_body: Mapping[str, Any] | None = None) -> ChatCompletion | ChatStream:
         """`POST /v1/chat/completions`.
 
         `messages` is a list of ``{"role", "content"}`` dicts or one string (a user message). At most
         one constraint: `json_schema` (a dict or a pydantic model class), `response_format` (OpenAI's
-        dict), `regex`, `ebnf` or `choice`. With ``stream=True`` returns a ChatStream of chunks.
+        dict), `regex`, `ebnf`, `choice`, or `tools` with `tool_choice` (OpenAI's; the calls come in
+        ``message.tool_calls``). With ``stream=True`` returns a ChatStream of chunks.
         Raises APIError on an error status.
         """
         body = _chat_body(self.model, messages, model=model, system=system, stream=stream, max_tokens=max_tokens,
@@ -405,7 +410,7 @@ class Client(_Base):
                           frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logprobs=logprobs,
                           top_logprobs=top_logprobs, response_format=response_format, json_schema=json_schema,
                           schema_name=schema_name, strict=strict, regex=regex, ebnf=ebnf, choice=choice,
-                          include_usage=include_usage, extra_body=extra_body)
+                          include_usage=include_usage, tools=tools, tool_choice=tool_choice, extra_body=extra_body)
         if stream:
             return ChatStream(self._send("POST", "/v1/chat/completions", body, stream=True))
         return ChatCompletion.model_validate(self._send("POST", "/v1/chat/completions", body).json())
@@ -504,7 +509,8 @@ class AsyncClient(_Base):
                    top_logprobs: int | None = None, response_format: Mapping[str, Any] | None = None,
                    json_schema: SchemaLike | None = None, schema_name: str | None = None, strict: bool = True,
                    regex: str | None = None, ebnf: str | None = None, choice: Sequence[str] | None = None,
-                   include_usage: bool | None = None,
+                   include_usage: bool | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                   tool_choice: str | Mapping[str, Any] | None = None,
                    extra_body: Mapping[str, Any] | None = None) -> ChatCompletion | AsyncChatStream:
         """`POST /v1/chat/completions` (see `Client.chat`). With ``stream=True`` returns an
         AsyncChatStream (``async for chunk in stream``)."""
@@ -513,7 +519,7 @@ class AsyncClient(_Base):
                           frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logprobs=logprobs,
                           top_logprobs=top_logprobs, response_format=response_format, json_schema=json_schema,
                           schema_name=schema_name, strict=strict, regex=regex, ebnf=ebnf, choice=choice,
-                          include_usage=include_usage, extra_body=extra_body)
+                          include_usage=include_usage, tools=tools, tool_choice=tool_choice, extra_body=extra_body)
         if stream:
             return AsyncChatStream(await self._send("POST", "/v1/chat/completions", body, stream=True))
         return ChatCompletion.model_validate((await self._send("POST", "/v1/chat/completions", body)).json())
