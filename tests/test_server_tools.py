@@ -187,6 +187,41 @@ class Lookup(BaseModel):
     days: int
 
 
+class Address(BaseModel):
+    city: str
+
+
+class Person(BaseModel):  # nested and recursive: pydantic writes $defs and refs to them
+    name: str
+    home: Address
+    friends: list["Person"] = []
+
+
+class Shipment(BaseModel):
+    to: "Parcel"
+
+
+class Parcel(BaseModel):  # another function's own `Address`-like def of the same name as a field type
+    city: int
+
+
+def test_envelopes_keep_each_function_s_defs():
+    """`required`/`auto` put each function's parameters inside an envelope, where refs to their
+    `$defs` (pydantic's nested models) would point at the envelope's root: they move there, under
+    the function's name, and an instance of either function validates against the envelope."""
+    openai = pytest.importorskip("openai")
+    tools = [openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Shipment)]
+    for choice in ("required", "auto"):
+        schema = tool_call_plan(_request(tools=tools, tool_choice=choice)).schema
+        assert all(key.split("__")[0] in ("Person", "Shipment") for key in schema["$defs"])
+        friend = {"name": "b", "home": {"city": "Oslo"}, "friends": []}
+        jsonschema.validate({"name": "Person", "arguments": {"name": "a", "home": {"city": "Rome"},
+                                                             "friends": [friend]}}, schema)
+        jsonschema.validate({"name": "Shipment", "arguments": {"to": {"city": 3}}}, schema)
+        with pytest.raises(jsonschema.ValidationError):  # Parcel's city is an integer, Address's a string
+            jsonschema.validate({"name": "Shipment", "arguments": {"to": {"city": "Rome"}}}, schema)
+
+
 @pytest.mark.slow
 def test_parse_with_a_pydantic_tool(openai_client):
     openai = pytest.importorskip("openai")
@@ -195,6 +230,15 @@ def test_parse_with_a_pydantic_tool(openai_client):
         tools=[openai.pydantic_function_tool(Lookup)], tool_choice=_named("Lookup"), max_tokens=40, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, Lookup)
+    # nested models, the model picking the function: pydantic's $defs inside the envelope
+    r = openai_client.chat.completions.parse(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Ann lives in Oslo; her friend Bo lives in Rome."}],
+        tools=[openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Lookup)],
+        tool_choice="required", max_tokens=120, temperature=0)
+    choice = r.choices[0]
+    if choice.finish_reason == "tool_calls":  # (a 135M model may write past max_tokens)
+        (call,) = choice.message.tool_calls
+        assert isinstance(call.function.parsed_arguments, (Person, Lookup))
 
 
 @pytest.mark.slow
@@ -233,6 +277,20 @@ def test_refused_tool_requests(http, extra, param):
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_nested_models_compile_in_envelopes(tokenizer, backend):
+    openai = pytest.importorskip("openai")
+    from constrained_spec.grammar import GrammarBackend
+    tools = [openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Shipment)]
+    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir="none")
+    try:
+        for choice in ("required", "auto", _named("Person")):
+            plan = tool_call_plan(_request(tools=tools, tool_choice=choice))
+            assert grammars.compile(plan.grammar().with_backend(backend), timeout_s=60) is not None
+    finally:
+        grammars.close()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_openai_s_128_tools_compile(tokenizer, backend):
     """OpenAI takes up to 128 tools: with `auto` their calls and the text answer are one 129-branch
     anyOf, within the schema normalizer's bound (grammar/schema.py MAX_BRANCHES)."""
@@ -248,6 +306,6 @@ def test_openai_s_128_tools_compile(tokenizer, backend):
     try:
         assert grammars.compile(plan.grammar().with_backend(backend), timeout_s=60) is not None
     finally:
-        getattr(grammars, "close", lambda: None)()
+        grammars.close()
     with pytest.raises(ValidationError):  # more than OpenAI's limit
         _request(tools=many + many[:1])

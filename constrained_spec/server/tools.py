@@ -34,6 +34,7 @@ TEXT_ANSWER = {"type": "object", "properties": {"content": {"type": "string"}}, 
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _TEXT_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*"')
 _WRAPPER_TAIL = re.compile(r"\s*\}?\s*$")  # what may be the end of an envelope
+_LOCAL_DEF = re.compile(r"#/(?:\$defs|definitions)/([^/]+)")
 
 
 def new_call_id() -> str:
@@ -53,9 +54,14 @@ class ToolCallPlan:
     def schema(self) -> dict:
         if self.forced is not None:
             return self._parameters(self._function(self.forced))
-        calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": self._parameters(f)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for f in self.functions]
-        return {"anyOf": calls + ([TEXT_ANSWER] if self.allow_text else [])}
+        calls, defs = [], {}
+        for f in self.functions:
+            arguments, needed = _envelope_parameters(f.name, self._parameters(f))
+            defs.update(needed)
+            calls.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+        schema = {"anyOf": calls + ([TEXT_ANSWER] if self.allow_text else [])}
+        return {**schema, "$defs": defs} if defs else schema
 
     def grammar(self):
         from ..grammar import GrammarSpec  # deferred: keeps the protocol side importable without xgrammar
@@ -229,6 +235,48 @@ class TextAnswer:
         """What was decoded since the last take."""
         piece, self._sent = self.decoded[self._sent:], len(self.decoded)
         return piece
+
+
+def _envelope_parameters(name: str, params: dict) -> tuple[dict, dict]:
+    """A function's parameters placed in an envelope (`anyOf/i/properties/arguments`), and the `$defs`
+    they need at the envelope's root: their own `$defs`/`definitions` move there under the function's
+    name (two functions may both define `Address`), and refs to them, or to the parameters' root
+    (a recursive schema), follow. Pydantic's schemas of nested models are made of such refs."""
+    own = {**params.get("definitions", {}), **params.get("$defs", {})}
+    root_ref = _refers_to(params, "#")
+    if not own and not root_ref:
+        return params, {}
+    prefix = f"{name}__"
+
+    def moved(node):
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if ref == "#":
+            out["$ref"] = f"#/$defs/{prefix}root"
+        elif isinstance(ref, str):
+            m = _LOCAL_DEF.fullmatch(ref)
+            if m is not None:
+                out["$ref"] = f"#/$defs/{prefix}{m.group(1)}"
+        return out
+
+    body = moved({k: v for k, v in params.items() if k not in ("$defs", "definitions", "$schema")})
+    defs = {prefix + k: moved(v) for k, v in own.items()}
+    if root_ref:
+        defs[prefix + "root"] = body
+        return {"$ref": f"#/$defs/{prefix}root"}, defs
+    return body, defs
+
+
+def _refers_to(node, ref: str) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == ref or any(_refers_to(v, ref) for v in node.values())
+    if isinstance(node, list):
+        return any(_refers_to(v, ref) for v in node)
+    return False
 
 
 def _strip_wrapper(arguments_and_close: str) -> str:
