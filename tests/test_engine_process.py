@@ -85,6 +85,18 @@ class _Stream(threading.Thread):
             self.first.set()
 
 
+def _stream_then_post(stream_url: str, post_url: str, post_tokens: int):
+    """A long streamed request (480 tokens) once its first tokens are out, then a request of
+    `post_tokens` in a thread: (the stream, the thread, the dict its response lands in as "r")."""
+    stream = _Stream(stream_url, _body(480))
+    stream.first.wait(60)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "r", httpx.post(post_url + "/v1/chat/completions", json=_body(post_tokens), timeout=120)))
+    t.start()
+    return stream, t, result
+
+
 @pytest.fixture(scope="module")
 def shared_process(tiny_llama_dir):
     """One engine process for two front-ends; its queue holds 2 requests (the refusal test)."""
@@ -98,12 +110,7 @@ def test_front_end_restart_loses_no_other_request(shared_process):
     client_b, server_b = _front_end(shared_process)
     try:
         for _attempt in range(3):  # on a loaded host A's 480 tokens may all be out before B's request runs
-            doomed = _Stream(server_a.url, _body(480))
-            doomed.first.wait(60)
-            result = {}
-            t = threading.Thread(target=lambda: result.setdefault(
-                "r", httpx.post(server_b.url + "/v1/chat/completions", json=_body(48), timeout=120)))
-            t.start()
+            doomed, t, result = _stream_then_post(server_a.url, server_b.url, 48)
             _wait(lambda: _health(server_b.url).json()["requests_running"] == 2 or not doomed.is_alive(), 30,
                   "both requests running, or A's over")
             if doomed.is_alive():
@@ -209,12 +216,7 @@ def test_engine_process_death_is_reported(tiny_llama_dir):
     process = EngineProcess(_config(tiny_llama_dir))
     client, server = _front_end(process, owns=True)
     try:
-        stream = _Stream(server.url, _body(480))
-        stream.first.wait(60)
-        result = {}
-        t = threading.Thread(target=lambda: result.setdefault(
-            "r", httpx.post(server.url + "/v1/chat/completions", json=_body(480), timeout=60)))
-        t.start()
+        stream, t, result = _stream_then_post(server.url, server.url, 480)
         _wait(lambda: _health(server.url).json().get("requests_running") == 2, 30, "both requests running")
         t0 = time.monotonic()
         os.kill(process.info.pid, signal.SIGKILL)
