@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from constrained_spec.server.errors import APIError
 from constrained_spec.server.protocol import ChatCompletionRequest
-from constrained_spec.server.tools import tool_call_plan
+from constrained_spec.server.tools import grammar_complete, tool_call_plan
 from server_fixtures import *  # noqa: F401,F403
 from server_fixtures import MODEL_ID, chat_body
 
@@ -72,16 +72,16 @@ def test_message_and_stream_agree_however_the_output_is_cut():
               '{"city": "Rome", "unit": "fahrenheit"}')]
     for choice, text, name, arguments in cases:
         plan = tool_call_plan(_request(tools=TOOLS, tool_choice=choice))
-        message, reason = plan.message(text, "stop")
+        message, reason = plan.message(text, "stop", True)
         assert reason == "tool_calls" and message["content"] is None
         (call,) = message["tool_calls"]
         assert call["id"].startswith("call_") and call["type"] == "function"
         assert call["function"] == {"name": name, "arguments": arguments}
         for size in range(1, 9):  # every piece size: the stream's deltas add up to the same call
             stream = plan.stream()
-            deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop")]
+            deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop", True)]
             items = [it for d in deltas if d for it in d["tool_calls"]]
-            assert stream.finish_reason("stop") == "tool_calls"
+            assert stream.finish_reason("stop", True) == "tool_calls"
             assert items[0]["id"] == stream.call_id and items[0]["function"]["name"] == name
             assert all("id" not in it and "name" not in it["function"] for it in items[1:])
             assert "".join(it["function"]["arguments"] for it in items) == arguments, (text, size)
@@ -89,32 +89,38 @@ def test_message_and_stream_agree_however_the_output_is_cut():
 
 def test_a_call_cut_short():
     plan = tool_call_plan(_request(tools=TOOLS, tool_choice="required"))
-    message, reason = plan.message('{"name": "get_weather", "arguments": {"city": "Os', "length")
+    message, reason = plan.message('{"name": "get_weather", "arguments": {"city": "Os', "length", False)
     assert reason == "length" and message["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                          "arguments": '{"city": "Os'}
-    message, reason = plan.message('{"name": "get_wea', "length")  # no name yet: no call, no text
+    message, reason = plan.message('{"name": "get_wea', "length", False)  # no name yet: no call, no text
     assert reason == "length" and message["content"] == "" and "tool_calls" not in message
     stream = plan.stream()
     assert stream.update('{"name": "get_wea') is None and stream.update("", "length") is None
+    # cut by the request's own stop string: `stop`, not `tool_calls`, and the arguments as they are
+    cut = '{"name": "get_weather", "arguments": {"city": "Oslo"'
+    message, reason = plan.message(cut, "stop", grammar_complete("stop", ",", None))
+    assert reason == "stop" and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"'
+    assert grammar_complete("stop", 2, [7]) and not grammar_complete("stop", 7, [7])
+    assert grammar_complete("stop", None, None) and not grammar_complete("length", None, None)
 
 
 def test_auto_answers_in_text_or_calls():
     plan = tool_call_plan(_request(tools=TOOLS, tool_choice="auto"))
-    message, reason = plan.message('{"name": "get_time", "arguments": {"timezone": "UTC"}}', "stop")
+    message, reason = plan.message('{"name": "get_time", "arguments": {"timezone": "UTC"}}', "stop", True)
     assert reason == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "get_time"
     answer = r'It is \"sunny\" \\ 20\u00b0C \ud83c\udf1e\nok'  # JSON string escapes, a surrogate pair
     text = '{"content": "' + answer + '"}'
     decoded = json.loads('"' + answer + '"')
-    message, reason = plan.message(text, "stop")
+    message, reason = plan.message(text, "stop", True)
     assert reason == "stop" and message["content"] == decoded and "tool_calls" not in message
     for size in range(1, 9):  # streamed in any pieces: the decoded text, escapes never split
         stream = plan.stream()
-        deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop")]
+        deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop", True)]
         pieces = [d["content"] for d in deltas if d]
-        assert "".join(pieces) == decoded and stream.finish_reason("stop") == "stop", size
-    message, reason = plan.message(text[:30], "length")  # cut inside the string: as far as it decodes
+        assert "".join(pieces) == decoded and stream.finish_reason("stop", True) == "stop", size
+    message, reason = plan.message(text[:30], "length", False)  # cut inside the string: as far as it decodes
     assert reason == "length" and decoded.startswith(message["content"]) and message["content"]
-    assert plan.message('{"con', "length")[0]["content"] == ""  # cut before it said which: nothing
+    assert plan.message('{"con', "length", False)[0]["content"] == ""  # cut before it said which: nothing
 
 
 def test_instructions_for_a_template_without_tools():
@@ -168,6 +174,24 @@ def test_auto_through_openai(openai_client):
         else:
             assert choice.finish_reason in ("stop", "length") and not calls
             assert choice.message.content and streamed_text == choice.message.content
+
+
+@pytest.mark.slow
+def test_a_stop_string_cuts_a_call(http):
+    """The request's own stop string ends a call where it appears: `stop`, not `tool_calls`, with the
+    arguments up to it, streamed or not."""
+    body = chat_body(content="What is the weather in Paris?", tools=TOOLS, tool_choice=_named("get_weather"),
+                     stop=[","], max_tokens=60, temperature=0)
+    r = http.post("/v1/chat/completions", json=body).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop", r
+    arguments = choice["message"]["tool_calls"][0]["function"]["arguments"]
+    assert arguments.startswith("{") and "," not in arguments
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    pieces = [c["function"].get("arguments", "") for e in events for ch in e["choices"]
+              for c in ch["delta"].get("tool_calls") or ()]
+    assert "".join(pieces) == arguments and events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.slow

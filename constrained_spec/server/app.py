@@ -39,7 +39,7 @@ from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
 from .request_params import RequestParams
 from .tokens import TokenTexts
-from .tools import ToolCallPlan, history_text, tool_call_plan
+from .tools import ToolCallPlan, grammar_complete, history_text, tool_call_plan
 
 log = logging.getLogger("constrained_spec.server")
 
@@ -377,7 +377,8 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             for i in range(req.n):
                 reason = finish_str(finals[i].finish_reason)
                 if plan is not None:
-                    message, reason = plan.message(outs[i], reason)
+                    complete = grammar_complete(reason, finals[i].matched_stop, req.stop_token_ids)
+                    message, reason = plan.message(outs[i], reason, complete)
                 else:
                     message = {"role": "assistant", "content": outs[i], "refusal": None}
                 choice = {"index": i, "message": message,
@@ -407,8 +408,10 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
 
         def events(i: int, out) -> list[bytes]:
             ev = []
+            reason = finish_str(out.finish_reason) if out.finished else None
+            complete = grammar_complete(reason, out.matched_stop, req.stop_token_ids)
             if calls is not None:  # tools: a call's arguments as tool_calls deltas, or a text answer's pieces
-                delta = calls[i].update(out.new_text, finish_str(out.finish_reason) if out.finished else None)
+                delta = calls[i].update(out.new_text, reason, complete)
                 if delta:
                     ev.append(chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": None}]))
             elif out.new_text or (req.logprobs and out.logprobs):
@@ -418,9 +421,8 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 ev.append(chunk([c]))
             if out.finished:
                 finals[i] = out
-                reason = finish_str(out.finish_reason)
-                if calls is not None and reason != "error":
-                    reason = calls[i].finish_reason(reason)
+                if calls is not None:
+                    reason = calls[i].finish_reason(reason, complete)
                 ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
                 if reason == "error":  # the choice ends "error", then the error itself
                     ev.append(sse_event(generation_error(out).body()))

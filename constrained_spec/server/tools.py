@@ -94,18 +94,18 @@ class ToolCallPlan:
         return [{"role": "system", "content": block}, *messages]
 
     # -- the response ----------------------------------------------------------------------------
-    def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
+    def message(self, text: str, finish_reason: str, complete: bool) -> tuple[dict, str]:
         """A choice's message and finish reason from its output text: a call (`tool_calls`, finish
-        `tool_calls`; `length` if cut short, with the arguments as far as they got), or a text answer
-        (`auto`), or, for an envelope cut before it said which, nothing."""
-        finished = finish_reason == "stop"
+        `tool_calls` if `complete`, the grammar's end; cut by max_tokens or a stop string, the
+        arguments as far as they got), or a text answer (`auto`), or, for an envelope cut before it
+        said which, nothing."""
         if self.forced is not None:
-            return _call_message(self.forced, text), call_finish_reason(finish_reason)
+            return _call_message(self.forced, text), call_finish_reason(finish_reason, complete)
         head = _CALL_HEAD.match(text)
         if head is not None:
             rest = text[head.end():].lstrip()
-            arguments = _strip_wrapper(rest) if finished else rest
-            return _call_message(_unescape(head.group(1)), arguments), call_finish_reason(finish_reason)
+            arguments = _strip_wrapper(rest) if complete else rest
+            return _call_message(_unescape(head.group(1)), arguments), call_finish_reason(finish_reason, complete)
         content = ""
         if self.allow_text and _TEXT_HEAD.match(text):
             content = TextAnswer().feed(text).decoded  # the string as far as it got (all of it, finished)
@@ -127,9 +127,16 @@ def _call_message(name: str, arguments: str) -> dict:
     return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
 
 
-def call_finish_reason(finish_reason: str) -> str:
-    """A call's choice ends `tool_calls` where its output ended `stop`."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def call_finish_reason(finish_reason: str, complete: bool) -> str:
+    """A call's choice ends `tool_calls` where its grammar completed."""
+    return "tool_calls" if complete else finish_reason
+
+
+def grammar_complete(finish_reason: str | None, matched_stop, stop_token_ids) -> bool:
+    """Whether an output that ended `stop` ended with its grammar, not at one of the request's own
+    stop strings or stop token ids (which may cut a call anywhere)."""
+    return (finish_reason == "stop" and not isinstance(matched_stop, str)
+            and matched_stop not in (stop_token_ids or ()))
 
 
 class ToolCallStream:
@@ -146,9 +153,9 @@ class ToolCallStream:
         self._pending = ""  # text not yet sent
         self._started = False
 
-    def update(self, text: str, finish_reason: str | None = None) -> dict | None:
+    def update(self, text: str, finish_reason: str | None = None, complete: bool = False) -> dict | None:
         """The delta for the choice's new output text (None: nothing to send yet); `finish_reason`
-        (the engine's) with its last text."""
+        (the engine's) and `complete` (`grammar_complete`) with its last text."""
         self._pending += text
         if self.name is None and self.text is None:
             head = _CALL_HEAD.match(self._pending)
@@ -163,17 +170,17 @@ class ToolCallStream:
             pending, self._pending = self._pending, ""
             piece = self.text.feed(pending).take()
             return {"content": piece} if piece else None
-        return self._call_delta(finish_reason)
+        return self._call_delta(finish_reason, complete)
 
-    def finish_reason(self, finish_reason: str) -> str:
-        return finish_reason if self.text is not None else call_finish_reason(finish_reason)
+    def finish_reason(self, finish_reason: str, complete: bool) -> str:
+        return finish_reason if self.text is not None else call_finish_reason(finish_reason, complete)
 
-    def _call_delta(self, finish_reason: str | None) -> dict | None:
+    def _call_delta(self, finish_reason: str | None, complete: bool) -> dict | None:
         wrapped = self.plan.forced is None
         if wrapped and not self._started:
             self._pending = self._pending.lstrip()
         if finish_reason is not None:
-            out = _strip_wrapper(self._pending) if wrapped and finish_reason == "stop" else self._pending
+            out = _strip_wrapper(self._pending) if wrapped and complete else self._pending
             self._pending = ""
         elif wrapped:  # the tail may close the envelope
             cut = _WRAPPER_TAIL.search(self._pending).start()
