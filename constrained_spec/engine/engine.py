@@ -270,8 +270,8 @@ class Engine:
         if len(ids) + 1 > self.runner.pool.capacity:
             raise RequestError(f"the prompt has {len(ids)} tokens; the KV cache holds {self.runner.pool.capacity}",
                                param="messages", code="context_length_exceeded")
-        for name, ids in (("logit_bias", params.logit_bias), ("prediction", params.prediction)):
-            outside = [t for t in ids or () if t >= self.runner.vocab_size]
+        for name, tokens in (("logit_bias", params.logit_bias), ("prediction", params.prediction)):
+            outside = [t for t in tokens or () if t >= self.runner.vocab_size]
             if outside:
                 raise RequestError(f"{name} names token id {outside[0]}, outside the model's vocabulary of "
                                    f"{self.runner.vocab_size}", param=name, code="invalid_value")
