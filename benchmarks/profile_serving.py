@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="sampling time")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
+    ap.add_argument("--idle", action="store_true",
+                    help="sample idle threads too (a thread's samples then split its wall time: where the engine "
+                         "loop waits for the device shows)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
                    "-f", "raw", "-o", str(out / f"{pid}.txt"), "--threads", "--nonblocking"]
             if args.gil:
                 cmd.append("--gil")
+            if args.idle:
+                cmd.append("--idle")
             spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         errors = {pid: s.communicate()[1][-400:] for pid, s in zip(pids, spies) if s.wait() != 0}
         load.join()
@@ -128,7 +133,8 @@ def main(argv=None) -> int:
               "processes": {}, "py_spy_errors": errors}
     lines = [f"# Served-run profile", "", f"`{report['command']}`", "",
              f"Clients saw {result.get('out_tok_s', 0):,.0f} output tok/s, {result.get('errors')} errors; "
-             f"py-spy at {args.rate} Hz for {args.seconds:g} s{' (GIL holder only)' if args.gil else ''}.", ""]
+             f"py-spy at {args.rate} Hz for {args.seconds:g} s{' (GIL holder only)' if args.gil else ''}"
+             f"{' (idle threads too)' if args.idle else ''}.", ""]
     for pid in pids:
         summary = summarize(read_raw(out / f"{pid}.txt"), args.top)
         summary["command"] = commands[pid]

@@ -165,12 +165,45 @@ def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
     assert batch.requests == [sibling] and batch.num_new_tokens == [1]
     assert sibling.cached_tokens == len(prompt) - 1
     runner.forward(batch)
-    late_plain, late_cached = new(range(3000, 3100)), new(prompt[:200] + [5, 6, 7])
+    # 450 + 203 tokens exceed the step's 512 without the cache: the cached prefix goes first
+    late_plain, late_cached = new(range(3000, 3450)), new(prompt[:200] + [5, 6, 7])
     sched.add(late_plain)
     sched.add(late_cached)
     batch = sched.schedule(can_retract=True)
-    assert batch.requests == [late_cached, late_plain] and batch.num_new_tokens == [3, 100]
+    assert batch.requests == [late_cached, late_plain] and batch.num_new_tokens == [3, 450]
     assert late_plain.skips == 1
+    runner.forward(batch)
+    # where every waiting request fits anyway, first come first served (no prompt is matched twice)
+    early, cached = new(range(4000, 4010)), new(prompt[:250] + [9])
+    sched.add(early)
+    sched.add(cached)
+    batch = sched.schedule(can_retract=True)
+    assert batch.requests == [early, cached] and batch.num_new_tokens == [10, 1] and early.skips == 0
+
+
+def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir):
+    """A prompt whose uncached part is shorter than CACHE_AFTER_PREFILL enters the tree at release,
+    not after its prefill (a longer one at once: the scheduler test above)."""
+    from constrained_spec.engine.config import EngineConfig
+    from constrained_spec.engine.model_runner import ModelRunner
+    from constrained_spec.engine.prefix_cache import CACHE_AFTER_PREFILL
+    from constrained_spec.engine.request import Request
+    from constrained_spec.engine.scheduler import Scheduler
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    config = EngineConfig(device="cpu", kv_cache_slots=2000, max_running_requests=8, max_prefill_tokens=512)
+    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+    sched = Scheduler(runner, config)
+    req = Request(list(range(100, 100 + CACHE_AFTER_PREFILL - 1)), SamplingParams(max_tokens=4), lambda out: None)
+    sched.add(req)
+    runner.forward(sched.schedule(can_retract=True))
+    sched.schedule(can_retract=True)  # the step that would insert a prefilled prompt
+    tree = runner.prefix_cache.tree
+    assert tree.size == 0
+    req.num_cached = len(req.prompt_ids)
+    sched.remove(req)
+    assert tree.size == len(req.prompt_ids)
+    assert runner.pool.num_unused + tree.size == runner.pool.capacity
 
 
 def test_request_ids_array_is_all_ids():

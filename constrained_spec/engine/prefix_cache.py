@@ -6,9 +6,9 @@ reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Thre
 - **admission** (`admit`, by the scheduler): the longest cached prefix of the request's tokens
   (never all of them: the last token is computed, for its logits) is locked and becomes the row's
   start; `num_cached` starts there, so the prefill covers only the rest.
-- **prompt prefilled** (`cache_prompts`, at the scheduler's next step): the prompt goes into the
-  tree, so requests that share it and arrive while this one decodes (n > 1 siblings, the same system
-  prompt under load) reuse it at once. Positions another request cached meanwhile are duplicates:
+- **prompt prefilled** (`cache_prompts`, at the scheduler's next step): a prompt with at least
+  CACHE_AFTER_PREFILL uncached tokens goes into the tree, so requests that share it and arrive
+  while this one decodes (n > 1 siblings, the same system prompt under load) reuse it at once. Positions another request cached meanwhile are duplicates:
   the row is pointed at the tree's slots and its own are freed.
 - **release** (`release`: finish, abort, retraction): the verified context (prompt and output
   tokens whose K/V were computed) goes into the tree; duplicates and slots past it go back to the
@@ -21,6 +21,12 @@ from __future__ import annotations
 import numpy as np
 
 from .radix_cache import RadixCache
+
+# A prompt with fewer new (uncached) tokens goes into the tree when its request ends, not once it
+# is prefilled: a request arriving meanwhile recomputes at most this many tokens, while inserting
+# every prompt at once cost a loaded engine thread ~2% on short prompts (a chat template's cached
+# start and a short question). The scheduler's IN_STEP_SHARE wait relies on longer ones going in.
+CACHE_AFTER_PREFILL = 32
 
 
 class PrefixCache:
@@ -70,7 +76,7 @@ class PrefixCache:
 
     def prompt_scheduled(self, req) -> None:
         """The step being planned computes the last of the request's prompt."""
-        if req.cache_len < len(req.prompt_ids):
+        if len(req.prompt_ids) - req.cache_len >= CACHE_AFTER_PREFILL:
             self._prefilled.append(req)
 
     # -- caching ---------------------------------------------------------------------------------
