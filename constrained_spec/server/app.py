@@ -170,9 +170,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")
 
-    async def compile_grammar(req: _GenerationRequest):
+    async def compile_grammar(req: _GenerationRequest, plan: ToolCallPlan | None = None):
         try:
-            spec = grammar_spec_for(req)
+            spec = grammar_spec_for(req, plan)
             if spec is None or spec in checked:
                 return spec
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
@@ -355,7 +355,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         except Exception as e:
             raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
         budget = params.token_budget(len(prompt), req.token_limit(), "messages")
-        grammar = await compile_grammar(req)
+        grammar = await compile_grammar(req, plan)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         params_list = params.sampling(req, budget, top_n if req.logprobs else None, await prediction_ids(req))
         admit(req.n)

@@ -72,9 +72,9 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
     return found
 
 
-def grammar_spec_for(req: _GenerationRequest):
+def grammar_spec_for(req: _GenerationRequest, plan=None):
     """The GrammarSpec this request asks for, or None, with the grammar backend it names
-    (`grammar_backend`). Raises APIError(400) on conflicting or empty constraints and on an unknown
+    (`grammar_backend`). `plan`: the request's ToolCallPlan where the caller has made it already. Raises APIError(400) on conflicting or empty constraints and on an unknown
     backend; schema/grammar *content* errors surface later from compilation (see `grammar_error`)."""
     from ..grammar.spec import BACKENDS  # deferred: keeps the protocol importable without xgrammar
 
@@ -82,11 +82,11 @@ def grammar_spec_for(req: _GenerationRequest):
     if backend is not None and backend not in BACKENDS:
         raise bad_request(f"'grammar_backend' must be one of {', '.join(BACKENDS)}; got {backend!r}",
                           param="grammar_backend", code="invalid_value")
-    spec = _spec_for(req)
+    spec = _spec_for(req, plan)
     return spec if spec is None or backend is None else spec.with_backend(backend)
 
 
-def _spec_for(req: _GenerationRequest):
+def _spec_for(req: _GenerationRequest, plan=None):
     found = constraint_fields(req)
     if not found:
         return None
@@ -98,7 +98,7 @@ def _spec_for(req: _GenerationRequest):
 
     kind, field, value = found[0]
     if kind == "tool_call":
-        return tool_call_plan(req).grammar()
+        return (plan or tool_call_plan(req)).grammar()
     if kind == "json_object":
         return GrammarSpec.json_object()
     if kind == "json_schema":
