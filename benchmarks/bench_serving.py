@@ -408,7 +408,10 @@ def summarize(recs: list[dict], duration: float, concurrency: int | None = None)
 ENGINE_COUNTERS = {"decode_steps": "constrained_spec_engine_decode_steps_total",
                    "extend_steps": "constrained_spec_engine_extend_steps_total",
                    "decode_requests": "constrained_spec_engine_decode_requests_total",
-                   "idle_seconds": "constrained_spec_engine_idle_seconds_total"}
+                   "idle_seconds": "constrained_spec_engine_idle_seconds_total",
+                   "first_tokens": "constrained_spec_engine_first_tokens_total",
+                   "queue_seconds": "constrained_spec_engine_queue_seconds_total",
+                   "prefill_seconds": "constrained_spec_engine_prefill_seconds_total"}
 
 
 def server_engine_counters(url: str) -> dict:
@@ -440,7 +443,10 @@ def engine_side(before: dict, after: dict, duration: float) -> dict | None:
     idle = after["idle_seconds"] - before["idle_seconds"]
     steps = after["decode_steps"] - before["decode_steps"]
     busy = max(window - idle, 1e-9)
+    firsts = after["first_tokens"] - before["first_tokens"]
+    mean_ms = lambda key: (after[key] - before[key]) / firsts * 1e3 if firsts else None  # noqa: E731
     return {"busy_decode_steps_s": steps / busy,
+            "queue_ms": mean_ms("queue_seconds"), "prefill_ms": mean_ms("prefill_seconds"),
             "busy_extend_steps_s": (after["extend_steps"] - before["extend_steps"]) / busy,
             "mean_decode_batch": (after["decode_requests"] - before["decode_requests"]) / steps if steps else 0.0,
             "idle_share": min(1.0, max(0.0, idle - max(0.0, window - duration)) / duration),
@@ -449,7 +455,9 @@ def engine_side(before: dict, after: dict, duration: float) -> dict | None:
 
 def engine_stats_counters(engine) -> dict:
     st = engine.stats
-    return {"at": time.perf_counter(), "decode_steps": st.decode_steps, "extend_steps": st.extend_steps, "decode_requests": st.decode_requests, "idle_seconds": st.idle_total()}
+    return {"at": time.perf_counter(), "decode_steps": st.decode_steps, "extend_steps": st.extend_steps,
+            "decode_requests": st.decode_requests, "idle_seconds": st.idle_total(), "first_tokens": st.first_tokens,
+            "queue_seconds": st.queue_seconds, "prefill_seconds": st.prefill_seconds}
 
 
 # -- the in-process engine on the same requests --------------------------------------------------------
@@ -654,11 +662,13 @@ def report(payload: dict) -> str:
                   "the engine with fewer requests a step, or idle time, is slow to take the next request in (its "
                   "arrivals also spread over more prefills); one with fewer busy steps a second slows the engine "
                   "itself. Clients idle: the share of the clients' time outside a request (between an answer and "
-                  "the next request, or out of work while the last requests finish).", "",
+                  "the next request, or out of work while the last requests finish). Queue and prefill: a request's "
+                  "mean time in the engine from arrival to admission, and from admission to its first token (the "
+                  "engine's part of TTFT; the rest of the clients' TTFT is the front-end's and the transport's).", "",
                   "| workload | stream | clients | " + " | ".join(
-                      f"{s} steps/s | {s} batch | {s} prefills/s | {s} idle | {s} clients idle"
-                      for s in ["engine"] + servers) + " |",
-                  "|" + "---|" * (3 + 5 * (1 + len(servers)))]
+                      f"{s} steps/s | {s} batch | {s} prefills/s | {s} idle | {s} clients idle | {s} queue ms | "
+                      f"{s} prefill ms" for s in ["engine"] + servers) + " |",
+                  "|" + "---|" * (3 + 7 * (1 + len(servers)))]
         for w in payload["workloads"]:
             for st in payload["streams"]:
                 for c in payload["clients"]:
@@ -671,6 +681,8 @@ def report(payload: dict) -> str:
                                 [f"{side['busy_decode_steps_s']:,.0f}", f"{side['mean_decode_batch']:.1f}",
                                  f"{side['busy_extend_steps_s']:,.0f}", f"{side['idle_share']:.0%}"])
                         row.append("-" if idle is None else f"{idle:.0%}")
+                        row += ["-" if not side or side.get(k) is None else f"{side[k]:.2f}"
+                                for k in ("queue_ms", "prefill_ms")]
                     lines.append("| " + " | ".join(row) + " |")
     lines += _cpu_table(payload, find, eng)
     if True in payload["streams"] and False in payload["streams"]:

@@ -33,12 +33,15 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
         side = run["engine_side"]
         assert side["busy_decode_steps_s"] > 0 and side["busy_extend_steps_s"] > 0, side
         assert 0 < side["mean_decode_batch"] <= 2 and 0 <= side["idle_share"] < 1, side
+        # the engine's part of TTFT, split at admission; it fits in the clients' own TTFT
+        assert side["queue_ms"] >= 0 and side["prefill_ms"] > 0, side
+        assert side["queue_ms"] + side["prefill_ms"] <= run["ttft"]["p99"] * 1e3 * 1.05 + 1, (side, run["ttft"])
     assert {run["server"] for run in runs} == {"split-2", "single"}
     assert any(run["stream"] and run["itl"]["p50"] is not None for run in runs)
     assert len(data["engine"]) == 3
     md = (tmp_path / "bench_serving.md").read_text()
     assert "split-2 / engine" in md and "Streamed / non-streamed" in md and "| single | 4 |" in md
-    assert "The engine's side of each run" in md and "split-2 prefills/s" in md
+    assert "The engine's side of each run" in md and "split-2 prefills/s" in md and "split-2 prefill ms" in md
     if sys.platform == "linux":  # the CPU by role: the server's threads are named
         for run in [r for r in runs if r["mode"] == "clients"]:
             busy = run["cores_busy"]

@@ -247,6 +247,12 @@ def test_metrics(http):
                  "constrained_spec_grammar_compile_seconds_total", "constrained_spec_grammar_cache_hits_total"):
         assert name in text, name
     assert re.search(r'constrained_spec_http_requests_total\{endpoint="/v1/chat/completions",status="200"\} \d', text)
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("constrained_spec_engine_") and " " in line}
+    # the engine's part of TTFT, split at admission: some time after admission, none negative
+    assert values["constrained_spec_engine_first_tokens_total"] >= 1, values
+    assert values["constrained_spec_engine_prefill_seconds_total"] > 0, values
+    assert values["constrained_spec_engine_queue_seconds_total"] >= 0, values
 
 
 @pytest.mark.parametrize("extra", [

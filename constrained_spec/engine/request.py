@@ -66,6 +66,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # first admission into the running batch
     first_token_time: float | None = None
     num_forced_tokens: int = 0  # jump-forward tokens emitted without sampling
     spec_steps: int = 0  # speculative verify steps this request took part in

@@ -15,6 +15,7 @@ step, where that prefix is cached (IN_STEP_SHARE).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from itertools import islice
 
@@ -173,6 +174,8 @@ class Scheduler:
                 other.skips += 1
             self.waiting.remove(req)
         req.status = Status.RUNNING
+        if req.admitted_time is None:
+            req.admitted_time = time.monotonic()
         self.running.append(req)
 
     def _schedule_decode(self, can_retract: bool) -> ScheduledBatch | None:

@@ -22,6 +22,12 @@ class EngineStats:
     step_seconds: float = 0.0
     decode_requests: int = 0  # requests summed over decode steps: / decode_steps = the mean decode batch
     idle_seconds: float = 0.0  # the loop waiting for work (no request could run), waits ended so far
+    # a request's time to its first token in two parts, summed over `first_tokens` requests: waiting
+    # to be admitted (queue), then from admission to its first token (its prefill, and the step
+    # in flight when it was admitted)
+    first_tokens: int = 0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
     idle_since: float | None = None  # perf_counter() when the wait in progress began
     ttft: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-to-first-token samples
     tpot: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-per-output-token samples
@@ -44,6 +50,10 @@ class EngineStats:
 
     def on_first_token(self, req) -> None:
         self.ttft.append(req.first_token_time - req.arrival)
+        admitted = req.admitted_time if req.admitted_time is not None else req.arrival
+        self.first_tokens += 1
+        self.queue_seconds += admitted - req.arrival
+        self.prefill_seconds += req.first_token_time - admitted
         for fn in self.listeners:
             fn("first_token", req)
 
