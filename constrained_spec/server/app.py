@@ -4,8 +4,8 @@ single-process server, `serve --single-process`, kept for comparison). Both take
 `abort`, `grammar.compile_async` and `chat_prompt`; the engine's state comes as a snapshot
 (`metrics.engine_snapshot`).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. See docs/api.md for the protocol and its extensions.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/responses`` (the Responses API over the chat
+route: `responses.py`), ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``. See docs/api.md for the protocol and its extensions.
 
 Request life: read and size-check the body, validate it (pydantic), resolve the model, build the
 grammar and compile it in a worker thread (a bad schema is a 400 before anything is queued), build
@@ -37,6 +37,7 @@ from .gate import Gate, too_large
 from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event
 from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest, new_id
+from . import responses
 from .request_params import RequestParams
 from .tokens import TokenTexts
 from .tools import ToolCallPlan, grammar_complete, history_text, tool_call_plan
@@ -58,6 +59,16 @@ class ServerConfig:
     default_max_tokens: int | None = None  # chat requests without max_tokens; None: up to the context limit
     frontends: int = 1  # front-end processes over the engine: each admits its share of the default limit
     frontend: int = 0  # this one's number (0: the `serve` process); /health says it
+
+
+@dataclass
+class _ChatRun:
+    """A validated chat request made ready to queue (`prepare_chat`)."""
+    prompt: list[int]
+    plan: ToolCallPlan | None
+    grammar: Any
+    params_list: list
+    top_n: int
 
 
 class _ServerState:
@@ -331,9 +342,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         check_model(model_id)
         return _json_response(model_card())
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+    async def prepare_chat(req: ChatCompletionRequest) -> _ChatRun:
+        """A chat request's prompt, tool-call plan, compiled grammar and sampling parameters (the
+        400s of a bad request come from here, before anything is queued)."""
         check_model(req.model)
         plan = tool_call_plan(req)
         if plan is not None and req.logprobs:
@@ -358,16 +369,29 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
         grammar = await compile_grammar(req, plan)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         params_list = params.sampling(req, budget, top_n if req.logprobs else None, await prediction_ids(req))
+        return _ChatRun(prompt, plan, grammar, params_list, top_n)
+
+    def answer_message(run: _ChatRun, req: ChatCompletionRequest, text: str, final) -> tuple[dict, str]:
+        """A finished choice's chat message and finish reason (a call's, for tools)."""
+        reason = finish_str(final.finish_reason)
+        if run.plan is None:
+            return {"role": "assistant", "content": text, "refusal": None}, reason
+        return run.plan.message(text, reason, grammar_complete(reason, final.matched_stop, req.stop_token_ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+        run = await prepare_chat(req)
         admit(req.n)
         admitted = True
         try:
             cid = new_id("chatcmpl")
-            gen = start([prompt] * req.n, params_list, grammar, cid, req.stream)
+            gen = start([run.prompt] * req.n, run.params_list, run.grammar, cid, req.stream)
             model = served
             if req.stream:
                 admitted = False  # the stream releases it
-                return SSEResponse(chat_stream(gen, req, cid, model, len(prompt), top_n, plan),
-                                    cleanup=_once(lambda: (gen.abort(), release(req.n))))
+                return SSEResponse(chat_stream(gen, req, cid, model, len(run.prompt), run.top_n, run.plan),
+                                   cleanup=_once(lambda: (gen.abort(), release(req.n))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, req.n)
             except _ClientGone:
@@ -375,18 +399,13 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             raise_engine_errors(finals)
             choices = []
             for i in range(req.n):
-                reason = finish_str(finals[i].finish_reason)
-                if plan is not None:
-                    complete = grammar_complete(reason, finals[i].matched_stop, req.stop_token_ids)
-                    message, reason = plan.message(outs[i], reason, complete)
-                else:
-                    message = {"role": "assistant", "content": outs[i], "refusal": None}
+                message, reason = answer_message(run, req, outs[i], finals[i])
                 choice = {"index": i, "message": message,
-                          "logprobs": texts.chat_logprobs(lps[i], top_n) if req.logprobs else None,
+                          "logprobs": texts.chat_logprobs(lps[i], run.top_n) if req.logprobs else None,
                           "finish_reason": reason}
                 choices.append(choice)
             return _json_response({"id": cid, "object": "chat.completion", "created": _now(), "model": model,
-                                   "choices": choices, "usage": usage(len(prompt), finals, req.n),
+                                   "choices": choices, "usage": usage(len(run.prompt), finals, req.n),
                                    "system_fingerprint": None})
         finally:
             if admitted:
@@ -437,6 +456,66 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if include_usage:
                 yield chunk([], usage(prompt_len, finals, req.n))
             yield SSE_DONE
+        finally:
+            gen.abort()
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        rreq, req = responses.parse_request(await _read_json(request, config.max_body_bytes))
+        run = await prepare_chat(req)
+        admit(1)
+        admitted = True
+        try:
+            rid = new_id("resp")
+            gen = start([run.prompt], run.params_list, run.grammar, rid, rreq.stream)
+            created = responses.now()
+            if rreq.stream:
+                admitted = False  # the stream releases it
+                return SSEResponse(response_stream(gen, rreq, req, rid, created, run),
+                                   cleanup=_once(lambda: (gen.abort(), release(1))))
+            try:
+                outs, _ids, _lps, finals = await collect(gen, request, 1)
+            except _ClientGone:
+                return Response(status_code=499)
+            raise_engine_errors(finals)
+            message, reason = answer_message(run, req, outs[0], finals[0])
+            return _json_response(responses.response_object(
+                rid, created, served, rreq, req, responses.status_of(reason), responses.output_items(message),
+                usage(len(run.prompt), finals)))
+        finally:
+            if admitted:
+                release(1)
+
+    async def response_stream(gen: Generation, rreq, req: ChatCompletionRequest, rid: str, created: int,
+                              run: _ChatRun):
+        shell = responses.response_object(rid, created, served, rreq, req, "in_progress", [], None)
+        events = responses.ResponseEvents(shell)
+        call = None if run.plan is None else run.plan.stream()
+        try:
+            yield b"".join(map(responses.sse, events.start()))
+            async for items in gen.batches():
+                out_events = []
+                for _, out in items:
+                    reason = finish_str(out.finish_reason) if out.finished else None
+                    complete = grammar_complete(reason, out.matched_stop, req.stop_token_ids)
+                    delta = call.update(out.new_text, reason, complete) if call is not None else (
+                        {"content": out.new_text} if out.new_text else None)
+                    if delta:
+                        out_events += events.delta(delta)
+                    if not out.finished:
+                        continue
+                    if reason == "error":
+                        error = generation_error(out)
+                        failed = {**shell, "status": "failed", "error": {"code": error.code or "server_error",
+                                                                         "message": error.message}}
+                        out_events.append(events.failed(failed))
+                        continue
+                    if call is not None:
+                        reason = call.finish_reason(reason, complete)
+                    out_events += events.finish(responses.response_object(
+                        rid, created, served, rreq, req, responses.status_of(reason), [],
+                        usage(len(run.prompt), [out])))
+                yield b"".join(map(responses.sse, out_events))
         finally:
             gen.abort()
 

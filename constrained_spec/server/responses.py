@@ -1,0 +1,300 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat route: a request becomes the chat
+request it means (instructions as the system turn, `input` as the turns, `text.format` as
+`response_format`, function tools as chat tools), runs as one, and its answer is written back as
+a Response object, or streamed as Responses events (`response.created` ... `response.completed`).
+
+Stateless: no `previous_response_id`, no stored responses, no built-in tools (a 400 names the
+field). The chat route's extension fields (regex, ebnf, choice, grammar_backend, seed, stop, top_k
+and the rest) pass through as they are.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+import orjson
+from pydantic import Field, ValidationError
+
+from .errors import bad_request, validation_error_to_api
+from .protocol import ChatCompletionRequest, _Lenient, new_id
+
+# chat request fields a Responses request may carry under the same name (our extensions, sampling)
+_PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "user", "frequency_penalty", "presence_penalty",
+                   "logit_bias", "regex", "ebnf", "grammar", "choice", "guided_regex", "guided_grammar",
+                   "guided_choice", "guided_json", "grammar_backend", "top_k", "min_p", "stop_token_ids",
+                   "ignore_eos", "parallel_tool_calls")
+# Responses fields that change nothing here (no storage, no reasoning model, no service tiers)
+_IGNORED = ("store", "metadata", "service_tier", "truncation", "include", "background", "prompt_cache_key",
+            "safety_identifier")
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Lenient):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str | None = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
+    """The Responses request and the chat request it runs as; a 400 names the Responses field."""
+    try:
+        req = ResponsesRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_api(e.errors(include_url=False))
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported: this server stores no responses; send the "
+                          "conversation in 'input'", param="previous_response_id", code="unsupported_parameter")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise bad_request("reasoning options are not supported by this model", param="reasoning",
+                          code="unsupported_parameter")
+    chat: dict[str, Any] = {k: data[k] for k in _PASSED_THROUGH if k in data}
+    chat["messages"] = _messages(req)
+    if req.max_output_tokens is not None:
+        chat["max_completion_tokens"] = req.max_output_tokens
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None:
+        chat["response_format"] = _response_format(fmt)
+    if req.tools is not None:
+        chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    try:
+        return req, ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:
+        raise validation_error_to_api(e.errors(include_url=False))
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    else:
+        for i, item in enumerate(req.input):
+            messages.append(_message(item, f"input[{i}]"))
+    if not messages:
+        raise bad_request("input is empty", param="input")
+    return messages
+
+
+def _message(item: dict, param: str) -> dict:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role, content = item.get("role"), item.get("content")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise bad_request(f"{param}.role must be system, developer, user or assistant", param=param)
+        return {"role": role, "content": content if isinstance(content, str) else _text_of(content, param)}
+    if kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if kind == "function_call_output":
+        output = item.get("output")
+        return {"role": "tool", "tool_call_id": item.get("call_id"),
+                "content": output if isinstance(output, str) else _text_of(output, param)}
+    raise bad_request(f"{param} has type '{kind}'; this server takes messages, function_call and "
+                      "function_call_output items", param=param, code="unsupported_parameter")
+
+
+def _text_of(parts: Any, param: str) -> str:
+    """A content list's text (input_text / output_text / text parts); other parts are refused."""
+    if not isinstance(parts, list):
+        raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"{param}.content has a '{kind}' part; this model takes text only", param=param,
+                              code="unsupported_parameter")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _response_format(fmt: TextFormat) -> dict:
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    spec = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
+    if fmt.description is not None:
+        spec["description"] = fmt.description
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _chat_tool(tool: dict, i: int) -> dict:
+    if tool.get("type") != "function":
+        raise bad_request(f"tools[{i}] has type '{tool.get('type')}'; this server runs function tools only",
+                          param=f"tools[{i}]", code="unsupported_parameter")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: Union[str, dict]) -> Union[str, dict]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                      param="tool_choice")
+
+
+# -- the answer ---------------------------------------------------------------------------------------
+
+def output_items(message: dict) -> list[dict]:
+    """A chat message as Responses output items: its calls as function_call items, or one message."""
+    calls = message.get("tool_calls")
+    if calls:
+        return [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    return [message_item(new_id("msg"), message.get("content") or "", "completed")]
+
+
+def message_item(item_id: str, text: str, status: str) -> dict:
+    content = [_text_part(text)] if status == "completed" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_object(rid: str, created: int, model: str, req: ResponsesRequest, chat: ChatCompletionRequest,
+                    status: str, output: list[dict], usage: dict | None) -> dict:
+    """The Response object; `usage` is the chat usage (None while in progress)."""
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    fmt = req.text.format if req.text is not None and req.text.format is not None else None
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+        "output": output, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": chat.parallel_tool_calls is not False,
+        "previous_response_id": None, "temperature": chat.temperature, "top_p": chat.top_p,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [], "metadata": {}, "store": False, "truncation": "disabled",
+        "usage": None if usage is None else responses_usage(usage),
+    }
+
+
+def status_of(finish_reason: str) -> str:
+    """A finished answer's status: cut by max_output_tokens or the context, incomplete."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def responses_usage(chat_usage: dict) -> dict:
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(event: dict) -> bytes:
+    """One Responses event as OpenAI sends it: its type as the SSE event name too."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class ResponseEvents:
+    """The Responses stream of one answer, from the chat stream's deltas (`delta`: `content` pieces,
+    or `tool_calls` pieces whose first names the call): each call below returns the events (dicts)
+    to send, numbered in order."""
+
+    def __init__(self, shell: dict):
+        self.shell = shell  # the response object in progress (output empty, usage None)
+        self.seq = 0
+        self.item: dict | None = None  # the output item being streamed
+        self.text = ""  # its text or arguments so far
+        self.output: list[dict] = []
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=self.shell),
+                self._event("response.in_progress", response=self.shell)]
+
+    def delta(self, delta: dict) -> list[dict]:
+        events = []
+        for call in delta.get("tool_calls") or ():
+            fn = call.get("function", {})
+            if "id" in call:
+                events += self._close_item() + self._open(function_call_item(call["id"], fn["name"], "", "in_progress"))
+            piece = fn.get("arguments", "")
+            if piece:
+                self.text += piece
+                events.append(self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                          output_index=len(self.output), delta=piece))
+        piece = delta.get("content")
+        if piece:
+            if self.item is None:
+                events += self._open_message()
+            self.text += piece
+            events.append(self._event("response.output_text.delta", item_id=self.item["id"],
+                                      output_index=len(self.output), content_index=0, delta=piece, logprobs=[]))
+        return events
+
+    def finish(self, response: dict) -> list[dict]:
+        """The closing events; `response` is the finished Response object (its output is replaced by
+        the items streamed)."""
+        events = self._close_item()
+        if not self.output:  # nothing was generated: an empty message, as the non-streamed answer has
+            events += self._open_message() + self._close_item()
+        response = {**response, "output": self.output}
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=response)]
+
+    def failed(self, response: dict) -> dict:
+        """The event that ends a stream whose generation failed."""
+        return self._event("response.failed", response={**response, "output": self.output})
+
+    def _open(self, item: dict) -> list[dict]:
+        self.item, self.text = item, ""
+        return [self._event("response.output_item.added", output_index=len(self.output), item=item)]
+
+    def _open_message(self) -> list[dict]:
+        events = self._open(message_item(new_id("msg"), "", "in_progress"))
+        return events + [self._event("response.content_part.added", item_id=self.item["id"],
+                                     output_index=len(self.output), content_index=0, part=_text_part(""))]
+
+    def _close_item(self) -> list[dict]:
+        item = self.item
+        if item is None:
+            return []
+        index, events = len(self.output), []
+        if item["type"] == "function_call":
+            done = {**item, "arguments": self.text, "status": "completed"}
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, arguments=self.text))
+        else:
+            done = {**item, "status": "completed", "content": [_text_part(self.text)]}
+            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=self.text, logprobs=[]))
+            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                      content_index=0, part=_text_part(self.text)))
+        events.append(self._event("response.output_item.done", output_index=index, item=done))
+        self.output.append(done)
+        self.item, self.text = None, ""
+        return events

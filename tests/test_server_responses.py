@@ -1,0 +1,122 @@
+"""The Responses API (`POST /v1/responses`) through the official `openai` package, unchanged, against
+the real server with the real SmolLM2: `responses.create` (text and json_schema), `responses.parse`
+with a pydantic model, `responses.stream` (events reassemble to the answer, parsed), function tools
+(a forced call, streamed and not, and a function_call_output turn), max_output_tokens as an
+incomplete response, and the 400s for what a stateless server does not take."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from server_fixtures import *  # noqa: F401,F403
+from server_fixtures import MODEL_ID
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install -e '.[dev]')")
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+class Pet(BaseModel):
+    name: str
+    species: str
+    legs: int
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_text_response(openai_client):
+    r = openai_client.responses.create(model=MODEL_ID, input="Say hello.", instructions="Be brief.",
+                                       max_output_tokens=8, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp") and r.model
+    assert r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.output_text == r.output[0].content[0].text and r.output_text
+    assert 0 < r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.usage.output_tokens == 8:
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_json_schema_response_validates(openai_client):
+    r = openai_client.responses.create(
+        model=MODEL_ID, input=[{"role": "user", "content": [{"type": "input_text", "text": "A person as JSON."}]}],
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        max_output_tokens=64, temperature=0)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
+# one grammar backend for answers compared (`auto` may hand a repeated grammar to xgrammar, whose
+# whitespace rules differ); the extension field passes through as on the chat route
+ONE_BACKEND = {"extra_body": {"grammar_backend": "xgrammar"}}
+
+
+def test_parse_and_stream_agree(openai_client):
+    kw = dict(model=MODEL_ID, input="Describe a pet.", text_format=Pet, max_output_tokens=80, temperature=0,
+              **ONE_BACKEND)
+    parsed = openai_client.responses.parse(**kw)
+    assert isinstance(parsed.output_parsed, Pet)
+    deltas, kinds = [], []
+    with openai_client.responses.stream(**kw) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(deltas) == final.output_text == parsed.output_text  # greedy: the same answer
+    assert final.output_parsed == parsed.output_parsed
+    assert final.usage.output_tokens == parsed.usage.output_tokens
+
+
+def test_forced_function_call(openai_client):
+    kw = dict(model=MODEL_ID, input="What is the weather in Paris?", tools=[WEATHER],
+              tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, temperature=0,
+              **ONE_BACKEND)
+    r = openai_client.responses.create(**kw)
+    call = r.output[0]
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    with openai_client.responses.stream(**kw) as stream:
+        pieces = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    assert final.output[0].type == "function_call" and "".join(pieces) == final.output[0].arguments
+    assert final.output[0].arguments == call.arguments
+    # the call's result as the next turn: a text answer
+    follow = openai_client.responses.create(
+        model=MODEL_ID, tools=[WEATHER], max_output_tokens=16, temperature=0, tool_choice="none",
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert follow.output[0].type == "message" and follow.output_text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0]"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object",
+                                                                                        "minProperties": "a"}}}},
+     None),
+    ({"input": []}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_bad_requests_are_400s(http, body, param):
+    r = http.post("/v1/responses", json={"model": MODEL_ID, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] and (param is None or error["param"] == param), error
