@@ -8,7 +8,8 @@
 Schemas: schemas/jsonschemabench-dev.jsonl (400) plus schemas/conformance/cases.jsonl. Each configuration
 (`--configs`, comma separated; tokens joined by '-': plain|ngram|eagle, always (speculate at every step),
 greedy|t<T>, stream, c<clients>, fp<frequency penalty>, tools: each object schema as the parameters of a
-function the request forces a call of, its arguments validated as the answer) starts
+function the request forces a call of, its arguments validated as the answer; responses: every request
+through the Responses API, /v1/responses, instead of /v1/chat/completions) starts
 its own server on a free 127.0.0.1 port (or uses `--url`). Every answer is classified:
 
   valid         200, finish "stop", JSON that validates (the schema's draft, with a format checker)
@@ -299,11 +300,38 @@ def request_body(case: Case, model: str, temperature: float, max_tokens: int, st
     return body
 
 
-async def send_one(client: httpx.AsyncClient, case: Case, body: dict) -> Answer:
+def responses_body(body: dict) -> dict:
+    """A chat request body (`request_body`) as the same request to the Responses API."""
+    out = {k: v for k, v in body.items()
+           if k not in ("messages", "max_tokens", "response_format", "tools", "tool_choice", "stream_options")}
+    out.update(input=body["messages"], max_output_tokens=body["max_tokens"])
+    if "response_format" in body:
+        out["text"] = {"format": {"type": "json_schema", **body["response_format"]["json_schema"]}}
+    if "tools" in body:
+        out["tools"] = [{"type": "function", **t["function"]} for t in body["tools"]]
+        out["tool_choice"] = {"type": "function", "name": body["tool_choice"]["function"]["name"]}
+    return out
+
+
+def response_answer(data: dict) -> tuple[dict, str]:
+    """A Response object as the chat message and finish reason it stands for (`_answer` takes them)."""
+    output = data.get("output") or []
+    calls = [{"function": {"name": o.get("name"), "arguments": o.get("arguments", "")}}
+             for o in output if o.get("type") == "function_call"]
+    text = "".join(part.get("text", "") for o in output if o.get("type") == "message" for part in o.get("content") or ())
+    finish = "length" if data.get("status") == "incomplete" else "tool_calls" if calls else "stop"
+    if data.get("status") not in ("completed", "incomplete"):
+        finish = f"status {data.get('status')}"
+    return ({"content": None, "tool_calls": calls} if calls else {"content": text}), finish
+
+
+async def send_one(client: httpx.AsyncClient, case: Case, body: dict, responses: bool = False) -> Answer:
     ans = Answer(case.id, case.kind, case.top)
     t0 = time.perf_counter()
     try:
-        if body.get("stream"):
+        if responses:
+            await _send_response(client, case, body, ans, t0)
+        elif body.get("stream"):
             await _send_streamed(client, case, body, ans, t0)
         else:
             r = await client.post("/v1/chat/completions", json=body)
@@ -320,6 +348,53 @@ async def send_one(client: httpx.AsyncClient, case: Case, body: dict) -> Answer:
         ans.outcome, ans.detail = "error", f"{type(e).__name__}: {e}"
     ans.latency_s = time.perf_counter() - t0
     return ans
+
+
+async def _send_response(client, case, body, ans: Answer, t0: float) -> None:
+    """The request through /v1/responses: one Response object, or its event stream, whose deltas must
+    add up to the final response's answer."""
+    rbody = responses_body(body)
+    if not body.get("stream"):
+        r = await client.post("/v1/responses", json=rbody)
+        ans.status = r.status_code
+        if r.status_code != 200:
+            ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code, _json_or_text(r.text))
+            return
+        data = r.json()
+        ans.completion_tokens = (data.get("usage") or {}).get("output_tokens", 0)
+        classify_completion(ans, case.schema, *_answer(*response_answer(data), body))
+        return
+    async with client.stream("POST", "/v1/responses", json=rbody) as r:
+        ans.status = r.status_code
+        if r.status_code != 200:
+            ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code,
+                                                                    _json_or_text((await r.aread()).decode()))
+            return
+        pieces, final = [], None
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            kind = event.get("type", "")
+            if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+                if ans.ttft_s is None:
+                    ans.ttft_s = time.perf_counter() - t0
+                pieces.append(event["delta"])
+            elif kind in ("response.completed", "response.incomplete", "response.failed"):
+                final = event["response"]
+    if final is None:
+        ans.outcome, ans.detail, ans.content = "error", "stream ended without a final response", "".join(pieces)
+        return
+    if final.get("status") == "failed":
+        ans.outcome, ans.detail, ans.content = "error", str(final.get("error")), "".join(pieces)
+        return
+    ans.completion_tokens = (final.get("usage") or {}).get("output_tokens", 0)
+    message, finish = response_answer(final)
+    answer = message["tool_calls"][0]["function"]["arguments"] if message.get("tool_calls") else message["content"]
+    if "".join(pieces) != answer:
+        ans.outcome, ans.detail, ans.content = "error", "the stream's deltas differ from its final response", answer
+        return
+    classify_completion(ans, case.schema, *_answer(message, finish, body))
 
 
 async def _send_streamed(client, case, body, ans: Answer, t0: float) -> None:
@@ -386,7 +461,8 @@ def _json_or_text(text: str):
 
 async def run_load(url: str, cases: list[Case], model: str, clients: int, temperature: float, max_tokens: int,
                    stream: bool, seed: int, sampling: dict | None = None,
-                   timeout_s: float = 1800.0, tools: bool = False) -> tuple[list[Answer], float]:
+                   timeout_s: float = 1800.0, tools: bool = False, responses: bool = False
+                   ) -> tuple[list[Answer], float]:
     """Sends every case with `clients` concurrent workers; returns the answers (in case order) and wall time."""
     queue: asyncio.Queue = asyncio.Queue()
     for i, case in enumerate(cases):
@@ -398,7 +474,7 @@ async def run_load(url: str, cases: list[Case], model: str, clients: int, temper
         while not queue.empty():
             i, case = queue.get_nowait()
             body = request_body(case, model, temperature, max_tokens, stream, seed + i, sampling, tools)
-            answers[i] = await send_one(client, case, body)
+            answers[i] = await send_one(client, case, body, responses)
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
@@ -513,14 +589,15 @@ class Config:
     stream: bool
     sampling: dict = field(default_factory=dict)  # more request fields, e.g. frequency_penalty
     tools: bool = False  # object schemas as forced tool calls' parameters
+    responses: bool = False  # through /v1/responses
 
 
 def parse_config(name: str, clients: int, temperature: float, stream: bool, extra_args: list[str]) -> Config:
     """'ngram-t0.7-stream-c128' -> n-gram speculation, T=0.7, streamed, 128 clients (unset parts: the flags);
     'eagle-always' speculates with the EAGLE head at every step; 'tools' sends object schemas as forced
-    tool calls; 'fp0.5' adds frequency_penalty 0.5 to
+    tool calls; 'responses' sends every request to /v1/responses; 'fp0.5' adds frequency_penalty 0.5 to
     every request."""
-    server_args, sampling, tools = list(extra_args), {}, False
+    server_args, sampling, tools, responses = list(extra_args), {}, False, False
     for tok in name.split("-"):
         if tok == "plain":
             pass
@@ -538,11 +615,13 @@ def parse_config(name: str, clients: int, temperature: float, stream: bool, extr
             clients = int(tok[1:])
         elif tok == "tools":
             tools = True
+        elif tok == "responses":
+            responses = True
         elif re.fullmatch(r"fp\d+(\.\d+)?", tok):
             sampling["frequency_penalty"] = float(tok[2:])
         else:
             raise ValueError(f"unknown configuration part {tok!r} in {name!r}")
-    return Config(name, server_args, clients, temperature, stream, sampling, tools)
+    return Config(name, server_args, clients, temperature, stream, sampling, tools, responses)
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -600,7 +679,8 @@ def run_config(config: Config, cases: list[Case], max_tokens: int, seed: int, ur
         models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         before = read_metrics(url)
         answers, wall = asyncio.run(run_load(url, cases, models[0]["id"], config.clients, config.temperature,
-                                             max_tokens, config.stream, seed, config.sampling, tools=config.tools))
+                                             max_tokens, config.stream, seed, config.sampling, tools=config.tools,
+                                             responses=config.responses))
         summary = summarize(config, answers, wall, grammar_metrics(before, read_metrics(url)))
         if server is not None:
             summary["server_ready_s"] = server.ready_s

@@ -129,20 +129,41 @@ def test_tool_call_requests_and_answers():
 
 
 @pytest.mark.slow
-def test_stress_cpu_tools(tmp_path):
-    """Object schemas as forced tool calls, streamed, sampled (the others as response_format)."""
+@pytest.mark.parametrize("name", ["tools-t0.7-stream", "responses-tools-greedy"])
+def test_stress_cpu_tools(name, tmp_path):
+    """Object schemas as forced tool calls, streamed and sampled, then through the Responses API (the
+    other schemas as response_format / text.format)."""
     cases = cpu_cases(0)
-    config = stress.parse_config("tools-t0.7-stream", clients=8, temperature=0.0, stream=False,
-                                 extra_args=["--device", "cpu"])
+    config = stress.parse_config(name, clients=8, temperature=0.0, stream=False, extra_args=["--device", "cpu"])
     summary, _ = stress.run_config(config, cases, CPU_MAX_TOKENS, seed=2, log_dir=tmp_path)
     _assert_clean(summary)
+
+
+def test_responses_requests_and_answers():
+    """`responses`: the chat body becomes the same Responses request, and a Response object the chat
+    message and finish reason it stands for."""
+    obj = stress.Case("a/1", {"type": "object", "properties": {"x": {"type": "integer"}}}, "bounded", "object")
+    body = stress.request_body(obj, "m", 0.7, 32, True, 1, tools=True)
+    r = stress.responses_body(body)
+    assert r["tools"] == [{"type": "function", "name": "a_1", "parameters": obj.schema, "strict": True}]
+    assert r["tool_choice"] == {"type": "function", "name": "a_1"} and r["max_output_tokens"] == 32
+    assert r["input"] == body["messages"] and r["stream"] and "stream_options" not in r
+    plain = stress.responses_body(stress.request_body(obj, "m", 0.7, 32, False, 1))
+    assert plain["text"]["format"]["schema"] == obj.schema and plain["text"]["format"]["type"] == "json_schema"
+    call = {"status": "completed", "output": [{"type": "function_call", "name": "a_1", "arguments": '{"x": 1}'}]}
+    assert stress._answer(*stress.response_answer(call), body) == ('{"x": 1}', "stop")
+    text = {"status": "incomplete", "output": [{"type": "message", "content": [{"type": "output_text", "text": "{"}]}]}
+    assert stress.response_answer(text) == ({"content": "{"}, "length")
+    assert stress.response_answer({"status": "failed", "output": []})[1] == "status failed"
+    assert stress.parse_config("responses-greedy", 8, 0.7, False, []).responses
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,backend", [("plain-t0.7", "xgrammar"), ("plain-greedy-stream", "xgrammar"),
                                           ("ngram-t0.7-stream", "xgrammar"), ("ngram-greedy", "xgrammar"),
                                           ("plain-t0.7", "auto"), ("ngram-greedy-stream", "auto"),
-                                          ("plain-tools-t0.7-stream", "auto")])
+                                          ("plain-tools-t0.7-stream", "auto"),
+                                          ("plain-responses-tools-t0.7-stream", "auto")])
 def test_stress_gpu(name, backend, tmp_path, smollm2_dir):
     """~100 schemas at 64 clients on CUDA, max_tokens 256: the short form of the GPU stress run, under
     the default grammar backend and under auto (llguidance first). The real model (skipped, with the
