@@ -316,3 +316,27 @@ def test_prepare_schema_defs_rewrite():
                           "properties": {"x": {"$ref": "#/definitions/a"}}}, strict=True)
     assert out["properties"]["x"] == {"$ref": "#/$defs/s0"}
     assert out["$defs"]["s0"] == {"type": "integer"}
+
+
+def test_schema_checks_are_remembered_only_when_they_pass():
+    """GrammarSpec.json_schema checks a schema document once (depth, $ref cycles); a failing one fails
+    every time, and one too deep for json to encode fails with the depth limit's message."""
+    from constrained_spec.grammar import spec as spec_mod
+
+    cyclic = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="references back to itself"):
+            GrammarSpec.json_schema(cyclic)
+    ok = {"type": "object", "properties": {"remembered": {"type": "integer"}}}
+    before = spec_mod._check_document.cache_info().hits
+    assert GrammarSpec.json_schema(ok) == GrammarSpec.json_schema(dict(ok))
+    assert spec_mod._check_document.cache_info().hits == before + 1
+    deep: dict = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GrammarError, match="nests more than 256 levels"):
+        GrammarSpec.json_schema(deep)
+    big = {"type": "object", "description": "x" * spec_mod.MAX_REMEMBERED_SCHEMA_CHARS}
+    misses = spec_mod._check_document.cache_info().misses
+    GrammarSpec.json_schema(big)
+    assert spec_mod._check_document.cache_info().misses == misses  # checked, not remembered
