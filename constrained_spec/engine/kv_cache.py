@@ -107,5 +107,9 @@ class RequestSlotTable:
 
     def write_device(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Mirrors newly appended slots on the device: table[rows[i], positions[i]] = slots[i]."""
-        flat = rows * self.max_context + positions
+        self.write_device_flat(rows * self.max_context + positions, slots)
+
+    def write_device_flat(self, flat: torch.Tensor, slots: torch.Tensor) -> None:
+        """`write_device` with the indices into the flattened table (row * max_context + position)
+        computed already (on the host: two kernel launches fewer)."""
         self.device_table.view(-1).index_copy_(0, flat, slots)

@@ -150,9 +150,11 @@ class PrefixCache:
         lengths = np.fromiter((len(w[2]) for w in writes), np.int64, len(writes))
         firsts = np.fromiter((w[1] for w in writes), np.int64, len(writes))
         total = int(lengths.sum())
-        host = np.empty((3, total), np.int64)  # rows, positions, slots: a fixed number of numpy calls a step
-        host[0] = np.repeat(np.fromiter((w[0] for w in writes), np.int64, len(writes)), lengths)
-        host[1] = np.arange(total) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
-        host[2] = writes[0][2] if len(writes) == 1 else np.concatenate([w[2] for w in writes])
-        rows, positions, values = self.runner._to_device(host.reshape(-1)).split(total)
-        self.table.write_device(rows, positions, values)
+        host = np.empty((2, total), np.int64)  # flat table indices, slots: a fixed number of numpy calls a step
+        rows = np.repeat(np.fromiter((w[0] for w in writes), np.int64, len(writes)), lengths)
+        positions = np.arange(total) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
+        np.multiply(rows, self.table.max_context, out=host[0])
+        host[0] += positions
+        host[1] = writes[0][2] if len(writes) == 1 else np.concatenate([w[2] for w in writes])
+        flat, values = self.runner._to_device(host.reshape(-1)).split(total)
+        self.table.write_device_flat(flat, values)

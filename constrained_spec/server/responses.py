@@ -30,7 +30,7 @@ _IGNORED = ("store", "metadata", "service_tier", "truncation", "include", "backg
 
 class TextFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
+    name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -130,7 +130,7 @@ def _text_of(parts: Any, param: str) -> str:
 def _response_format(fmt: TextFormat) -> dict:
     if fmt.type != "json_schema":
         return {"type": fmt.type}
-    spec = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
+    spec = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
     if fmt.description is not None:
         spec["description"] = fmt.description
     return {"type": "json_schema", "json_schema": spec}
