@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import MODEL_ID
+from server_fixtures import MODEL_ID, wait_kv_full
 
 openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install -e '.[dev]')")
 
@@ -120,3 +121,22 @@ def test_bad_requests_are_400s(http, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["message"] and (param is None or error["param"] == param), error
+
+
+def test_disconnects_free_kv(openai_client, server, http):
+    """A Responses stream the client closes early, or a non-streamed one it gives up on, is aborted:
+    the KV pool is full again and the server admits no one in its name."""
+    wait_kv_full(server)
+    stream = openai_client.responses.create(model=MODEL_ID, input="Write an endless poem.", max_output_tokens=2000,
+                                            stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i >= 8:
+            break
+    stream.close()
+    wait_kv_full(server, timeout=10)
+    with httpx.Client(base_url=server.url, timeout=1.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/responses", json={"model": MODEL_ID, "input": "A long story.", "max_output_tokens": 2000,
+                                          "ignore_eos": True})
+    wait_kv_full(server, timeout=10)
+    assert http.get("/health").json()["pending_requests"] == 0
