@@ -335,10 +335,7 @@ async def send_one(client: httpx.AsyncClient, case: Case, body: dict, responses:
             await _send_streamed(client, case, body, ans, t0)
         else:
             r = await client.post("/v1/chat/completions", json=body)
-            ans.status = r.status_code
-            if r.status_code != 200:
-                ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code, _json_or_text(r.text))
-            else:
+            if not await _refused(r, ans):
                 data = r.json()
                 choice = data["choices"][0]
                 ans.completion_tokens = (data.get("usage") or {}).get("completion_tokens", 0)
@@ -350,25 +347,30 @@ async def send_one(client: httpx.AsyncClient, case: Case, body: dict, responses:
     return ans
 
 
+async def _refused(r: httpx.Response, ans: Answer) -> bool:
+    """Records the answer's status; a non-200 is classified (`classify_refusal`) and True returned."""
+    ans.status = r.status_code
+    if r.status_code == 200:
+        return False
+    text = (await r.aread()).decode(errors="replace")
+    ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code, _json_or_text(text))
+    return True
+
+
 async def _send_response(client, case, body, ans: Answer, t0: float) -> None:
     """The request through /v1/responses: one Response object, or its event stream, whose deltas must
     add up to the final response's answer."""
     rbody = responses_body(body)
     if not body.get("stream"):
         r = await client.post("/v1/responses", json=rbody)
-        ans.status = r.status_code
-        if r.status_code != 200:
-            ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code, _json_or_text(r.text))
+        if await _refused(r, ans):
             return
         data = r.json()
         ans.completion_tokens = (data.get("usage") or {}).get("output_tokens", 0)
         classify_completion(ans, case.schema, *_answer(*response_answer(data), body))
         return
     async with client.stream("POST", "/v1/responses", json=rbody) as r:
-        ans.status = r.status_code
-        if r.status_code != 200:
-            ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code,
-                                                                    _json_or_text((await r.aread()).decode()))
+        if await _refused(r, ans):
             return
         pieces, final = [], None
         async for line in r.aiter_lines():
@@ -399,10 +401,7 @@ async def _send_response(client, case, body, ans: Answer, t0: float) -> None:
 
 async def _send_streamed(client, case, body, ans: Answer, t0: float) -> None:
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        ans.status = r.status_code
-        if r.status_code != 200:
-            ans.outcome, ans.keyword, ans.detail = classify_refusal(r.status_code,
-                                                                    _json_or_text((await r.aread()).decode()))
+        if await _refused(r, ans):
             return
         pieces, finish, done, called = [], None, False, None
         async for line in r.aiter_lines():
