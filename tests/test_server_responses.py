@@ -97,13 +97,17 @@ def test_forced_function_call(openai_client):
         final = stream.get_final_response()
     assert final.output[0].type == "function_call" and "".join(pieces) == final.output[0].arguments
     assert final.output[0].arguments == call.arguments
-    # the call's result as the next turn: a text answer
+    # the call's result as the next turn, the response's own output items passed back as OpenAI's
+    # guides do (`input += response.output`): a text answer
     follow = openai_client.responses.create(
         model=MODEL_ID, tools=[WEATHER], max_output_tokens=16, temperature=0, tool_choice="none",
-        input=[{"role": "user", "content": "What is the weather in Paris?"},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        input=[{"role": "user", "content": "What is the weather in Paris?"}, *r.output,
                {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
     assert follow.output[0].type == "message" and follow.output_text
+    again = openai_client.responses.create(model=MODEL_ID, max_output_tokens=8, temperature=0,
+                                           input=[{"role": "user", "content": "Hi"}, *follow.output,
+                                                  {"role": "user", "content": "And tomorrow?"}])
+    assert again.output_text
 
 
 @pytest.mark.parametrize("body, param", [

@@ -23,9 +23,6 @@ _PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "user", "fre
                    "logit_bias", "regex", "ebnf", "grammar", "choice", "guided_regex", "guided_grammar",
                    "guided_choice", "guided_json", "grammar_backend", "top_k", "min_p", "stop_token_ids",
                    "ignore_eos", "parallel_tool_calls")
-# Responses fields that change nothing here (no storage, no reasoning model, no service tiers)
-_IGNORED = ("store", "metadata", "service_tier", "truncation", "include", "background", "prompt_cache_key",
-            "safety_identifier")
 
 
 class TextFormat(_Lenient):
