@@ -116,8 +116,13 @@ def test_forced_function_call(openai_client):
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object",
                                                                                         "minProperties": "a"}}}},
-     None),
+     "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/$defs/a",
+                                                                                        "$defs": {"a": {"$ref": "#/$defs/a"}}}}}},
+     "text.format.schema"),
     ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0]"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_bad_requests_are_400s(http, body, param):

@@ -462,7 +462,11 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     @app.post("/v1/responses")
     async def create_response(request: Request):
         rreq, req = responses.parse_request(await _read_json(request, config.max_body_bytes))
-        run = await prepare_chat(req)
+        try:
+            run = await prepare_chat(req)
+        except APIError as e:  # named as the Responses request has it
+            e.param = responses.param_name(e.param)
+            raise
         admit(1)
         admitted = True
         try:

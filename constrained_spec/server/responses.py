@@ -9,6 +9,7 @@ and the rest) pass through as they are.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal, Union
 
@@ -76,7 +77,9 @@ def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
     try:
         return req, ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
-        raise validation_error_to_api(e.errors(include_url=False))
+        error = validation_error_to_api(e.errors(include_url=False))
+        error.param = param_name(error.param)
+        raise error
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -148,6 +151,24 @@ def _chat_tool_choice(choice: Union[str, dict]) -> Union[str, dict]:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
                       param="tool_choice")
+
+
+# chat fields that errors name -> the Responses fields they came from
+_PARAM_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("max_completion_tokens", "max_output_tokens"))
+
+
+def param_name(param: str | None) -> str | None:
+    """A chat request's field, as an error names it, in the Responses request's terms."""
+    if param is None:
+        return None
+    if param.split(".")[0].split("[")[0] == "messages":  # the turns, counted with the instructions: not input's
+        return "input"
+    for chat, ours in _PARAM_NAMES:
+        if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
+            return ours + param[len(chat):]
+    return re.sub(r"^tools([.\[]\d+\]?)\.function\b", r"tools\1", param)  # a Responses tool is flat
 
 
 # -- the answer ---------------------------------------------------------------------------------------
