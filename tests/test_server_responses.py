@@ -149,3 +149,22 @@ def test_disconnects_free_kv(openai_client, server, http):
                                           "ignore_eos": True})
     wait_kv_full(server, timeout=10)
     assert http.get("/health").json()["pending_requests"] == 0
+
+
+def test_single_process_server_answers_the_same(server, single_server):
+    """`serve --single-process` serves /v1/responses too, with the split server's answer (greedy),
+    streamed or not."""
+    body = {"model": MODEL_ID, "input": "Describe a person.", "max_output_tokens": 40, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+            "grammar_backend": "xgrammar"}
+    answers = []
+    for srv in (server, single_server):
+        r = httpx.post(srv.url + "/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        text = r.json()["output"][0]["content"][0]["text"]
+        with httpx.stream("POST", srv.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        answers.append((text, r.json()["status"], r.json()["usage"]["output_tokens"]))
+    assert answers[0] == answers[1]
