@@ -8,8 +8,9 @@ reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Thre
   start; `num_cached` starts there, so the prefill covers only the rest.
 - **prompt prefilled** (`cache_prompts`, at the scheduler's next step): a prompt with at least
   CACHE_AFTER_PREFILL uncached tokens goes into the tree, so requests that share it and arrive
-  while this one decodes (n > 1 siblings, the same system prompt under load) reuse it at once. Positions another request cached meanwhile are duplicates:
-  the row is pointed at the tree's slots and its own are freed.
+  while this one decodes (n > 1 siblings, the same system prompt under load) reuse it at once.
+  Positions another request cached meanwhile are duplicates: the row is pointed at the tree's
+  slots and its own are freed.
 - **release** (`release`: finish, abort, retraction): the verified context (prompt and output
   tokens whose K/V were computed) goes into the tree; duplicates and slots past it go back to the
   pool; the reference is dropped. A request that failed (an engine error) caches nothing.
