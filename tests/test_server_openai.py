@@ -108,6 +108,19 @@ def test_parse_returns_pydantic_object(openai_client):
     assert msg.parsed.legs >= 0 or msg.parsed.legs < 0  # an int
 
 
+def test_stream_helper_parses(openai_client):
+    """`chat.completions.stream` (the SDK's streaming parse helper) accumulates our chunks into the
+    non-streamed parse's object (one grammar backend: `auto` may switch a repeated grammar's)."""
+    kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Describe a pet as JSON."}], response_format=Pet,
+              max_tokens=80, temperature=0, extra_body={"grammar_backend": "xgrammar"})
+    parsed = openai_client.chat.completions.parse(**kw).choices[0].message
+    with openai_client.chat.completions.stream(**kw) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_completion().choices[0].message
+    assert {"content.delta", "content.done", "chunk"} <= kinds
+    assert final.content == parsed.content and final.parsed == parsed.parsed and isinstance(final.parsed, Pet)
+
+
 @pytest.mark.parametrize("extra, check", [
     ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
     ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
