@@ -168,3 +168,35 @@ def test_single_process_server_answers_the_same(server, single_server):
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         answers.append((text, r.json()["status"], r.json()["usage"]["output_tokens"]))
     assert answers[0] == answers[1]
+
+
+def test_event_sequence_from_chat_deltas():
+    """ResponseEvents alone: text pieces become one message item's events, a call's pieces a
+    function_call item's, numbered in order, and the final response carries the items streamed."""
+    from constrained_spec.server.responses import ResponseEvents
+
+    text = ResponseEvents({"id": "resp_1", "status": "in_progress", "output": []})
+    events = text.start() + text.delta({"content": "{\"a\""}) + text.delta({"content": ": 1}"})
+    events += text.finish({"id": "resp_1", "status": "completed", "output": []})
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = events[-1]["response"]["output"]
+    assert done[0]["type"] == "message" and done[0]["content"][0]["text"] == '{"a": 1}'
+
+    call = ResponseEvents({"id": "resp_2", "status": "in_progress", "output": []})
+    first = {"tool_calls": [{"index": 0, "id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
+    events = call.delta(first) + call.delta({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]})
+    events += call.finish({"id": "resp_2", "status": "incomplete", "output": []})
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.incomplete"]
+    item = events[-1]["response"]["output"][0]
+    assert (item["type"], item["call_id"], item["name"], item["arguments"]) == ("function_call", "call_x", "f", "{}")
+
+    empty = ResponseEvents({"id": "resp_3", "status": "in_progress", "output": []})
+    events = empty.finish({"id": "resp_3", "status": "completed", "output": []})
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""  # an empty answer is one empty message
