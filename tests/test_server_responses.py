@@ -200,3 +200,22 @@ def test_event_sequence_from_chat_deltas():
     empty = ResponseEvents({"id": "resp_3", "status": "in_progress", "output": []})
     events = empty.finish({"id": "resp_3", "status": "completed", "output": []})
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""  # an empty answer is one empty message
+
+
+def test_logprobs(openai_client):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: each output token's logprob
+    and alternatives, in the output_text part and, streamed, in the deltas (the same tokens)."""
+    kw = dict(model=MODEL_ID, input="Name a color.", max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    r = openai_client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps) == r.output_text
+    # raw events: the SDK's stream helper gives a final response only for `response.completed`, and
+    # six tokens may end this one `incomplete` (OpenAI's event for that)
+    events = list(openai_client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    final = events[-1].response
+    assert events[-1].type in ("response.completed", "response.incomplete") and final.status == r.status
+    assert [lp.token for lp in streamed] == [lp.token for lp in lps]
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == [lp.token for lp in lps]

@@ -478,14 +478,15 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 return SSEResponse(response_stream(gen, rreq, req, rid, created, run),
                                    cleanup=_once(lambda: (gen.abort(), release(1))))
             try:
-                outs, _ids, _lps, finals = await collect(gen, request, 1)
+                outs, _ids, lps, finals = await collect(gen, request, 1)
             except _ClientGone:
                 return Response(status_code=499)
             raise_engine_errors(finals)
             message, reason = answer_message(run, req, outs[0], finals[0])
+            logprobs = texts.chat_logprobs(lps[0], run.top_n)["content"] if req.logprobs else None
             return _json_response(responses.response_object(
-                rid, created, served, rreq, req, responses.status_of(reason), responses.output_items(message),
-                usage(len(run.prompt), finals)))
+                rid, created, served, rreq, req, responses.status_of(reason),
+                responses.output_items(message, logprobs), usage(len(run.prompt), finals)))
         finally:
             if admitted:
                 release(1)
@@ -503,9 +504,11 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                     reason = finish_str(out.finish_reason) if out.finished else None
                     complete = grammar_complete(reason, out.matched_stop, req.stop_token_ids)
                     delta = call.update(out.new_text, reason, complete) if call is not None else (
-                        {"content": out.new_text} if out.new_text else None)
+                        {"content": out.new_text} if out.new_text or (req.logprobs and out.new_token_ids) else None)
                     if delta:
-                        out_events += events.delta(delta)
+                        logprobs = (texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])],
+                                                        run.top_n)["content"] if req.logprobs else None)
+                        out_events += events.delta(delta, logprobs)
                     if not out.finished:
                         continue
                     if reason == "error":

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 from .errors import bad_request, validation_error_to_api
 from .protocol import ChatCompletionRequest, _Lenient, new_id
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the answer's logprobs
 # chat request fields a Responses request may carry under the same name (our extensions, sampling)
 _PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "user", "frequency_penalty", "presence_penalty",
                    "logit_bias", "regex", "ebnf", "grammar", "choice", "guided_regex", "guided_grammar",
@@ -49,6 +50,8 @@ class ResponsesRequest(_Lenient):
     tool_choice: Union[str, dict[str, Any], None] = None
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
@@ -74,6 +77,8 @@ def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
         chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if LOGPROBS in (req.include or ()) or req.top_logprobs is not None:
+        chat.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
         return req, ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
@@ -156,7 +161,7 @@ def _chat_tool_choice(choice: Union[str, dict]) -> Union[str, dict]:
 # chat fields that errors name -> the Responses fields they came from
 _PARAM_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
                 ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-                ("max_completion_tokens", "max_output_tokens"))
+                ("max_completion_tokens", "max_output_tokens"), ("logprobs", "include"))
 
 
 def param_name(param: str | None) -> str | None:
@@ -173,16 +178,17 @@ def param_name(param: str | None) -> str | None:
 
 # -- the answer ---------------------------------------------------------------------------------------
 
-def output_items(message: dict) -> list[dict]:
-    """A chat message as Responses output items: its calls as function_call items, or one message."""
+def output_items(message: dict, logprobs: list | None = None) -> list[dict]:
+    """A chat message as Responses output items: its calls as function_call items, or one message
+    (with its tokens' `logprobs`, chat's `logprobs.content` entries, where asked)."""
     calls = message.get("tool_calls")
     if calls:
         return [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    return [message_item(new_id("msg"), message.get("content") or "", "completed")]
+    return [message_item(new_id("msg"), message.get("content") or "", "completed", logprobs)]
 
 
-def message_item(item_id: str, text: str, status: str) -> dict:
-    content = [_text_part(text)] if status == "completed" else []
+def message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
+    content = [_text_part(text, logprobs)] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -191,8 +197,8 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str = "c
             "arguments": arguments, "status": status}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def response_object(rid: str, created: int, model: str, req: ResponsesRequest, chat: ChatCompletionRequest,
@@ -243,6 +249,7 @@ class ResponseEvents:
         self.seq = 0
         self.item: dict | None = None  # the output item being streamed
         self.text = ""  # its text or arguments so far
+        self.logprobs: list = []  # its tokens' logprobs so far (when asked)
         self.output: list[dict] = []
 
     def _event(self, kind: str, **fields) -> dict:
@@ -254,7 +261,7 @@ class ResponseEvents:
         return [self._event("response.created", response=self.shell),
                 self._event("response.in_progress", response=self.shell)]
 
-    def delta(self, delta: dict) -> list[dict]:
+    def delta(self, delta: dict, logprobs: list | None = None) -> list[dict]:
         events = []
         for call in delta.get("tool_calls") or ():
             fn = call.get("function", {})
@@ -266,12 +273,14 @@ class ResponseEvents:
                 events.append(self._event("response.function_call_arguments.delta", item_id=self.item["id"],
                                           output_index=len(self.output), delta=piece))
         piece = delta.get("content")
-        if piece:
+        if piece or (piece is not None and logprobs):  # tokens of no text yet still bring their logprobs
             if self.item is None:
                 events += self._open_message()
             self.text += piece
+            self.logprobs += logprobs or []
             events.append(self._event("response.output_text.delta", item_id=self.item["id"],
-                                      output_index=len(self.output), content_index=0, delta=piece, logprobs=[]))
+                                      output_index=len(self.output), content_index=0, delta=piece,
+                                      logprobs=logprobs or []))
         return events
 
     def finish(self, response: dict) -> list[dict]:
@@ -289,7 +298,7 @@ class ResponseEvents:
         return self._event("response.failed", response={**response, "output": self.output})
 
     def _open(self, item: dict) -> list[dict]:
-        self.item, self.text = item, ""
+        self.item, self.text, self.logprobs = item, "", []
         return [self._event("response.output_item.added", output_index=len(self.output), item=item)]
 
     def _open_message(self) -> list[dict]:
@@ -307,11 +316,12 @@ class ResponseEvents:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, arguments=self.text))
         else:
-            done = {**item, "status": "completed", "content": [_text_part(self.text)]}
+            part = _text_part(self.text, self.logprobs)
+            done = {**item, "status": "completed", "content": [part]}
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=self.text, logprobs=[]))
+                                      content_index=0, text=self.text, logprobs=self.logprobs))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=_text_part(self.text)))
+                                      content_index=0, part=part))
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         self.output.append(done)
         self.item, self.text = None, ""
