@@ -39,7 +39,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
                           "required": ["city"], "additionalProperties": False}}
 
 
-def test_text_response(openai_client):
+def test_text_response(openai_client, http):
     r = openai_client.responses.create(model=MODEL_ID, input="Say hello.", instructions="Be brief.",
                                        max_output_tokens=8, temperature=0)
     assert r.object == "response" and r.id.startswith("resp") and r.model
@@ -50,6 +50,7 @@ def test_text_response(openai_client):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     if r.usage.output_tokens == 8:
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert 'constrained_spec_http_requests_total{endpoint="/v1/responses",status="200"}' in http.get("/metrics").text
 
 
 def test_json_schema_response_validates(openai_client):

@@ -6,7 +6,7 @@ import hmac
 from .errors import APIError, bad_request
 from .metrics import ServerMetrics
 
-_KNOWN = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_KNOWN = {"/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/models", "/health", "/metrics"}
 
 
 class Gate:
