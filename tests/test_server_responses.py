@@ -111,6 +111,11 @@ def test_forced_function_call(openai_client):
     assert again.output_text
 
 
+def test_nothing_is_stored(openai_client):
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        openai_client.responses.retrieve("resp_123")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0]"),

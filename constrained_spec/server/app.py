@@ -491,6 +491,11 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             if admitted:
                 release(1)
 
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str):
+        raise APIError(404, f"no response '{response_id}': this server stores no responses (answers come back "
+                            "whole, or streamed, from POST /v1/responses)", param="response_id", code="not_found")
+
     async def response_stream(gen: Generation, rreq, req: ChatCompletionRequest, rid: str, created: int,
                               run: _ChatRun):
         shell = responses.response_object(rid, created, served, rreq, req, "in_progress", [], None)
