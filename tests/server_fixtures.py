@@ -176,6 +176,25 @@ def engine_state(server) -> dict:
     return httpx.get(server.url + "/health", timeout=30).json()
 
 
+def break_off(stream, server, after: int) -> None:
+    """Reads `after` events of an `openai` stream, closes it mid-answer, then waits for the server
+    to have aborted the request (its KV back in the pool)."""
+    for i, _ in enumerate(stream):
+        if i >= after:
+            break
+    stream.close()
+    wait_kv_full(server, timeout=10)
+
+
+def give_up_on(server, path: str, body: dict) -> None:
+    """Posts a long request and closes the connection after 1.5 s without an answer, then waits for
+    the server to have aborted it (its KV back in the pool)."""
+    with httpx.Client(base_url=server.url, timeout=1.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(path, json=body)
+    wait_kv_full(server, timeout=10)
+
+
 def wait_kv_full(server, timeout: float = 15.0) -> None:
     """Waits until every KV slot of the server's engine is free and nothing runs (fails the test
     after `timeout`)."""

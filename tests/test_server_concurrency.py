@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import MODEL_ID, chat_body, engine_state, wait_kv_full
+from server_fixtures import MODEL_ID, break_off, chat_body, engine_state, give_up_on, wait_kv_full
 
 pytestmark = pytest.mark.slow
 
@@ -133,21 +133,14 @@ def test_disconnect_mid_stream_frees_kv(server):
 def test_disconnect_non_streaming_frees_kv(server):
     wait_kv_full(server)
     body = chat_body("Tell me a very long story about a forest.", max_tokens=2000, ignore_eos=True)
-    with httpx.Client(base_url=server.url, timeout=1.5) as c:
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/chat/completions", json=body)  # gives up after 1.5 s and closes the connection
-    wait_kv_full(server, timeout=10)
+    give_up_on(server, "/v1/chat/completions", body)
 
 
 def test_openai_stream_break_frees_kv(openai_client, server):
     stream = openai_client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "Write an endless poem."}], max_tokens=2000,
         stream=True, extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i >= 5:
-            break
-    stream.close()
-    wait_kv_full(server, timeout=10)
+    break_off(stream, server, after=5)
 
 
 def test_single_process_server_disconnect_frees_kv(single_server):

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import MODEL_ID, wait_kv_full
+from server_fixtures import MODEL_ID, break_off, give_up_on, wait_kv_full
 
 openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install -e '.[dev]')")
 
@@ -144,16 +144,9 @@ def test_disconnects_free_kv(openai_client, server, http):
     wait_kv_full(server)
     stream = openai_client.responses.create(model=MODEL_ID, input="Write an endless poem.", max_output_tokens=2000,
                                             stream=True, extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i >= 8:
-            break
-    stream.close()
-    wait_kv_full(server, timeout=10)
-    with httpx.Client(base_url=server.url, timeout=1.5) as c:
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/responses", json={"model": MODEL_ID, "input": "A long story.", "max_output_tokens": 2000,
-                                          "ignore_eos": True})
-    wait_kv_full(server, timeout=10)
+    break_off(stream, server, after=8)
+    give_up_on(server, "/v1/responses", {"model": MODEL_ID, "input": "A long story.", "max_output_tokens": 2000,
+                                         "ignore_eos": True})
     assert http.get("/health").json()["pending_requests"] == 0
 
 
