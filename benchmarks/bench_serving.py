@@ -444,7 +444,9 @@ def engine_side(before: dict, after: dict, duration: float) -> dict | None:
     steps = after["decode_steps"] - before["decode_steps"]
     busy = max(window - idle, 1e-9)
     firsts = after["first_tokens"] - before["first_tokens"]
-    mean_ms = lambda key: (after[key] - before[key]) / firsts * 1e3 if firsts else None  # noqa: E731
+
+    def mean_ms(key: str) -> float | None:  # a per-request mean over the requests that got a first token
+        return (after[key] - before[key]) / firsts * 1e3 if firsts else None
     return {"busy_decode_steps_s": steps / busy,
             "queue_ms": mean_ms("queue_seconds"), "prefill_ms": mean_ms("prefill_seconds"),
             "busy_extend_steps_s": (after["extend_steps"] - before["extend_steps"]) / busy,

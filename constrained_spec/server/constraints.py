@@ -19,7 +19,7 @@ import orjson
 
 from .errors import APIError, bad_request
 from .protocol import ResponseFormatJsonObject, ResponseFormatJsonSchema, _GenerationRequest
-from .tools import tool_call_plan
+from .tools import ToolCallPlan, tool_call_plan
 
 MAX_CHOICES = 4096
 
@@ -72,10 +72,11 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
     return found
 
 
-def grammar_spec_for(req: _GenerationRequest, plan=None):
+def grammar_spec_for(req: _GenerationRequest, plan: ToolCallPlan | None = None):
     """The GrammarSpec this request asks for, or None, with the grammar backend it names
-    (`grammar_backend`). `plan`: the request's ToolCallPlan where the caller has made it already. Raises APIError(400) on conflicting or empty constraints and on an unknown
-    backend; schema/grammar *content* errors surface later from compilation (see `grammar_error`)."""
+    (`grammar_backend`); `plan`, the request's ToolCallPlan where the caller has made it already.
+    Raises APIError(400) on conflicting or empty constraints and on an unknown backend;
+    schema/grammar *content* errors surface later from compilation (see `grammar_error`)."""
     from ..grammar.spec import BACKENDS  # deferred: keeps the protocol importable without xgrammar
 
     backend = req.grammar_backend
@@ -86,7 +87,7 @@ def grammar_spec_for(req: _GenerationRequest, plan=None):
     return spec if spec is None or backend is None else spec.with_backend(backend)
 
 
-def _spec_for(req: _GenerationRequest, plan=None):
+def _spec_for(req: _GenerationRequest, plan: ToolCallPlan | None = None):
     found = constraint_fields(req)
     if not found:
         return None

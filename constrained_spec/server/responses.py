@@ -53,6 +53,10 @@ class ResponsesRequest(_Lenient):
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    @property
+    def format(self) -> TextFormat | None:
+        return self.text.format if self.text is not None else None
+
 
 def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
     """The Responses request and the chat request it runs as; a 400 names the Responses field."""
@@ -70,9 +74,8 @@ def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
     chat["messages"] = _messages(req)
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None:
-        chat["response_format"] = _response_format(fmt)
+    if req.format is not None:
+        chat["response_format"] = _response_format(req.format)
     if req.tools is not None:
         chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -205,7 +208,7 @@ def response_object(rid: str, created: int, model: str, req: ResponsesRequest, c
                     status: str, output: list[dict], usage: dict | None) -> dict:
     """The Response object; `usage` is the chat usage (None while in progress)."""
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    fmt = req.text.format if req.text is not None and req.text.format is not None else None
+    fmt = req.format
     return {
         "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
         "output": output, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
