@@ -40,6 +40,43 @@ class PinnedStaging:
         self._turn = 1 - k
 
 
+class GrowingStaging:
+    """`PinnedStaging` for copies whose size varies from step to step (int64 entries; the buffers
+    double when a copy needs more), landing in a device buffer of the same capacity. Off CUDA the
+    staged array is the tensor itself. Replacing a buffer is safe while a copy from it is in flight:
+    torch's pinned-memory cache records the copy and reuses the block only after it."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 12):
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._staging: PinnedStaging | None = None
+        self._dev: torch.Tensor | None = None
+        self._capacity = 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self._capacity = capacity
+        if self._cuda:
+            self._staging = PinnedStaging((capacity,), torch.int64)
+            self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+
+    def stage(self, n: int) -> np.ndarray:
+        """A host array of n entries to fill, then `upload(n)`."""
+        if not self._cuda:
+            self._cpu = np.empty(n, np.int64)
+            return self._cpu
+        if n > self._capacity:
+            self._grow(max(n, 2 * self._capacity))
+        return self._staging.stage()[:n]
+
+    def upload(self, n: int) -> torch.Tensor:
+        """The staged n entries on the device (valid until the next upload: stream order)."""
+        if not self._cuda:
+            return torch.from_numpy(self._cpu)
+        self._staging.copy_to(self._dev[:n], n)
+        return self._dev[:n]
+
+
 def record_on_current_stream(event: torch.cuda.Event, device_index: int) -> None:
     """`event.record()` for a known device: a bare `record()` finds the current device through
     `torch.cuda.is_available()` at every call, which one H100 host's profile of a loaded engine

@@ -54,3 +54,22 @@ def test_block_upload_of_a_prefix_leaves_the_rest():
     torch.cuda.synchronize()
     assert block.device["rows"].tolist() == [1, 2, 3]
     assert block.device["bits"][:2].eq(5).all() and block.device["bits"][2:].eq(0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_growing_staging_lands_every_copy_across_growth(device):
+    """Copies of growing sizes (the buffers are replaced under pending copies) each land whole."""
+    from constrained_spec.pinned import GrowingStaging
+    uploads = GrowingStaging(torch.device(device), capacity=4)
+    landed = []
+    busy = torch.randn(2048, 2048, device=device) if device == "cuda" else None
+    for step, n in enumerate([3, 4, 9, 2, 40, 17, 100]):
+        if busy is not None:
+            busy = busy @ busy / 2048  # keep the stream behind the host, so copies stay pending
+        host = uploads.stage(n)
+        host[:] = step
+        landed.append(uploads.upload(n).clone())
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for step, (n, got) in enumerate(zip([3, 4, 9, 2, 40, 17, 100], landed)):
+        assert got.tolist() == [step] * n
