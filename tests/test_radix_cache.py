@@ -35,6 +35,22 @@ def test_insert_reports_the_already_cached_length_and_keeps_the_tree_slots():
     assert tree.insert([1, 2], np.array([30, 31])) == 2  # fully cached: nothing new
 
 
+def test_inserts_ending_inside_an_edge_leave_it_whole_and_insert_path_cuts_it():
+    """Identical answers of varied lengths (greedy, repeated prompts) add nothing past the longest;
+    cutting the path at each length would leave one-token nodes for every later walk to visit."""
+    tree, _ = _tree()
+    tokens, slots = list(range(100, 200)), np.arange(1000, 1100)
+    tree.insert(tokens, slots)
+    for k in range(50, 100):
+        assert tree.insert(tokens[:k], np.arange(k) + 5000) == k  # all duplicates
+    assert tree.num_nodes() == 1 and tree.size == 100 and tree.evictable_size == 100
+    cached, node = tree.insert_path(tokens[:60], np.arange(60) + 5000)
+    assert cached == 60 and len(node) == 60  # a node spelling exactly the 60 tokens, to lock
+    assert tree.num_nodes() == 2
+    assert tree.match(tokens)[0].tolist() == slots.tolist()
+    assert tree.evict(100) == 100 and tree.size == 0  # the touched edge stayed an eviction candidate
+
+
 def test_locked_nodes_are_never_evicted_and_unlock_makes_them_evictable():
     tree, freed = _tree()
     tree.insert([1, 2, 3], np.array([10, 11, 12]))

@@ -132,13 +132,24 @@ class RadixCache:
         already: the caller's slots for those positions are duplicates (the tree keeps its own) and
         are the caller's to free; the slots past them now belong to the tree. `below`: (a node
         whose path spells the first `length` of `tokens`, length), where the walk starts; the node
-        must be locked (so it is still in the tree: a split keeps it the deeper part)."""
-        return self.insert_path(tokens, slots, below)[0]
+        must be locked (so it is still in the tree: a split keeps it the deeper part).
+        Tokens that end inside an edge add nothing and leave the edge whole: cutting it there, as
+        identical greedy answers of varied lengths would at every length, splits a path into
+        one-token nodes that every later walk goes through."""
+        return self._insert(tokens, slots, below)[0]
 
     def insert_path(self, tokens, slots: np.ndarray, below: tuple[Node, int] | None = None) -> tuple[int, Node]:
         """`insert`, and the node whose path spells all of `tokens` (to lock, sparing a `match`).
         Starting `below` a request's matched node spares the walk over its cached prefix: a
         request's prompt and answer are cached past a prefix that is mostly cached already."""
+        pos, node, inside = self._insert(tokens, slots, below)
+        if inside:  # the tokens end inside this edge: cut it, so that one node spells exactly them
+            node = self._split(node, inside)
+        return pos, node
+
+    def _insert(self, tokens, slots: np.ndarray, below) -> tuple[int, Node, int]:
+        """The walk of `insert`: (tokens cached already, the last node reached, and where in that
+        node's edge the tokens end when they end inside it, else 0)."""
         key = np.asarray(tokens, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         if len(key) != len(slots):
@@ -146,6 +157,7 @@ class RadixCache:
         key_bytes = key.tobytes()
         node, pos = below if below is not None and below[0] is not None else (self.root, 0)
         stamp = next(self._clock)
+        inside = 0
         while pos < len(key):
             child = node.children.get(int(key[pos]))
             if child is None:
@@ -159,11 +171,14 @@ class RadixCache:
                 break
             n = _edge_match(child, key, key_bytes, pos)
             if n < len(child.key):
-                child = self._split(child, n)
+                if pos + n == len(key):
+                    inside = n
+                else:  # the tokens go on past where they leave this edge: a new leaf at the cut
+                    child = self._split(child, n)
             child.last_access = stamp
             node, pos = child, pos + n
         self._offer(node)
-        return pos, node
+        return pos, node, inside
 
     # -- references ------------------------------------------------------------------------------
     def lock(self, node: Node) -> int:
