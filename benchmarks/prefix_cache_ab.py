@@ -1,80 +1,145 @@
-"""The prefix cache's cost where it cannot help, the engine alone (no HTTP): bench_serving's
-`distinct` requests (JSON, each with its own ~250-token system prompt, 128 tokens) through
-`Engine.generate` with the cache off and on, in turn, for a few rounds, on one fixed-size KV pool,
-small enough by default that the cache fills it and evicts (as it does in a server after its first
-seconds of such traffic).
-`--workload json`: bench_serving's short JSON prompts instead, which share the chat template's start.
-`--closed` sends them as `--clients` threads with one request each at a time (the served arrival
-pattern) instead of all at once.
+"""The prefix cache's cost where it cannot help, the engine alone (no HTTP), and where that cost goes.
 
-    python benchmarks/prefix_cache_ab.py --model DIR --requests 768 --rounds 3 [--closed]
+Two engines in this process, cache on and cache off, run the same requests of a bench_serving
+workload in turn for `--rounds` paired rounds, sent as bench_serving's clients send them
+(`engine_closed_loop`: `--clients` in flight, a new one as one ends). Answers run to `--max-tokens`,
+or with `--max-tokens-spread F` to a length drawn from [max_tokens * (1 - F), max_tokens] (random
+weights answer to the limit, and answers that all end together come back in lockstep waves).
+A last round per arm times the engine thread's calls into the scheduler's and the cache's functions
+(wall time per call): what the cache costs per finished request, admitted request and step.
 
-Prints tok/s and the engine's step counts per arm.
+    python benchmarks/prefix_cache_ab.py --model DIR --workload json --max-tokens-spread 0.5
+
+Writes benchmarks/results/prefix_cache_ab.{json,md,png}.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving as bs  # noqa: E402
-from common import PERSON_SCHEMA  # noqa: E402
+from common import RESULTS, bar_plot, machine, markdown_table, write_results  # noqa: E402
 
-from constrained_spec import Engine, SamplingParams  # noqa: E402
-from constrained_spec.grammar import GrammarSpec  # noqa: E402
+from constrained_spec import Engine  # noqa: E402
+from constrained_spec.engine.model_runner import ModelRunner  # noqa: E402
+from constrained_spec.engine.prefix_cache import PrefixCache  # noqa: E402
+from constrained_spec.engine.scheduler import Scheduler  # noqa: E402
+
+# (class, method, what one call is): the engine thread's work the cache adds to or changes
+TIMED = [(Scheduler, "remove", "finished request (its KV released: the tree insert with the cache)"),
+         (PrefixCache, "admit", "admitted request (match and lock)"),
+         (PrefixCache, "write_device", "admitting step (prefix slots into the device table)"),
+         (PrefixCache, "cache_prompts", "step (prompts cached after their prefill)"),
+         (Scheduler, "schedule", "step (scheduling)"),
+         (ModelRunner, "plan", "step (inputs and KV slots)")]
 
 
-def prompts(tok, first: int, n: int, workload: str = "distinct") -> list[list[int]]:
-    out = []
-    for job in bs.make_jobs(workload, n, first):
-        ids = tok.apply_chat_template(list(job.history) + [{"role": "user", "content": job.content}],
-                                      add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+@contextmanager
+def timed_calls(totals: dict[str, list[float]]):
+    """Adds each TIMED method's calls to totals["Class.method"] = [seconds, calls] while inside."""
+    saved = []
+    for cls, name, _ in TIMED:
+        fn = getattr(cls, name)
+        saved.append((cls, name, fn))
+        entry = totals.setdefault(f"{cls.__name__}.{name}", [0.0, 0])
+
+        def timed(*a, _fn=fn, _entry=entry, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _entry[0] += time.perf_counter() - t0
+                _entry[1] += 1
+        setattr(cls, name, functools.wraps(fn)(timed))
+    try:
+        yield totals
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+def run_round(engine: Engine, args, first: int) -> dict:
+    jobs = bs.make_jobs(args.workload, args.requests, first)
+    limits = bs.answer_limits(args.requests, first, args.max_tokens, args.max_tokens_spread)
+    decode0 = engine.stats.decode_steps
+    t0 = time.perf_counter()
+    res = bs.engine_closed_loop(engine, jobs, limits, args.clients)
+    seconds = time.perf_counter() - t0
+    return {"tok_s": res["out_tok_s"], "decode_steps_s": (engine.stats.decode_steps - decode0) / seconds,
+            "errors": res["errors"], "seconds": seconds}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="model folder or GGUF (default: the default model)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--requests", type=int, default=768)
+    ap.add_argument("--workload", default="json", help="a bench_serving workload (json, distinct, shared-prefix, ...)")
+    ap.add_argument("--requests", type=int, default=1024, help="requests per round")
+    ap.add_argument("--rounds", type=int, default=4, help="paired rounds (arms alternate which goes first)")
+    ap.add_argument("--clients", type=int, default=64, help="requests in flight")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--clients", type=int, default=64, help="running requests (and threads with --closed)")
-    ap.add_argument("--kv-slots", type=int, default=100_000)
-    ap.add_argument("--closed", action="store_true")
-    ap.add_argument("--workload", default="distinct", choices=["distinct", "json"],
-                    help="json: bench_serving's short JSON prompts (97%% of their tokens the chat template's cached start)")
+    ap.add_argument("--max-tokens-spread", type=float, default=0.0, metavar="F")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                    help="each engine's KV pool (default: 12 GiB on CUDA, 40,000 slots elsewhere)")
+    ap.add_argument("--name", default="prefix_cache_ab")
     args = ap.parse_args()
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    grammar = GrammarSpec.json_schema(json.dumps(PERSON_SCHEMA))
-    for rnd in range(args.rounds):
-        for arm, disable in (("off", True), ("on", False)):
-            eng = Engine(model=args.model, device=args.device, max_running_requests=args.clients,
-                         kv_cache_slots=args.kv_slots, disable_prefix_cache=disable)
-            try:
-                tok = eng.tokenizer
-                eng.generate(prompts(tok, 100_000, min(64, args.requests), args.workload), sp, grammar)  # warm-up
-                work = prompts(tok, 1000 * rnd, args.requests, args.workload)
-                steps0, decode0 = eng.stats.steps, eng.stats.decode_steps
-                t0 = time.perf_counter()
-                if args.closed:
-                    def client(c: int) -> int:
-                        return sum(len(o.token_ids) for p in work[c::args.clients] for o in eng.generate([p], sp, grammar))
-                    with ThreadPoolExecutor(args.clients) as ex:
-                        tokens = sum(ex.map(client, range(args.clients)))
-                else:
-                    tokens = sum(len(o.token_ids) for o in eng.generate(work, sp, grammar))
-                dt = time.perf_counter() - t0
-                print(f"round {rnd} cache {arm:3s} {tokens / dt:9.0f} tok/s  {dt:6.2f} s  steps "
-                      f"{eng.stats.steps - steps0} (decode {eng.stats.decode_steps - decode0})", flush=True)
-            finally:
-                eng.shutdown()
+    pool = ({"kv_cache_memory_gb": args.kv_cache_memory_gb or 12} if args.device == "cuda" or args.kv_cache_memory_gb
+            else {"kv_cache_slots": 40_000})
+    engines = {arm: Engine(model=args.model, device=args.device, disable_prefix_cache=arm == "off", **pool)
+               for arm in ("on", "off")}
+    try:
+        for engine in engines.values():  # warm-up: compiles, graphs, a filled tree
+            run_round(engine, args, 10**6)
+        rounds: dict[str, list[dict]] = {"on": [], "off": []}
+        for r in range(args.rounds):
+            for arm in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                rounds[arm].append(run_round(engines[arm], args, 1000 * (r + 1)))
+                print(f"round {r} cache {arm:3s}: {rounds[arm][-1]['tok_s']:9.0f} tok/s", flush=True)
+        host = {}
+        for arm, engine in engines.items():
+            with timed_calls({}) as totals:
+                res = run_round(engine, args, 10**5)
+            host[arm] = {k: {"us_per_call": s / c * 1e6 if c else None, "calls": c,
+                             "ms_per_s": s / res["seconds"] * 1e3} for k, (s, c) in totals.items()}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    report(args, rounds, host)
+
+
+def report(args, rounds: dict, host: dict) -> None:
+    ratios = [on["tok_s"] / off["tok_s"] for on, off in zip(rounds["on"], rounds["off"])]
+    rows = [[i, f"{on['tok_s']:,.0f}", f"{off['tok_s']:,.0f}", f"{x:.3f}",
+             f"{on['decode_steps_s']:.0f} / {off['decode_steps_s']:.0f}"]
+            for i, (on, off, x) in enumerate(zip(rounds["on"], rounds["off"], ratios))]
+    host_rows = []
+    for cls, name, what in TIMED:
+        key = f"{cls.__name__}.{name}"
+        on, off = host["on"].get(key, {}), host["off"].get(key, {})
+
+        def cell(h):
+            return f"{h['us_per_call']:.0f} us x {h['calls']} ({h['ms_per_s']:.1f} ms/s)" if h.get("calls") else "-"
+        host_rows.append([key, what, cell(on), cell(off)])
+    command = "python benchmarks/prefix_cache_ab.py " + " ".join(sys.argv[1:])
+    md = (f"# Prefix cache on / off, the engine alone\n\n{machine().get('gpu', 'cpu')}; workload {args.workload}, "
+          f"{args.clients} in flight, {args.requests} requests a round, max_tokens {args.max_tokens} "
+          f"(spread {args.max_tokens_spread}); command: `{command}`.\n\n"
+          f"tok/s on / off: median **{statistics.median(ratios):.3f}** over {len(ratios)} paired rounds.\n\n"
+          + markdown_table(["round", "tok/s on", "tok/s off", "on / off", "decode steps/s on / off"], rows)
+          + "\n## The engine thread's time in the scheduler and the cache (one more round per arm)\n\n"
+          + markdown_table(["function", "one call is a", "cache on", "cache off"], host_rows))
+    write_results(args.name, {"machine": machine(), "command": command, "args": vars(args), "rounds": rounds,
+                              "ratios": ratios, "host": host}, md)
+    bar_plot(RESULTS / f"{args.name}.png", [str(i) for i in range(len(ratios))],
+             {"cache on": [r["tok_s"] for r in rounds["on"]], "cache off": [r["tok_s"] for r in rounds["off"]]},
+             "output tok/s", f"prefix cache on / off, engine alone ({args.workload})")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@
 #   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*
 #   prefix     bench_serving.py, prefix cache on / off (interleaved rounds): short JSON prompts, prompts
 #              that share nothing, a 1,500-token shared system prompt, multi-turn -> bench_serving_prefix.*
+#   prefix_engine  prefix_cache_ab.py: the cache on / off in the engine alone (JSON, answers of 64-128
+#              tokens), with the engine thread's time in the cache's functions -> prefix_cache_ab.*
 #   attention  bench_attention.py: Triton vs torch attention, one layer -> attention.*
 #   kernels    bench_kernels.py: decode forward by kernel set, mask kernel (prints only)
 #   mask       bench_mask_latency.py on CUDA -> mask_latency_cuda.*; bench_mask_fill.py -> mask_fill.*
@@ -46,6 +48,7 @@ stage_prefix() {
     --stream yes --rates "" --no-engine --max-tokens 128 --rounds 16 --servers split,split+nocache --interleave 2 \
     --name bench_serving_prefix
 }
+stage_prefix_engine() { "$PYTHON" benchmarks/prefix_cache_ab.py "${MODEL_ARGS[@]}" --workload json --max-tokens-spread 0.5; }
 stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
 stage_kernels() { "$PYTHON" benchmarks/bench_kernels.py 1 8 32 64 128; }
 stage_mask() {

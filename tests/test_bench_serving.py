@@ -183,3 +183,21 @@ def test_answers_are_validated_against_their_schema():
     assert not bench_serving.answer_is_valid(schema, '{"a": ', "stop")
     assert bench_serving.answer_is_valid(schema, '{"a": ', "length")  # cut by max_tokens: not judged
     assert bench_serving.answer_is_valid(None, "anything", "stop")
+
+
+def test_prefix_cache_ab_cpu_smoke(tiny_llama_dir, tmp_path):
+    """benchmarks/prefix_cache_ab.py: both arms run every round without errors, and the host-time
+    table has the cache's calls in the cache-on arm only (each arm really ran as named)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "prefix_cache_ab.py"), "--model", tiny_llama_dir, "--device", "cpu",
+           "--requests", "16", "--rounds", "2", "--clients", "4", "--max-tokens", "6", "--max-tokens-spread", "0.5"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "BENCH_RESULTS": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "prefix_cache_ab.json").read_text())
+    assert len(data["ratios"]) == 2 and all(x > 0 for x in data["ratios"])
+    for arm in ("on", "off"):
+        assert all(rnd["errors"] == 0 and rnd["tok_s"] > 0 for rnd in data["rounds"][arm])
+        assert data["host"][arm]["Scheduler.remove"]["calls"] == 16  # one release per finished request
+    assert data["host"]["on"]["PrefixCache.admit"]["calls"] == 16
+    assert data["host"]["off"]["PrefixCache.admit"]["calls"] == 0
+    assert (tmp_path / "prefix_cache_ab.md").read_text().count("| Scheduler.remove |") == 1
