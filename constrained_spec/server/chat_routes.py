@@ -1,0 +1,99 @@
+"""``POST /v1/chat/completions``: a chat request answered in one piece or streamed as server-sent
+events (with tools: the call's arguments as `tool_calls` deltas)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event
+from .json_io import json_response, parse, read_json
+from .protocol import ChatCompletionRequest, new_id
+from .service import ClientGone, Service, answer_message, collect, now, once, usage
+from .tools import ToolCallPlan, grammar_complete
+
+
+def add_chat_routes(app: FastAPI, service: Service) -> None:
+    config, texts, served = service.config, service.texts, service.served
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+        run = await service.prepare_chat(req)
+        service.admit(req.n)
+        admitted = True
+        try:
+            cid = new_id("chatcmpl")
+            gen = service.start([run.prompt] * req.n, run.params_list, run.grammar, cid, req.stream)
+            model = served
+            if req.stream:
+                admitted = False  # the stream releases it
+                return SSEResponse(chat_stream(gen, req, cid, model, len(run.prompt), run.top_n, run.plan),
+                                   cleanup=once(lambda: (gen.abort(), service.release(req.n))))
+            try:
+                outs, _ids, lps, finals = await collect(gen, request, req.n)
+            except ClientGone:
+                return Response(status_code=499)
+            service.raise_engine_errors(finals)
+            choices = []
+            for i in range(req.n):
+                message, reason = answer_message(run, req, outs[i], finals[i])
+                choice = {"index": i, "message": message,
+                          "logprobs": texts.chat_logprobs(lps[i], run.top_n) if req.logprobs else None,
+                          "finish_reason": reason}
+                choices.append(choice)
+            return json_response({"id": cid, "object": "chat.completion", "created": now(), "model": model,
+                                  "choices": choices, "usage": usage(len(run.prompt), finals, req.n),
+                                  "system_fingerprint": None})
+        finally:
+            if admitted:
+                service.release(req.n)
+
+    async def chat_stream(gen: Generation, req: ChatCompletionRequest, cid: str, model: str, prompt_len: int,
+                          top_n: int, plan: ToolCallPlan | None):
+        created = now()
+        include_usage = req.include_usage_in_stream
+        finals: list[Any] = [None] * req.n
+        calls = None if plan is None else [plan.stream() for _ in range(req.n)]
+
+        def chunk(choices, usage_=None, with_usage_key=include_usage):
+            d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "system_fingerprint": None, "choices": choices}
+            if with_usage_key:
+                d["usage"] = usage_
+            return sse_event(d)
+
+        def events(i: int, out) -> list[bytes]:
+            ev = []
+            reason = finish_str(out.finish_reason) if out.finished else None
+            complete = grammar_complete(reason, out.matched_stop, req.stop_token_ids)
+            if calls is not None:  # tools: a call's arguments as tool_calls deltas, or a text answer's pieces
+                delta = calls[i].update(out.new_text, reason, complete)
+                if delta:
+                    ev.append(chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": None}]))
+            elif out.new_text or (req.logprobs and out.logprobs):
+                c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
+                     "logprobs": texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
+                     if req.logprobs else None}
+                ev.append(chunk([c]))
+            if out.finished:
+                finals[i] = out
+                if calls is not None:
+                    reason = calls[i].finish_reason(reason, complete)
+                ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+                if reason == "error":  # the choice ends "error", then the error itself
+                    ev.append(sse_event(service.generation_error(out).body()))
+            return ev
+
+        try:
+            first = "" if calls is None else None  # a call's message has no content
+            yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": first}, "logprobs": None,
+                                   "finish_reason": None}]) for i in range(req.n))
+            async for items in gen.batches():
+                yield b"".join(e for i, out in items for e in events(i, out))
+            if include_usage:
+                yield chunk([], usage(prompt_len, finals, req.n))
+            yield SSE_DONE
+        finally:
+            gen.abort()

@@ -1,0 +1,302 @@
+"""What the routes share: `Service`, built once per app over the engine and the `ServerConfig`, holds
+the pending-request count, the metrics and the served model's name, and runs the steps every
+generation route takes (resolve the model, compile the grammar, build a chat prompt, admit, queue,
+collect, count usage, turn engine failures into API errors). Below it, the steps that need none of
+its state: running a generation to its end, and the answer's usage and message."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
+from .engine_client import EngineClient
+from .errors import APIError, bad_request
+from .generation import Generation, finish_str
+from .metrics import ServerMetrics, engine_snapshot
+from .protocol import ChatCompletionRequest, _GenerationRequest
+from .request_params import RequestParams
+from .tokens import TokenTexts
+from .tools import ToolCallPlan, grammar_complete, history_text, tool_call_plan
+
+INLINE_PROMPT_CHARS = 8000  # chat prompts up to this many characters are encoded on the event loop
+
+
+@dataclass
+class ChatRun:
+    """A validated chat request made ready to queue (`Service.prepare_chat`)."""
+    prompt: list[int]
+    plan: ToolCallPlan | None
+    grammar: Any
+    params_list: list
+    top_n: int
+
+
+class _ServerState:
+    def __init__(self, limit: int):
+        self.pending = 0
+        self.limit = limit
+
+
+def _pending_limit(engine, config) -> int:
+    """Admitted generation requests: the configured limit, else the engine's running + queued
+    requests, shared out among the front-ends."""
+    limit = config.max_pending_requests
+    if limit is None:
+        ecfg = getattr(engine, "config", None)
+        limit = (getattr(ecfg, "max_running_requests", 128) or 128) + (getattr(ecfg, "max_queued_requests", 1024) or 0)
+        limit = -(-limit // max(1, config.frontends))
+    return limit
+
+
+class Service:
+    """The engine behind the routes, and the steps they share."""
+
+    def __init__(self, engine, config):
+        self.engine = engine
+        self.config = config
+        self.state = _ServerState(_pending_limit(engine, config))
+        self.metrics = ServerMetrics(engine, self.state)
+        self.served = config.served_model_name or engine.model_name
+        self.model_names = {self.served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
+        self.texts = TokenTexts(engine.tokenizer)
+        self.max_context = int(engine.max_context)
+        self.params = RequestParams(max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0)),
+                                    self.max_context, config.default_max_tokens)
+        self.checked = CheckedGrammars()  # grammars seen to compile: no check for them again
+
+    # -- the engine's state ---------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        return getattr(self.engine, "healthy", True)
+
+    def unavailable(self) -> APIError:
+        return APIError(503, "the engine is not running; the server cannot generate", code="engine_unavailable",
+                        headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def busy(self, message: str) -> APIError:
+        return APIError(503, message, code="server_busy", headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def snapshot(self) -> dict:
+        """The engine's state: asked of the engine process, or read in this one."""
+        if isinstance(self.engine, EngineClient):
+            return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()), timeout=10)
+        return engine_snapshot(self.engine)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.served}'",
+                           param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.served, "object": "model", "created": 0, "owned_by": "constrained-spec",
+                "max_model_len": self.max_context}
+
+    # -- a request made ready to queue ----------------------------------------------------------------
+
+    async def compile_grammar(self, req: _GenerationRequest, plan: ToolCallPlan | None = None):
+        try:
+            spec = grammar_spec_for(req, plan)
+            if spec is None or spec in self.checked:
+                return spec
+            # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
+            # request waiting in the compile queue holds no thread
+            future = await run_in_threadpool(lambda: self.engine.grammar.compile_async(spec, check_only=True))
+            await asyncio.wrap_future(future)
+            self.checked.add(spec)
+        except Exception as e:
+            if _is_grammar_busy(e):
+                raise self.busy(str(e))
+            if _is_grammar_error(e):
+                raise grammar_error(e, constraint_param(req))
+            raise
+        return spec
+
+    async def prediction_ids(self, req: _GenerationRequest) -> list[int] | None:
+        """The predicted output's tokens (no more than the context holds: the rest could not be
+        repeated anyway); a long text is encoded off the event loop, as a long prompt is."""
+        if req.prediction is None:
+            return None
+        text = req.prediction.text()
+        encode = lambda: self.engine.tokenizer.encode(text, add_special_tokens=False)[:self.max_context]
+        return encode() if len(text) <= INLINE_PROMPT_CHARS else await run_in_threadpool(encode)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """A chat request's prompt, tool-call plan, compiled grammar and sampling parameters (the
+        400s of a bad request come from here, before anything is queued)."""
+        self.check_model(req.model)
+        plan = tool_call_plan(req)
+        if plan is not None and req.logprobs:
+            raise bad_request("logprobs are not returned with tool calls", param="logprobs")
+        messages = [_template_message(m) for m in req.messages]
+        engine = self.engine
+        tools_arg = None
+        if plan is not None:  # the tools listed by the template if it takes them, else in the system prompt
+            if getattr(engine.chat_prompt, "takes_tools", False):
+                tools_arg = plan.tools_for_template()
+            messages = plan.with_instructions(messages, list_tools=tools_arg is None)
+        encode = engine.chat_prompt if tools_arg is None else functools.partial(engine.chat_prompt, tools=tools_arg)
+        try:
+            # a short prompt costs less than a thread hand-off (~0.1 ms of a front-end's time); a
+            # long one would hold up the event loop's other requests
+            if sum(len(m["content"]) for m in messages) <= INLINE_PROMPT_CHARS:
+                prompt = encode(messages)
+            else:
+                prompt = await run_in_threadpool(encode, messages)
+        except Exception as e:
+            raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
+        budget = self.params.token_budget(len(prompt), req.token_limit(), "messages")
+        grammar = await self.compile_grammar(req, plan)
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        params_list = self.params.sampling(req, budget, top_n if req.logprobs else None,
+                                           await self.prediction_ids(req))
+        return ChatRun(prompt, plan, grammar, params_list, top_n)
+
+    # -- admission and the engine's requests ----------------------------------------------------------
+
+    def admit(self, n: int) -> None:
+        state = self.state
+        if not self.healthy():
+            raise self.unavailable()
+        if state.pending + n > state.limit:
+            raise APIError(503, f"the server is at its limit of {state.limit} pending requests; retry later",
+                           code="server_busy", headers={"Retry-After": str(self.config.retry_after_s)})
+        state.pending += n
+        self.metrics.in_flight.set(state.pending)
+
+    def release(self, n: int) -> None:
+        self.state.pending -= n
+        self.metrics.in_flight.set(self.state.pending)
+
+    def start(self, prompts, params_list, grammar, base_id, stream: bool) -> Generation:
+        try:
+            return Generation(self.engine, prompts, params_list, grammar, base_id, stream)
+        except Exception as e:
+            code = getattr(e, "code", None)
+            if e.__class__.__name__ == "RequestError":
+                if code == "queue_full":
+                    raise self.busy(str(e))
+                raise bad_request(str(e), param=getattr(e, "param", None), code=code or "invalid_request")
+            if _is_grammar_busy(e):
+                raise self.busy(str(e))
+            if _is_grammar_error(e):
+                raise grammar_error(e, None)
+            raise
+
+    def generation_error(self, out) -> APIError:
+        """What a request that ended in an error answers: 503 if the engine is gone, else 500."""
+        if not self.healthy():
+            return self.unavailable()
+        return APIError(500, f"generation failed: {out.error or 'engine error'}", code="engine_error")
+
+    def raise_engine_errors(self, finals) -> None:
+        for f in finals:
+            if f is not None and finish_str(f.finish_reason) == "error":
+                raise self.generation_error(f)
+
+
+# -- a generation's answer ----------------------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+
+async def collect(gen: Generation, request: Request, n: int):
+    """Runs a generation to the end (non-streaming); aborts it if the client disconnects."""
+    texts_out = [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
+    ids: list[list[int]] = [[] for _ in range(n)]
+    finals: list[Any] = [None] * n
+
+    async def run():
+        async for i, out in gen:
+            texts_out[i].append(out.new_text)
+            ids[i].extend(out.new_token_ids)
+            if out.logprobs:
+                lps[i].append((list(out.new_token_ids), out.logprobs))
+            if out.finished:
+                finals[i] = out
+
+    runner = asyncio.ensure_future(run())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not runner.done():  # the client left
+            gen.abort()
+            runner.cancel()
+            raise ClientGone()
+        runner.result()
+    finally:
+        watcher.cancel()
+        if not runner.done():
+            runner.cancel()
+        gen.abort()
+    return ["".join(t) for t in texts_out], ids, lps, finals
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(prompt_tokens: int, finals, n: int = 1) -> dict:
+    """OpenAI's usage. `finals` hold n siblings per prompt, prompt-major; a prompt counts once,
+    and so do its tokens served from the prefix cache (the siblings' most)."""
+    comp = sum(f.completion_tokens for f in finals if f is not None)
+    cached = sum(max((f.cached_tokens for f in finals[i:i + n] if f is not None), default=0)
+                 for i in range(0, len(finals), max(n, 1)))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp,
+            "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)}}
+
+
+def answer_message(run: ChatRun, req: ChatCompletionRequest, text: str, final) -> tuple[dict, str]:
+    """A finished choice's chat message and finish reason (a call's, for tools)."""
+    reason = finish_str(final.finish_reason)
+    if run.plan is None:
+        return {"role": "assistant", "content": text, "refusal": None}, reason
+    return run.plan.message(text, reason, grammar_complete(reason, final.matched_stop, req.stop_token_ids))
+
+
+def once(fn):
+    """`fn`, run on the first call only (a stream's cleanup)."""
+    done = []
+
+    def wrapper():
+        if not done:
+            done.append(True)
+            fn()
+    return wrapper
+
+
+def now() -> int:
+    import time
+    return int(time.time())
+
+
+# -- what the steps above read of a message or an error ---------------------------------------------
+
+
+def _template_message(m) -> dict:
+    """A request message as the chat template takes it: `developer` as `system`; an assistant turn's
+    tool calls and a tool's result as text."""
+    if m.role == "developer":
+        return {"role": "system", "content": m.text()}
+    if m.role == "assistant" and m.tool_calls:
+        return {"role": "assistant", "content": history_text(m.text(), m.tool_calls)}
+    return {"role": m.role, "content": m.text()}
+
+
+def _is_grammar_error(e: Exception) -> bool:
+    return any(c.__name__ == "GrammarError" for c in type(e).__mro__)
+
+
+def _is_grammar_busy(e: Exception) -> bool:
+    return type(e).__name__ == "GrammarBusy"
