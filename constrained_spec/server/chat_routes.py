@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event
+from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event, stream_chunk
 from .json_io import json_response, parse, read_json
 from .protocol import ChatCompletionRequest, new_id
 from .service import ClientGone, Service, answer_message, collect, now, once, usage
@@ -57,12 +57,8 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
         finals: list[Any] = [None] * req.n
         calls = None if plan is None else [plan.stream() for _ in range(req.n)]
 
-        def chunk(choices, usage_=None, with_usage_key=include_usage):
-            d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "system_fingerprint": None, "choices": choices}
-            if with_usage_key:
-                d["usage"] = usage_
-            return sse_event(d)
+        def chunk(choices, usage_=None):
+            return stream_chunk("chat.completion.chunk", cid, created, model, choices, usage_, include_usage)
 
         def events(i: int, out) -> list[bytes]:
             ev = []

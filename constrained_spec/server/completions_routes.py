@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from .errors import bad_request
-from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event
+from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event, stream_chunk
 from .json_io import json_response, parse, read_json
 from .protocol import CompletionRequest, new_id
 from .service import ClientGone, Service, collect, now, once, usage
@@ -78,11 +78,7 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
         offsets = [0] * total
 
         def chunk(choices, usage_=None):
-            d = {"id": cid, "object": "text_completion", "created": created, "model": served,
-                 "system_fingerprint": None, "choices": choices}
-            if include_usage:
-                d["usage"] = usage_
-            return sse_event(d)
+            return stream_chunk("text_completion", cid, created, served, choices, usage_, include_usage)
 
         def events(i: int, out) -> list[bytes]:
             reason = finish_str(out.finish_reason) if out.finished else None

@@ -121,4 +121,15 @@ def sse_event(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+def stream_chunk(kind: str, cid: str, created: int, model: str, choices: list, usage: Any = None,
+                 with_usage: bool = False) -> bytes:
+    """One chunk of a streamed chat completion or completion (`kind`: its "object"), as an SSE event;
+    `with_usage`: the "usage" key is sent (null but in the last chunk) when the client asked for it."""
+    d = {"id": cid, "object": kind, "created": created, "model": model, "system_fingerprint": None,
+         "choices": choices}
+    if with_usage:
+        d["usage"] = usage
+    return sse_event(d)
+
+
 SSE_DONE = b"data: [DONE]\n\n"
