@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,7 +278,6 @@ def once(fn):
 
 
 def now() -> int:
-    import time
     return int(time.time())
 
 
