@@ -30,7 +30,9 @@
 #
 # PYTHON selects the interpreter (default: python3); OUT, where the eagle stages write (default
 # benchmarks/results/eagle); DEVICE=cpu with MODEL, TRAIN_ARGS and BENCH_ARGS runs the
-# eagle stages at toy sizes on a CPU (tests/test_run_gpu.py).
+# eagle stages at toy sizes on a CPU (tests/test_run_gpu.py). MODEL (a folder or GGUF) also
+# serves the prefix stages; random weights answer to max_tokens, so give them
+# BENCH_ARGS="--max-tokens-spread 0.5" there (answers that all end together come back in waves).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -44,9 +46,9 @@ stage_spec() {
 }
 stage_serving() { "$PYTHON" benchmarks/bench_serving.py --device cuda --workloads plain,json,schemas; }
 stage_prefix() {
-  "$PYTHON" benchmarks/bench_serving.py --device cuda --workloads json,distinct,shared-prefix,multi-turn --clients 64 \
-    --stream yes --rates "" --no-engine --max-tokens 128 --rounds 16 --servers split,split+nocache --interleave 2 \
-    --name bench_serving_prefix
+  "$PYTHON" benchmarks/bench_serving.py "${MODEL_ARGS[@]}" --device cuda --workloads json,distinct,shared-prefix,multi-turn \
+    --clients 64 --stream yes --rates "" --no-engine --max-tokens 128 --rounds 16 --servers split,split+nocache \
+    --interleave 2 --name bench_serving_prefix ${BENCH_ARGS:-}
 }
 stage_prefix_engine() { "$PYTHON" benchmarks/prefix_cache_ab.py "${MODEL_ARGS[@]}" --workload json --max-tokens-spread 0.5; }
 stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
@@ -78,7 +80,7 @@ stage_eagle_bench() {
 stage_all() { stage_tests; stage_stress; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 [ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
