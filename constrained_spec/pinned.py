@@ -49,16 +49,17 @@ class GrowingStaging:
     def __init__(self, device: torch.device, capacity: int = 1 << 12):
         self.device = device
         self._cuda = device.type == "cuda"
+        self._cpu = np.empty(0, np.int64)  # off CUDA: the array staged last, uploaded as it is
         self._staging: PinnedStaging | None = None
         self._dev: torch.Tensor | None = None
         self._capacity = 0
-        self._grow(capacity)
+        if self._cuda:
+            self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
         self._capacity = capacity
-        if self._cuda:
-            self._staging = PinnedStaging((capacity,), torch.int64)
-            self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        self._staging = PinnedStaging((capacity,), torch.int64)
+        self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
 
     def stage(self, n: int) -> np.ndarray:
         """A host array of n entries to fill, then `upload(n)`."""
