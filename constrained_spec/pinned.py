@@ -57,9 +57,12 @@ class GrowingStaging:
             self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._staging = PinnedStaging((capacity,), torch.int64)
-        self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        # Buffers grown inside an inference_mode step (the runner's plan) would be inference
+        # tensors, which a later upload from outside one (the scheduler's) may not write.
+        with torch.inference_mode(False):
+            self._capacity = capacity
+            self._staging = PinnedStaging((capacity,), torch.int64)
+            self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
 
     def stage(self, n: int) -> np.ndarray:
         """A host array of n entries to fill, then `upload(n)`."""

@@ -97,8 +97,8 @@ def test_graphs_and_overlap_do_not_change_output(engines, reference):
 
 
 def test_sampled_graphs_match_eager(engines):
-    """Seeded sampling through the graphed sample tail (its parameters staged in pinned buffers
-    each step) draws the same tokens as the eager path."""
+    """Seeded sampling through the graphed sample tails, decode and prefill (their parameters staged
+    in pinned buffers each step), draws the same tokens as the eager path."""
     eng = engines("triton32", attention_backend="triton", dtype="float32")
     ps = prompts(eng, 12)
     sp = [SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9 if i % 2 else 1.0, top_k=-1 if i % 3 else 20,
@@ -139,8 +139,8 @@ def test_logit_bias_on_graphs(engines):
 
 def test_prefill_graphs_match_eager(engines):
     """Prefills replay the bucketed prefill graphs: one request's whole prompt, chunks over a cached
-    prefix (a small max_prefill_tokens), and several requests at once, a chunk among them.
-    Greedy tokens equal the eager path's."""
+    prefix (a small max_prefill_tokens), and several requests at once, a chunk among them; their
+    first tokens replay the prefill sample tail. Greedy tokens equal the eager path's."""
     # without the prefix cache, so that repeating a prompt prefills (and chunks) it again
     eng = engines("chunked32", attention_backend="triton", dtype="float32", max_prefill_tokens=64,
                   disable_prefix_cache=True)
@@ -150,8 +150,10 @@ def test_prefill_graphs_match_eager(engines):
     assert len(long) > 128  # three chunks: 64 + 64 + the rest
     ps = prompts(eng, 4) + [long]
     replays = []  # (requests, new tokens) of each replay
-    launch = graphs.launch_prefill
+    launch, launch_sample = graphs.launch_prefill, graphs.launch_sample
     graphs.launch_prefill = lambda *a: replays.append((len(a[0]), len(a[1]))) or launch(*a)
+    tails = []  # (source, masked) of each sample tail replayed
+    graphs.launch_sample = lambda step, masked, *a: tails.append((step.source, masked)) or launch_sample(step, masked, *a)
     grammar = GrammarSpec.json_schema(SCHEMA)
     batched = prompts(eng, 12) + [long]
 
@@ -162,10 +164,12 @@ def test_prefill_graphs_match_eager(engines):
         with_graphs = run_all()
         assert len(replays) >= 2 * len(ps) + 4 and max(t for _, t in replays) == 64
         assert max(n for n, _ in replays) > 1  # several prompts in one graphed prefill
+        # first tokens come from the prefill sample tail, masked and not
+        assert {("prefill", False), ("prefill", True)} <= set(tails)
         eng.runner.graphs = None
         assert run_all() == with_graphs
     finally:
-        eng.runner.graphs, graphs.launch_prefill = graphs, launch
+        eng.runner.graphs, graphs.launch_prefill, graphs.launch_sample = graphs, launch, launch_sample
 
 
 def test_prefix_cache_gpu(engines, reference):

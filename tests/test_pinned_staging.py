@@ -73,3 +73,18 @@ def test_growing_staging_lands_every_copy_across_growth(device):
         torch.cuda.synchronize()
     for step, (n, got) in enumerate(zip([3, 4, 9, 2, 40, 17, 100], landed)):
         assert got.tolist() == [step] * n
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_growing_staging_grown_in_inference_mode_uploads_outside_it(device):
+    """The engine grows the buffers inside the runner's inference_mode step and uploads from the
+    scheduler outside one: growth must not leave inference tensors behind (an upload into one
+    failed every engine step that cached prompts, on the H100, with `RuntimeError: Inplace update
+    to inference tensor outside InferenceMode`)."""
+    from constrained_spec.pinned import GrowingStaging
+    uploads = GrowingStaging(torch.device(device), capacity=4)
+    with torch.inference_mode():
+        uploads.stage(64)[:] = 1
+        uploads.upload(64)
+    uploads.stage(32)[:] = 7
+    assert uploads.upload(32).tolist() == [7] * 32

@@ -10,7 +10,10 @@ Graphs exist for
 - the speculative VERIFY step at a fixed tree width, in three parts (forward; bitmask + argmax
   tail; commit of the accepted path), whose buffers and code live in `speculative/verify_step.py`;
 - the EXTEND forward (prefill) of up to R requests and T new tokens, per bucket (T, R), up to the
-  sampling requests' logits (buffers and code in `prefill_graph.py`); the sample runs eagerly after it;
+  sampling requests' logits (buffers and code in `prefill_graph.py`), and its SAMPLE tail, the
+  decode tail's code over the prefill graphs' shared logits and rows: every step that admits a
+  request samples its first token, and eagerly that took ~0.9 ms of the engine thread a step on
+  the H100 (kernel launches and per-step pinned parameter tensors);
 - the EAGLE DRAFT work: its start (head extend and depth 1) and one depth of the tree (buffers and
   code in `speculative/eagle_step.py`);
 - for top-1 EAGLE chains, a fourth part of the verify step: its tail, acceptance and the next
@@ -54,6 +57,7 @@ class GraphStep:
     logits: torch.Tensor  # [batch_size, V] view
     rows: torch.Tensor  # [batch_size] device view
     graphs: "CudaGraphRunner"  # the runner that launched it (its sample tail replays there)
+    source: str = "decode"  # the forward whose logits and rows the sample tail reads: decode or prefill
 
 
 class CudaGraphRunner:
@@ -79,6 +83,7 @@ class CudaGraphRunner:
         self.verify_io: dict[int, VerifyIO] = {}  # tree width -> the verify graphs' static buffers
         self.chain_io: dict[int, ChainIO] = {}  # chain width -> the fused chain graphs' buffers
         self.prefill_io: list[PrefillIO] = []  # the prefill graphs' buffers, smallest bucket first
+        self.prefill_sample_sizes: list[int] = []  # batch sizes of the prefill sample tails
 
     def padded_size(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, batch)
@@ -114,8 +119,8 @@ class CudaGraphRunner:
                 if masked and bitmask_host is None:
                     continue
                 for greedy in (True, False):
-                    self._capture(("sample", bs, masked, greedy),
-                                  lambda bs=bs, m=masked, g=greedy: self._sample(bs, m, g, bitmask_host))
+                    self._capture(("sample", "decode", bs, masked, greedy),
+                                  lambda bs=bs, m=masked, g=greedy: self._sample("decode", bs, m, g, bitmask_host))
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.batch_sizes, time.perf_counter() - t0)
 
@@ -130,8 +135,13 @@ class CudaGraphRunner:
         hidden = r.run_model(r.last_token[rows], positions, meta)
         return r.model.compute_logits(hidden).float()
 
-    def _sample(self, bs: int, masked: bool, greedy: bool, bitmask_host) -> torch.Tensor:
-        logits = self.graphs[("decode", bs)][1]
+    def _sample(self, source: str, bs: int, masked: bool, greedy: bool, bitmask_host) -> torch.Tensor:
+        """The sample tail over the logits and table rows of a decode forward of batch `bs`, or of
+        any prefill bucket (`source` "prefill": their shared buffers, first `bs` rows)."""
+        if source == "decode":
+            logits, rows = self.graphs[("decode", bs)][1], self.meta[:bs, 0]
+        else:
+            logits, rows = self.prefill_logits[:bs], self.prefill_rows[:bs]
         if masked:
             self.bitmask[:bs].copy_(bitmask_host[:bs], non_blocking=True)
             logits = mask_logits(logits, self.bitmask[:bs])
@@ -142,7 +152,7 @@ class CudaGraphRunner:
             sb = SamplingBatch(temperature=f[0], top_p=f[1], min_p=f[2], top_k=f[3].long(), seeds=i[0], steps=i[1],
                                needs_filter=True)
             tokens = sample(logits, sb)
-        self.r.last_token[self.meta[:bs, 0]] = tokens
+        self.r.last_token[rows] = tokens
         self.tokens_host[:bs].copy_(tokens, non_blocking=True)
         return tokens
 
@@ -234,18 +244,28 @@ class CudaGraphRunner:
         self.graphs[("draft", part, bs, masked)][0].replay()
 
     @torch.inference_mode()
-    def capture_prefill(self, max_tokens: int, token_buckets=DEFAULT_PREFILL_TOKENS,
-                        request_buckets=DEFAULT_PREFILL_REQUESTS) -> None:
+    def capture_prefill(self, max_tokens: int, bitmask_host: torch.Tensor | None,
+                        token_buckets=DEFAULT_PREFILL_TOKENS, request_buckets=DEFAULT_PREFILL_REQUESTS) -> None:
         t0 = time.perf_counter()
         tokens = [t for t in token_buckets if t <= max_tokens]
         # the largest bucket is the running requests' cap where that is smaller
         cap = self.r.max_rows
         requests = sorted({n for n in request_buckets if n <= cap} | {min(cap, max(request_buckets))})
         buckets = sorted(((t, n) for t in tokens for n in requests if n <= t), key=lambda b: (b[1], b[0]))
-        logits = torch.zeros(max(requests), self.r.vocab_size, dtype=torch.float32, device=self.device)
-        self.prefill_io = [PrefillIO(self.r, t, n, logits) for t, n in buckets]
+        R = max(requests)
+        # every bucket leaves its sampling requests' logits and table rows here, for the sample tail
+        self.prefill_logits = torch.zeros(R, self.r.vocab_size, dtype=torch.float32, device=self.device)
+        self.prefill_rows = torch.full((R,), self.r.pad_row, dtype=torch.int64, device=self.device)
+        self.prefill_io = [PrefillIO(self.r, t, n, self.prefill_logits, self.prefill_rows) for t, n in buckets]
         for io in reversed(self.prefill_io):
             self._capture(("prefill", io.tokens, io.requests), io.forward)
+        self.prefill_sample_sizes = [b for b in self.batch_sizes if b <= R]
+        self.prefill_rows.fill_(self.r.pad_row)  # the captures' warm-ups wrote the pad requests' rows
+        for bs in reversed(self.prefill_sample_sizes):
+            for masked in ((False, True) if bitmask_host is not None else (False,)):
+                for greedy in (True, False):
+                    self._capture(("sample", "prefill", bs, masked, greedy),
+                                  lambda bs=bs, m=masked, g=greedy: self._sample("prefill", bs, m, g, bitmask_host))
         torch.cuda.synchronize()
         log.info("captured prefill CUDA graphs for (new tokens, requests) %s in %.1f s", buckets,
                  time.perf_counter() - t0)
@@ -273,7 +293,7 @@ class CudaGraphRunner:
         return GraphStep(B, bs, logits[:B], self.meta[:B, 0], self)
 
     def can_sample(self, step: GraphStep, masked: bool, greedy: bool) -> bool:
-        return ("sample", step.padded, masked, greedy) in self.graphs
+        return step.padded is not None and ("sample", step.source, step.padded, masked, greedy) in self.graphs
 
     def launch_sample(self, step: GraphStep, masked: bool, greedy: bool, params: tuple | None) -> torch.Tensor:
         """Replays the sample tail; the tokens land in `tokens_host[:batch]` (pinned)."""
@@ -282,25 +302,29 @@ class CudaGraphRunner:
             for values, staging, dst in zip(params, self._params_staging, (self.params_f, self.params_i)):
                 staging.stage()[:B] = values  # [B, 4] float32, [B, 2] int64
                 staging.copy_to(dst[:B], B)
-        self.graphs[("sample", step.padded, masked, greedy)][0].replay()
+        self.graphs[("sample", step.source, step.padded, masked, greedy)][0].replay()
         return self.tokens_host[:step.batch_size]
 
     def launch_prefill(self, rows: np.ndarray, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        token_rows: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
-                       sample_index: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       sample_index: list[int]) -> GraphStep | None:
         """Replays the prefill graph of the smallest bucket that holds the requests and their new
-        tokens (`PrefillIO.set_inputs` says what the arguments are). Returns (logits [k, V], the
-        sampling rows [k] on the device) for the k requests at `sample_index`, or None when no
-        bucket is large enough."""
+        tokens (`PrefillIO.set_inputs` says what the arguments are). Returns the step of the k
+        requests at `sample_index` (their logits [k, V] and table rows [k] on the device; its
+        sample tail replays where a graph of k's padded size is captured), or None when no bucket
+        is large enough."""
         io = next((io for io in self.prefill_io if io.fits(len(ids), len(rows))), None)
         if io is None:
             return None
         io.set_inputs(rows, ids, positions, slots, token_rows, q_lens, kv_lens, sample_index)
         io.copy_inputs()
-        graph, logits = self.graphs[("prefill", io.tokens, io.requests)]
-        graph.replay()
+        self.graphs[("prefill", io.tokens, io.requests)][0].replay()
         k = len(sample_index)
-        return logits[:k], io.sample_rows(k)
+        i = bisect.bisect_left(self.prefill_sample_sizes, k)
+        padded = self.prefill_sample_sizes[i] if i < len(self.prefill_sample_sizes) else None
+        if not k or padded is None or padded > io.requests:
+            padded = None  # nothing to sample, or rows past this bucket's would be another step's: eager
+        return GraphStep(k, padded, self.prefill_logits[:k], self.prefill_rows[:k], self, "prefill")
 
     def can_verify(self, batch: int, q_len: int) -> bool:
         bs = self.padded_size(batch)

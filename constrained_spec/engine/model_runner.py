@@ -106,7 +106,7 @@ class ModelRunner:
             return None
         graphs = CudaGraphRunner(self)
         graphs.capture_decode(self.bitmask_host)
-        graphs.capture_prefill(config.max_prefill_tokens)
+        graphs.capture_prefill(config.max_prefill_tokens, self.bitmask_host)
         return graphs
 
     def _num_kv_slots(self, config: EngineConfig) -> int:
@@ -235,7 +235,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> "torch.Tensor | GraphStep":
         """Launches the model. Returns the logits [n_sampling, V] (float32) of the rows that sample,
-        or, for a graphed decode step, a GraphStep whose sample tail is a graph too."""
+        or, for a graphed decode or prefill step, a GraphStep whose sample tail is a graph too."""
         p = self.plan(batch)
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_decode(batch.size):
             return self.graphs.launch_decode(p.rows, p.positions, p.out_slots, p.kv_lens)
@@ -244,8 +244,7 @@ class ModelRunner:
                                                   p.out_slots, p.token_rows, p.q_lens, p.kv_lens,
                                                   batch.sample_index)
             if launched is not None:
-                logits, self._rows_d = launched
-                return logits
+                return launched
         return self._eager_forward(batch, p)
 
     def _index(self, positions: list[int]) -> torch.Tensor:
@@ -270,7 +269,7 @@ class ModelRunner:
         return result
 
     def _sample_graphed(self, batch, reqs, logits, bitmask) -> StepResult | None:
-        """The decode sample tail as a graph replay; None when the step needs the eager path."""
+        """The sample tail of a graphed forward as a graph replay; None when the step needs the eager path."""
         if not isinstance(logits, GraphStep):
             return None
         step = logits

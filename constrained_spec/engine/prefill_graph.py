@@ -27,13 +27,16 @@ from ..pinned import PinnedStaging
 
 class PrefillIO:
     """Static buffers and the captured work of the prefill bucket of `tokens` tokens over
-    `requests` requests. `logits_out` [>= requests, V] float32 is shared by every bucket."""
+    `requests` requests. `logits_out` [>= requests, V] float32 and `rows_out` [>= requests] int64
+    (the sampling requests' table rows, pad rows past them) are shared by every bucket: the prefill
+    sample tail reads them whichever bucket ran."""
 
-    def __init__(self, runner, tokens: int, requests: int, logits_out: torch.Tensor):
+    def __init__(self, runner, tokens: int, requests: int, logits_out: torch.Tensor, rows_out: torch.Tensor):
         self.r = runner
         self.tokens = T = tokens
         self.requests = R = requests
         self._logits_out = logits_out[:R]
+        self._rows_out = rows_out[:R]
         size = 4 * T + 6 * R + 1
         self._staging = PinnedStaging((size,), torch.int64)
         self._dev = torch.zeros(size, dtype=torch.int64, device=runner.device)
@@ -80,12 +83,9 @@ class PrefillIO:
         """Sends what `set_inputs` staged (a pinned buffer; the next call stages in the other)."""
         self._staging.copy_to(self._dev)
 
-    def sample_rows(self, k: int) -> torch.Tensor:
-        """The sampling requests' table rows on the device ([k]; valid until the next prefill's copy)."""
-        return self._sample_rows[:k]
-
     def forward(self) -> torch.Tensor:
-        """Logits [R, V] float32 of the sampling requests' last tokens (rows past them: garbage)."""
+        """Logits [R, V] float32 of the sampling requests' last tokens (rows past them: garbage),
+        and their table rows into `rows_out`."""
         r = self.r
         r.table.write_device(self._table_rows, self._positions, self._slots)
         meta = AttentionMetadata(
@@ -95,4 +95,5 @@ class PrefillIO:
         hidden = r.run_model(self._ids, self._positions, meta)
         logits = r.model.compute_logits(hidden.index_select(0, self._sample_tokens))
         self._logits_out.copy_(logits)
+        self._rows_out.copy_(self._sample_rows)
         return self._logits_out
