@@ -5,8 +5,9 @@ workload in turn for `--rounds` paired rounds, sent as bench_serving's clients s
 (`engine_closed_loop`: `--clients` in flight, a new one as one ends). Answers run to `--max-tokens`,
 or with `--max-tokens-spread F` to a length drawn from [max_tokens * (1 - F), max_tokens] (random
 weights answer to the limit, and answers that all end together come back in lockstep waves).
-A last round per arm times the engine thread's calls into the scheduler's and the cache's functions
-(wall time per call): what the cache costs per finished request, admitted request and step.
+Each round reports the engine's TTFT (p50, and its mean split into queued and admission-to-first-token
+time). A last round per arm times the engine thread's calls into the scheduler's and the cache's
+functions (wall time per call): what the cache costs per finished request, admitted request and step.
 
     python benchmarks/prefix_cache_ab.py --model DIR --workload json --max-tokens-spread 0.5
 
@@ -68,12 +69,19 @@ def timed_calls(totals: dict[str, list[float]]):
 def run_round(engine: Engine, args, first: int) -> dict:
     jobs = bs.make_jobs(args.workload, args.requests, first)
     limits = bs.answer_limits(args.requests, first, args.max_tokens, args.max_tokens_spread)
-    decode0 = engine.stats.decode_steps
+    st = engine.stats
+    decode0, firsts0, queue0, prefill0 = st.decode_steps, st.first_tokens, st.queue_seconds, st.prefill_seconds
     t0 = time.perf_counter()
     res = bs.engine_closed_loop(engine, jobs, limits, args.clients)
     seconds = time.perf_counter() - t0
-    return {"tok_s": res["out_tok_s"], "decode_steps_s": (engine.stats.decode_steps - decode0) / seconds,
-            "errors": res["errors"], "seconds": seconds}
+    firsts = st.first_tokens - firsts0
+    ttft = list(st.ttft)[-firsts:] if firsts else []
+    return {"tok_s": res["out_tok_s"], "decode_steps_s": (st.decode_steps - decode0) / seconds,
+            "errors": res["errors"], "seconds": seconds,
+            # the engine's time to first token (arrival in the engine to the first sampled token)
+            "ttft_ms_p50": 1e3 * statistics.median(ttft) if ttft else None,
+            "queue_ms": 1e3 * (st.queue_seconds - queue0) / max(firsts, 1),
+            "prefill_ms": 1e3 * (st.prefill_seconds - prefill0) / max(firsts, 1)}
 
 
 def main() -> None:
@@ -116,8 +124,10 @@ def main() -> None:
 
 def report(args, rounds: dict, host: dict) -> None:
     ratios = [on["tok_s"] / off["tok_s"] for on, off in zip(rounds["on"], rounds["off"])]
+    def ttft(r):
+        return f"{r['ttft_ms_p50']:.1f} ({r['queue_ms']:.1f} + {r['prefill_ms']:.1f})" if r.get("ttft_ms_p50") else "-"
     rows = [[i, f"{on['tok_s']:,.0f}", f"{off['tok_s']:,.0f}", f"{x:.3f}",
-             f"{on['decode_steps_s']:.0f} / {off['decode_steps_s']:.0f}"]
+             f"{on['decode_steps_s']:.0f} / {off['decode_steps_s']:.0f}", ttft(on), ttft(off)]
             for i, (on, off, x) in enumerate(zip(rounds["on"], rounds["off"], ratios))]
     host_rows = []
     for cls, name, what in TIMED:
@@ -132,7 +142,10 @@ def report(args, rounds: dict, host: dict) -> None:
           f"{args.clients} in flight, {args.requests} requests a round, max_tokens {args.max_tokens} "
           f"(spread {args.max_tokens_spread}); command: `{command}`.\n\n"
           f"tok/s on / off: median **{statistics.median(ratios):.3f}** over {len(ratios)} paired rounds.\n\n"
-          + markdown_table(["round", "tok/s on", "tok/s off", "on / off", "decode steps/s on / off"], rows)
+          + "TTFT is the engine's (arrival in the engine to the first token), p50 ms, with the mean queued and "
+          "admission-to-first-token ms.\n\n"
+          + markdown_table(["round", "tok/s on", "tok/s off", "on / off", "decode steps/s on / off",
+                            "TTFT on (queue + prefill)", "TTFT off (queue + prefill)"], rows)
           + "\n## The engine thread's time in the scheduler and the cache (one more round per arm)\n\n"
           + markdown_table(["function", "one call is a", "cache on", "cache off"], host_rows))
     write_results(args.name, {"machine": machine(), "command": command, "args": vars(args), "rounds": rounds,

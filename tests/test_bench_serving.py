@@ -197,6 +197,8 @@ def test_prefix_cache_ab_cpu_smoke(tiny_llama_dir, tmp_path):
     assert len(data["ratios"]) == 2 and all(x > 0 for x in data["ratios"])
     for arm in ("on", "off"):
         assert all(rnd["errors"] == 0 and rnd["tok_s"] > 0 for rnd in data["rounds"][arm])
+        # every round's 16 first tokens timed: the TTFT p50 and its split are there
+        assert all(rnd["ttft_ms_p50"] > 0 and rnd["prefill_ms"] > 0 for rnd in data["rounds"][arm])
         assert data["host"][arm]["Scheduler.remove"]["calls"] == 16  # one release per finished request
     assert data["host"]["on"]["PrefixCache.admit"]["calls"] == 16
     assert data["host"]["off"]["PrefixCache.admit"]["calls"] == 0
