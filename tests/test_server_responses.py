@@ -2,7 +2,8 @@
 the real server with the real SmolLM2: `responses.create` (text and json_schema), `responses.parse`
 with a pydantic model, `responses.stream` (events reassemble to the answer, parsed), function tools
 (a forced call, streamed and not, and a function_call_output turn), max_output_tokens as an
-incomplete response, and the 400s for what a stateless server does not take."""
+incomplete response, stored responses (retrieve, delete, previous_response_id, shared by the
+front-ends of one engine process), and the 400s for what the server does not take."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import MODEL_ID, break_off, give_up_on, wait_kv_full
+from server_fixtures import API_KEY, MODEL_ID, break_off, give_up_on, wait_kv_full
 
 openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install -e '.[dev]')")
 
@@ -111,13 +112,70 @@ def test_forced_function_call(openai_client):
     assert again.output_text
 
 
-def test_nothing_is_stored(openai_client):
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        openai_client.responses.retrieve("resp_123")
+def test_previous_response_id_continues_the_stored_conversation(openai_client):
+    """A response is stored (OpenAI's default): retrieved whole by id, and continued with
+    previous_response_id, whose prompt is exactly the conversation sent by hand (the earlier input,
+    `*r.output`, the new input) without the earlier instructions, which OpenAI does not carry over."""
+    first = openai_client.responses.create(model=MODEL_ID, input="My name is Ada. Say hi.",
+                                           instructions="Answer in one short sentence.", max_output_tokens=8,
+                                           temperature=0)
+    got = openai_client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.usage == first.usage
+    chained = openai_client.responses.create(model=MODEL_ID, previous_response_id=first.id,
+                                             input="What is my name?", max_output_tokens=8, temperature=0)
+    assert chained.previous_response_id == first.id and chained.instructions is None
+    by_hand = openai_client.responses.create(
+        model=MODEL_ID, input=[{"role": "user", "content": "My name is Ada. Say hi."}, *first.output,
+                               {"role": "user", "content": "What is my name?"}],
+        max_output_tokens=8, temperature=0, store=False)
+    assert chained.usage.input_tokens == by_hand.usage.input_tokens > first.usage.input_tokens
+    assert chained.output_text == by_hand.output_text
+    # and a third turn on the second: the whole conversation carries on
+    third = openai_client.responses.create(model=MODEL_ID, previous_response_id=chained.id, input="Thanks.",
+                                           max_output_tokens=4, temperature=0)
+    assert third.usage.input_tokens > chained.usage.input_tokens + chained.usage.output_tokens
+
+
+def test_deleted_and_unstored_responses_are_not_found(openai_client):
+    r = openai_client.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=4, temperature=0)
+    deleted = openai_client.responses.delete(r.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    for gone in (r.id, "resp_never_made"):
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            openai_client.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError) as e:
+            openai_client.responses.create(model=MODEL_ID, input="Hi", previous_response_id=gone)
+        assert e.value.param == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.delete(r.id)
+    unstored = openai_client.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(unstored.id)
+
+
+def test_streamed_response_is_stored(openai_client):
+    with openai_client.responses.stream(model=MODEL_ID, input="Count to three.", max_output_tokens=12,
+                                        temperature=0) as stream:
+        final = list(stream)[-1].response  # response.completed, or .incomplete at max_output_tokens
+    got = openai_client.responses.retrieve(final.id)
+    assert got.output_text == final.output_text and got.status == final.status
+
+
+def test_stored_responses_are_shared_by_front_ends(openai_client, secured_server, single_server):
+    """Stored in the engine process, a response made through one front-end is found through another;
+    the single-process server keeps its own store."""
+    r = openai_client.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=4, temperature=0)
+    other = httpx.get(f"{secured_server.url}/v1/responses/{r.id}", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert other.status_code == 200 and other.json()["output"][0]["content"][0]["text"] == r.output_text
+    single = openai.OpenAI(base_url=single_server.url + "/v1", api_key="unused", max_retries=0)
+    mine = single.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=4, temperature=0)
+    assert single.responses.retrieve(mine.id).output_text == mine.output_text
+    with pytest.raises(openai.NotFoundError):
+        single.responses.retrieve(r.id)
+    single.close()
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0]"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object",

@@ -140,6 +140,10 @@ class EngineClient:
         """The engine's state for /health and /metrics (`metrics.engine_snapshot`)."""
         return self._call("snapshot", None)
 
+    def responses_async(self, op: str, response_id: str, value=None) -> Future:
+        """An operation on the engine process's stored Responses (`ResponseStore.call`)."""
+        return self._call("responses", (op, response_id, value))
+
     def shutdown(self) -> None:
         """Closes this front-end's connection (the engine aborts its requests); stops the engine
         process too if this client owns it."""

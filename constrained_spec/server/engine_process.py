@@ -36,6 +36,7 @@ from typing import Any
 
 from ..cpus import name_os_thread
 from . import ipc
+from .response_store import ResponseStore
 
 log = logging.getLogger("constrained_spec.engine_process")
 
@@ -130,6 +131,8 @@ class _Connection:
             elif name == "snapshot":
                 from .metrics import engine_snapshot
                 reply(True, engine_snapshot(self.engine))
+            elif name == "responses":  # the stored Responses every front-end shares
+                reply(True, self.server.responses.call(*arg))
             else:
                 reply(False, ValueError(f"unknown call {name!r}"))
         except Exception as e:
@@ -196,6 +199,7 @@ class EngineServer:
         self._lock = threading.Lock()
         self._count = 0
         self.calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-calls")
+        self.responses = ResponseStore()
         engine.step_hook = self._flush_all
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
 

@@ -3,8 +3,8 @@ request it means (instructions as the system turn, `input` as the turns, `text.f
 `response_format`, function tools as chat tools), runs as one, and its answer is written back as
 a Response object, or streamed as Responses events (`response.created` ... `response.completed`).
 
-Stateless: no `previous_response_id`, no stored responses, no built-in tools (a 400 names the
-field). The chat route's extension fields (regex, ebnf, choice, grammar_backend, seed, stop, top_k
+Responses are stored unless `store` is false (`response_store.py`): `previous_response_id` continues
+a stored one's conversation. No built-in tools (a 400 names the field). The chat route's extension fields (regex, ebnf, choice, grammar_backend, seed, stop, top_k
 and the rest) pass through as they are.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ class ResponsesRequest(_Lenient):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     previous_response_id: str | None = None
+    store: bool = True
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -58,20 +59,26 @@ class ResponsesRequest(_Lenient):
         return self.text.format if self.text is not None else None
 
 
-def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
-    """The Responses request and the chat request it runs as; a 400 names the Responses field."""
+def parse(data: dict) -> ResponsesRequest:
+    """The Responses request; a 400 names the field."""
     try:
         req = ResponsesRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error_to_api(e.errors(include_url=False))
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server stores no responses; send the "
-                          "conversation in 'input'", param="previous_response_id", code="unsupported_parameter")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise bad_request("reasoning options are not supported by this model", param="reasoning",
                           code="unsupported_parameter")
+    return req
+
+
+def chat_request(req: ResponsesRequest, data: dict, history: list[dict] = ()) -> ChatCompletionRequest:
+    """The chat request a Responses request runs as: its instructions, the `history` of a previous
+    response's conversation (chat messages), then its input; a 400 names the Responses field."""
     chat: dict[str, Any] = {k: data[k] for k in _PASSED_THROUGH if k in data}
-    chat["messages"] = _messages(req)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    chat["messages"] = system + list(history) + input_messages(req)
+    if not chat["messages"]:
+        raise bad_request("input is empty", param="input")
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
     if req.format is not None:
@@ -83,23 +90,25 @@ def parse_request(data: dict) -> tuple[ResponsesRequest, ChatCompletionRequest]:
     if LOGPROBS in (req.include or ()) or req.top_logprobs is not None:
         chat.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
-        return req, ChatCompletionRequest.model_validate(chat)
+        return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
         error = validation_error_to_api(e.errors(include_url=False))
         error.param = param_name(error.param)
         raise error
 
 
-def _messages(req: ResponsesRequest) -> list[dict]:
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+def conversation(history: list[dict], req: ResponsesRequest, output: list[dict]) -> list[dict]:
+    """The conversation a response ends, as chat messages, for a later previous_response_id: the
+    history it continued, its input, its output items (as a client sending `input += output` would
+    send them). Its instructions stay out: OpenAI does not carry them over."""
+    return list(history) + input_messages(req) + [_message(item, "output") for item in output]
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """The request's `input` as chat messages."""
     if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    else:
-        for i, item in enumerate(req.input):
-            messages.append(_message(item, f"input[{i}]"))
-    if not messages:
-        raise bad_request("input is empty", param="input")
-    return messages
+        return [{"role": "user", "content": req.input}]
+    return [_message(item, f"input[{i}]") for i, item in enumerate(req.input)]
 
 
 def _message(item: dict, param: str) -> dict:
@@ -213,10 +222,10 @@ def response_object(rid: str, created: int, model: str, req: ResponsesRequest, c
         "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
         "output": output, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": chat.parallel_tool_calls is not False,
-        "previous_response_id": None, "temperature": chat.temperature, "top_p": chat.top_p,
+        "previous_response_id": req.previous_response_id, "temperature": chat.temperature, "top_p": chat.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": req.tools or [], "metadata": {}, "store": False, "truncation": "disabled",
+        "tools": req.tools or [], "metadata": {}, "store": req.store, "truncation": "disabled",
         "usage": None if usage is None else responses_usage(usage),
     }
 

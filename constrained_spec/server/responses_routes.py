@@ -1,6 +1,9 @@
 """``POST /v1/responses`` (the Responses API over the chat route's steps; `responses.py` converts
-between the two protocols) and ``GET``/``DELETE /v1/responses/{id}``, which find nothing stored."""
+between the two protocols), and ``GET``/``DELETE /v1/responses/{id}`` over the stored responses
+(`response_store.py`)."""
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
@@ -13,13 +16,20 @@ from .protocol import ChatCompletionRequest, new_id
 from .service import ChatRun, ClientGone, Service, answer_message, collect, once, usage
 from .tools import grammar_complete
 
+log = logging.getLogger(__name__)
+
 
 def add_responses_routes(app: FastAPI, service: Service) -> None:
     config, texts, served = service.config, service.texts, service.served
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
-        rreq, req = responses.parse_request(await read_json(request, config.max_body_bytes))
+        data = await read_json(request, config.max_body_bytes)
+        rreq = responses.parse(data)
+        history = []
+        if rreq.previous_response_id is not None:
+            history = (await stored(rreq.previous_response_id, "previous_response_id"))[1]
+        req = responses.chat_request(rreq, data, history)
         try:
             run = await service.prepare_chat(req)
         except APIError as e:  # named as the Responses request has it
@@ -33,7 +43,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             created = responses.now()
             if rreq.stream:
                 admitted = False  # the stream releases it
-                return SSEResponse(response_stream(gen, rreq, req, rid, created, run),
+                return SSEResponse(response_stream(gen, rreq, req, rid, created, run, history),
                                    cleanup=once(lambda: (gen.abort(), service.release(1))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, 1)
@@ -42,20 +52,44 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             service.raise_engine_errors(finals)
             message, reason = answer_message(run, req, outs[0], finals[0])
             logprobs = texts.chat_logprobs(lps[0], run.top_n)["content"] if req.logprobs else None
-            return json_response(responses.response_object(
+            response = responses.response_object(
                 rid, created, served, rreq, req, responses.status_of(reason),
-                responses.output_items(message, logprobs), usage(len(run.prompt), finals)))
+                responses.output_items(message, logprobs), usage(len(run.prompt), finals))
+            await store(rreq, history, response)
+            return json_response(response)
         finally:
             if admitted:
                 service.release(1)
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-    async def stored_response(response_id: str):
-        raise APIError(404, f"no response '{response_id}': this server stores no responses (answers come back "
-                            "whole, or streamed, from POST /v1/responses)", param="response_id", code="not_found")
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return json_response((await stored(response_id, "response_id"))[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not await service.stored_responses("delete", response_id):
+            raise not_found(response_id, "response_id")
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def stored(response_id: str, param: str) -> tuple[dict, list[dict]]:
+        found = await service.stored_responses("get", response_id)
+        if found is None:
+            raise not_found(response_id, param)
+        return found
+
+    async def store(rreq, history: list[dict], response: dict) -> None:
+        """Keeps a finished response and the conversation it ends (unless `store` is false). The
+        answer goes out even where storing fails (the engine process gone): it is logged."""
+        if not rreq.store:
+            return
+        try:
+            await service.stored_responses(
+                "put", response["id"], (response, responses.conversation(history, rreq, response["output"])))
+        except Exception:
+            log.exception("storing response %s failed", response["id"])
 
     async def response_stream(gen: Generation, rreq, req: ChatCompletionRequest, rid: str, created: int,
-                              run: ChatRun):
+                              run: ChatRun, history: list[dict]):
         shell = responses.response_object(rid, created, served, rreq, req, "in_progress", [], None)
         events = responses.ResponseEvents(shell)
         call = None if run.plan is None else run.plan.stream()
@@ -85,6 +119,13 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                     out_events += events.finish(responses.response_object(
                         rid, created, served, rreq, req, responses.status_of(reason), [],
                         usage(len(run.prompt), [out])))
+                    await store(rreq, history, out_events[-1]["response"])
                 yield b"".join(map(responses.sse, out_events))
         finally:
             gen.abort()
+
+
+def not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response '{response_id}' (responses are kept in memory, the least recently "
+                         "used dropped first, until the server restarts; `store: false` keeps none)",
+                    param=param, code="not_found")

@@ -22,6 +22,7 @@ from .generation import Generation, finish_str
 from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, _GenerationRequest
 from .request_params import RequestParams
+from .response_store import ResponseStore
 from .tokens import TokenTexts
 from .tools import ToolCallPlan, grammar_complete, history_text, tool_call_plan
 
@@ -70,6 +71,8 @@ class Service:
         self.params = RequestParams(max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0)),
                                     self.max_context, config.default_max_tokens)
         self.checked = CheckedGrammars()  # grammars seen to compile: no check for them again
+        # stored Responses: the engine process's (shared by every front-end), or this process's own
+        self._responses = None if isinstance(engine, EngineClient) else ResponseStore()
 
     # -- the engine's state ---------------------------------------------------------------------------
 
@@ -88,6 +91,13 @@ class Service:
         if isinstance(self.engine, EngineClient):
             return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()), timeout=10)
         return engine_snapshot(self.engine)
+
+    async def stored_responses(self, op: str, response_id: str, value=None):
+        """`ResponseStore.call` on the stored Responses, wherever they live."""
+        if self._responses is not None:
+            return self._responses.call(op, response_id, value)
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine.responses_async(op, response_id, value)),
+                                      timeout=10)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
