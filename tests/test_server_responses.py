@@ -7,6 +7,7 @@ front-ends of one engine process), and the 400s for what the server does not tak
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -173,6 +174,11 @@ def test_stored_responses_are_shared_by_front_ends(openai_client, secured_server
     with pytest.raises(openai.NotFoundError):
         single.responses.retrieve(r.id)
     single.close()
+    for url in (secured_server.url, single_server.url):  # both stores report themselves
+        metrics = httpx.get(f"{url}/metrics").text
+        count = re.search(r"^constrained_spec_stored_responses (\S+)$", metrics, re.M)
+        size = re.search(r"^constrained_spec_stored_responses_bytes (\S+)$", metrics, re.M)
+        assert count and size and float(count.group(1)) >= 1 and float(size.group(1)) > 0, metrics[-2000:]
 
 
 @pytest.mark.parametrize("body, param", [

@@ -130,7 +130,7 @@ class _Connection:
                 self.server.calls.submit(self._compile, arg, reply)
             elif name == "snapshot":
                 from .metrics import engine_snapshot
-                reply(True, engine_snapshot(self.engine))
+                reply(True, {**engine_snapshot(self.engine), "stored_responses": self.server.responses.snapshot()})
             elif name == "responses":  # the stored Responses every front-end shares
                 reply(True, self.server.responses.call(*arg))
             else:

@@ -105,6 +105,14 @@ class _EngineCollector:
             yield c
         yield from _spec_metrics(snap["spec"])
         yield from _prefix_cache_metrics(snap.get("prefix_cache"))
+        stored = snap.get("stored_responses")
+        if stored is not None:
+            for name, key, doc in (("stored_responses", "responses",
+                                    "Responses stored for GET /v1/responses/{id} and previous_response_id"),
+                                   ("stored_responses_bytes", "bytes", "Bytes of the stored responses' JSON")):
+                g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+                g.add_metric([], float(stored[key]))
+                yield g
 
 
 # (metric name, engine snapshot key, help): counters read from the engine snapshot as they are

@@ -29,6 +29,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def snapshot(self) -> dict:
+        """For /metrics: how many responses are stored, and the bytes of their JSON."""
+        return {"responses": len(self._entries), "bytes": self._bytes}
+
     def put(self, response_id: str, response: dict, messages: list[dict]) -> None:
         blob = orjson.dumps([response, messages])
         with self._lock:

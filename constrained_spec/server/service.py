@@ -90,7 +90,7 @@ class Service:
         """The engine's state: asked of the engine process, or read in this one."""
         if isinstance(self.engine, EngineClient):
             return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()), timeout=10)
-        return engine_snapshot(self.engine)
+        return {**engine_snapshot(self.engine), "stored_responses": self._responses.snapshot()}
 
     async def stored_responses(self, op: str, response_id: str, value=None):
         """`ResponseStore.call` on the stored Responses, wherever they live."""
