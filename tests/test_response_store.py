@@ -12,7 +12,7 @@ MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": 
 def test_put_get_delete_by_id():
     store = ResponseStore()
     store.put("resp_a", {"id": "resp_a", "output": []}, MESSAGES)
-    assert store.get("resp_a") == ({"id": "resp_a", "output": []}, MESSAGES)
+    assert store.get("resp_a") == ({"id": "resp_a", "output": []}, MESSAGES, [])
     assert store.get("resp_b") is None
     assert store.delete("resp_a") and not store.delete("resp_a")
     assert store.get("resp_a") is None and len(store) == 0
@@ -42,8 +42,35 @@ def test_bounded_by_bytes():
 
 def test_call_by_name():
     store = ResponseStore()
-    store.call("put", "r", ({"id": "r"}, MESSAGES))
-    assert store.call("get", "r") == ({"id": "r"}, MESSAGES)
+    store.call("put", "r", ({"id": "r"}, MESSAGES, [{"type": "message", "id": "msg_1"}]))
+    assert store.call("get", "r") == ({"id": "r"}, MESSAGES, [{"type": "message", "id": "msg_1"}])
     assert store.call("delete", "r") is True
     with pytest.raises(ValueError, match="unknown response store operation"):
         store.call("list", "r")
+
+
+def test_input_items_and_their_pages():
+    from constrained_spec.server.errors import APIError
+    from constrained_spec.server.responses import ResponsesRequest, input_items, items_page
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok", "id": "fco_mine"}]})
+    items = input_items(req)
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "a"}] and items[0]["id"].startswith("msg")
+    assert items[2]["id"].startswith("fc") and items[3]["id"] == "fco_mine"
+    assert all(i["status"] == "completed" for i in items)
+    assert input_items(ResponsesRequest.model_validate({"input": "hi"}))[0]["content"] == [
+        {"type": "input_text", "text": "hi"}]
+    ids = [i["id"] for i in items]
+    page = items_page(items, None, 3, "desc")  # newest first, as OpenAI lists them by default
+    assert [i["id"] for i in page["data"]] == ids[::-1][:3] and page["has_more"]
+    assert page["first_id"] == ids[3] and page["last_id"] == ids[1]
+    rest = items_page(items, page["last_id"], 3, "desc")
+    assert [i["id"] for i in rest["data"]] == [ids[0]] and not rest["has_more"]
+    assert [i["id"] for i in items_page(items, None, 20, "asc")["data"]] == ids
+    assert items_page(items, ids[3], 5, "asc")["data"] == [] and items_page([], None, 5, "asc")["first_id"] is None
+    with pytest.raises(APIError) as e:
+        items_page(items, "msg_unknown", 5, "asc")
+    assert e.value.status == 400 and e.value.param == "after"

@@ -137,6 +137,22 @@ def test_previous_response_id_continues_the_stored_conversation(openai_client):
     assert third.usage.input_tokens > chained.usage.input_tokens + chained.usage.output_tokens
 
 
+def test_input_items_list_a_stored_responses_input(openai_client, http):
+    """`responses.input_items.list` pages through the stored response's own input items, newest first
+    by default, each with an id (the SDK follows `has_more` / `after` across pages)."""
+    turns = [{"role": "user", "content": f"Turn {i}."} for i in range(5)]
+    r = openai_client.responses.create(model=MODEL_ID, input=turns, max_output_tokens=2, temperature=0)
+    listed = list(openai_client.responses.input_items.list(r.id, limit=2))  # three pages
+    assert [item.content[0].text for item in listed] == [f"Turn {i}." for i in range(4, -1, -1)]
+    assert len({item.id for item in listed}) == 5 and all(item.type == "message" for item in listed)
+    asc = openai_client.responses.input_items.list(r.id, order="asc", limit=100)
+    assert [item.id for item in asc.data] == [item.id for item in reversed(listed)] and not asc.has_more
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_nope", "after")):
+        bad = http.get(f"/v1/responses/{r.id}/input_items?{query}")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    assert http.get("/v1/responses/resp_nope/input_items").status_code == 404
+
+
 def test_deleted_and_unstored_responses_are_not_found(openai_client):
     r = openai_client.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=4, temperature=0)
     deleted = openai_client.responses.delete(r.id)

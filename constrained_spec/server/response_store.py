@@ -1,7 +1,8 @@
 """Stored Responses (`store`, on by default as in OpenAI's API): each stored response's object, for
-``GET /v1/responses/{id}``, and the conversation it ends, for a later request's
-`previous_response_id`: the chat turns it was given (the previous conversation's, then its own
-input; never its instructions, which OpenAI does not carry over) and its output as assistant turns.
+``GET /v1/responses/{id}``; the conversation it ends, for a later request's `previous_response_id`:
+the chat turns it was given (the previous conversation's, then its own input; never its
+instructions, which OpenAI does not carry over) and its output as assistant turns; and its input
+items as the Responses API lists them (``GET /v1/responses/{id}/input_items``).
 
 In memory, bounded: beyond `max_responses` entries or `max_bytes` of their JSON, the least recently
 used go first. A restart forgets them all. With several front-end processes the store lives in the
@@ -33,8 +34,8 @@ class ResponseStore:
         """For /metrics: how many responses are stored, and the bytes of their JSON."""
         return {"responses": len(self._entries), "bytes": self._bytes}
 
-    def put(self, response_id: str, response: dict, messages: list[dict]) -> None:
-        blob = orjson.dumps([response, messages])
+    def put(self, response_id: str, response: dict, messages: list[dict], items: list[dict] = ()) -> None:
+        blob = orjson.dumps([response, messages, list(items)])
         with self._lock:
             self._drop(response_id)
             if len(blob) > self.max_bytes:
@@ -44,23 +45,23 @@ class ResponseStore:
             while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
                 self._drop(next(iter(self._entries)))
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        """(the response object, the conversation it ends), or None."""
+    def get(self, response_id: str) -> tuple[dict, list[dict], list[dict]] | None:
+        """(the response object, the conversation it ends, its input items), or None."""
         with self._lock:
             blob = self._entries.get(response_id)
             if blob is None:
                 return None
             self._entries.move_to_end(response_id)
-        response, messages = orjson.loads(blob)
-        return response, messages
+        response, messages, items = orjson.loads(blob)
+        return response, messages, items
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
             return self._drop(response_id)
 
     def call(self, op: str, response_id: str, value=None):
-        """One operation by name, as a front-end's call names it: put (value: (response, messages)),
-        get or delete."""
+        """One operation by name, as a front-end's call names it: put (value: (response, messages,
+        items)), get or delete."""
         if op == "put":
             return self.put(response_id, *value)
         if op == "get":

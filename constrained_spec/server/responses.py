@@ -104,6 +104,37 @@ def conversation(history: list[dict], req: ResponsesRequest, output: list[dict])
     return list(history) + input_messages(req) + [_message(item, "output") for item in output]
 
 
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's `input` as the Responses API lists a response's input items: each with an id
+    (its own, or a new one) and a status, a message's text content as parts."""
+    given = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+        out = {**item, "type": kind, "id": item.get("id") or new_id(prefix), "status": item.get("status", "completed")}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": item["content"]}]
+        items.append(out)
+    return items
+
+
+def items_page(items: list[dict], after: str | None, limit: int, order: str) -> dict:
+    """One page of a stored response's input items, as ``GET /v1/responses/{id}/input_items``
+    answers: `order` asc (as given) or desc (newest first), from the item after `after`."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"no input item '{after}' in this response", param="after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
+
+
 def input_messages(req: ResponsesRequest) -> list[dict]:
     """The request's `input` as chat messages."""
     if isinstance(req.input, str):

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from . import responses
-from .errors import APIError
+from .errors import APIError, bad_request
 from .generation import Generation, SSEResponse, finish_str
 from .json_io import json_response, read_json
 from .protocol import ChatCompletionRequest, new_id
@@ -65,13 +65,21 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
     async def get_response(response_id: str):
         return json_response((await stored(response_id, "response_id"))[0])
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"):
+        if not 1 <= limit <= 100:
+            raise bad_request("limit must be between 1 and 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", param="order")
+        return json_response(responses.items_page((await stored(response_id, "response_id"))[2], after, limit, order))
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         if not await service.stored_responses("delete", response_id):
             raise not_found(response_id, "response_id")
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
-    async def stored(response_id: str, param: str) -> tuple[dict, list[dict]]:
+    async def stored(response_id: str, param: str) -> tuple[dict, list[dict], list[dict]]:
         found = await service.stored_responses("get", response_id)
         if found is None:
             raise not_found(response_id, param)
@@ -83,8 +91,8 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         if not rreq.store:
             return
         try:
-            await service.stored_responses(
-                "put", response["id"], (response, responses.conversation(history, rreq, response["output"])))
+            await service.stored_responses("put", response["id"], (
+                response, responses.conversation(history, rreq, response["output"]), responses.input_items(rreq)))
         except Exception:
             log.exception("storing response %s failed", response["id"])
 
