@@ -1,49 +1,47 @@
 """The stored Responses (`server/response_store.py`): kept, found and deleted by id, bounded by
-count and by bytes with the least recently used dropped first."""
+count and by bytes with the least recently used dropped first; the input items a stored response
+lists (`responses.input_items`, `items_page`)."""
 from __future__ import annotations
 
 import pytest
 
 from constrained_spec.server.response_store import ResponseStore
 
-MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 
 
 def test_put_get_delete_by_id():
     store = ResponseStore()
-    store.put("resp_a", {"id": "resp_a", "output": []}, MESSAGES)
-    assert store.get("resp_a") == ({"id": "resp_a", "output": []}, MESSAGES, [])
-    assert store.get("resp_b") is None
+    store.put("resp_a", b"[1]")
+    assert store.get("resp_a") == b"[1]" and store.get("resp_b") is None
     assert store.delete("resp_a") and not store.delete("resp_a")
     assert store.get("resp_a") is None and len(store) == 0
 
 
 def test_oldest_unused_go_first_past_the_count():
     store = ResponseStore(max_responses=2)
-    store.put("a", {"id": "a"}, [])
-    store.put("b", {"id": "b"}, [])
+    store.put("a", b"a")
+    store.put("b", b"b")
     assert store.get("a") is not None  # used: b is now the least recently used
-    store.put("c", {"id": "c"}, [])
+    store.put("c", b"c")
     assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
 
 
 def test_bounded_by_bytes():
     store = ResponseStore(max_bytes=400)
-    big = [{"role": "user", "content": "x" * 150}]
     for name in "abc":
-        store.put(name, {"id": name}, big)
-    assert store.get("a") is None and store.get("c") is not None
-    assert store._bytes <= 400
-    store.put("huge", {"id": "huge"}, [{"role": "user", "content": "x" * 1000}])  # larger than the store
-    assert store.get("huge") is None and store.get("c") is not None
-    store.put("c", {"id": "c"}, [])  # replacing an entry counts its new size only
-    assert store._bytes == sum(len(b) for b in store._entries.values())
+        store.put(name, b"x" * 150)
+    assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None
+    assert store.snapshot() == {"responses": 2, "bytes": 300}
+    store.put("huge", b"x" * 1000)  # larger than the store: not kept, and nothing else dropped for it
+    assert store.get("huge") is None and store.snapshot() == {"responses": 2, "bytes": 300}
+    store.put("c", b"x" * 10)  # replacing an entry counts its new size only
+    assert store.snapshot() == {"responses": 2, "bytes": 160}
 
 
 def test_call_by_name():
     store = ResponseStore()
-    store.call("put", "r", ({"id": "r"}, MESSAGES, [{"type": "message", "id": "msg_1"}]))
-    assert store.call("get", "r") == ({"id": "r"}, MESSAGES, [{"type": "message", "id": "msg_1"}])
+    store.call("put", "r", b"[]")
+    assert store.call("get", "r") == b"[]"
     assert store.call("delete", "r") is True
     with pytest.raises(ValueError, match="unknown response store operation"):
         store.call("list", "r")

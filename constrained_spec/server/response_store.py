@@ -14,8 +14,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import orjson
-
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_BYTES = 256 * 2**20
 
@@ -23,7 +21,7 @@ DEFAULT_MAX_BYTES = 256 * 2**20
 class ResponseStore:
     def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, max_bytes: int = DEFAULT_MAX_BYTES):
         self.max_responses, self.max_bytes = max_responses, max_bytes
-        self._entries: OrderedDict[str, bytes] = OrderedDict()  # id -> JSON of [response, messages]
+        self._entries: OrderedDict[str, bytes] = OrderedDict()  # id -> JSON of [response, messages, items]
         self._bytes = 0
         self._lock = threading.Lock()  # the engine process's connection threads share one store
 
@@ -34,8 +32,9 @@ class ResponseStore:
         """For /metrics: how many responses are stored, and the bytes of their JSON."""
         return {"responses": len(self._entries), "bytes": self._bytes}
 
-    def put(self, response_id: str, response: dict, messages: list[dict], items: list[dict] = ()) -> None:
-        blob = orjson.dumps([response, messages, list(items)])
+    def put(self, response_id: str, blob: bytes) -> None:
+        """Keeps a response's JSON (`[response, messages, items]`, encoded by the front-end: the
+        engine process, whose engine thread needs the GIL, only moves bytes)."""
         with self._lock:
             self._drop(response_id)
             if len(blob) > self.max_bytes:
@@ -45,25 +44,22 @@ class ResponseStore:
             while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
                 self._drop(next(iter(self._entries)))
 
-    def get(self, response_id: str) -> tuple[dict, list[dict], list[dict]] | None:
-        """(the response object, the conversation it ends, its input items), or None."""
+    def get(self, response_id: str) -> bytes | None:
         with self._lock:
             blob = self._entries.get(response_id)
-            if blob is None:
-                return None
-            self._entries.move_to_end(response_id)
-        response, messages, items = orjson.loads(blob)
-        return response, messages, items
+            if blob is not None:
+                self._entries.move_to_end(response_id)
+            return blob
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
             return self._drop(response_id)
 
     def call(self, op: str, response_id: str, value=None):
-        """One operation by name, as a front-end's call names it: put (value: (response, messages,
-        items)), get or delete."""
+        """One operation by name, as a front-end's call names it: put (value: the JSON bytes), get
+        or delete."""
         if op == "put":
-            return self.put(response_id, *value)
+            return self.put(response_id, value)
         if op == "get":
             return self.get(response_id)
         if op == "delete":

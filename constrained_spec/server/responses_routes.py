@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
@@ -80,10 +81,11 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def stored(response_id: str, param: str) -> tuple[dict, list[dict], list[dict]]:
-        found = await service.stored_responses("get", response_id)
-        if found is None:
+        """(the response object, the conversation it ends, its input items)."""
+        blob = await service.stored_responses("get", response_id)
+        if blob is None:
             raise not_found(response_id, param)
-        return found
+        return tuple(orjson.loads(blob))
 
     async def store(rreq, history: list[dict], response: dict) -> None:
         """Keeps a finished response and the conversation it ends (unless `store` is false). The
@@ -91,8 +93,9 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         if not rreq.store:
             return
         try:
-            await service.stored_responses("put", response["id"], (
-                response, responses.conversation(history, rreq, response["output"]), responses.input_items(rreq)))
+            blob = orjson.dumps([response, responses.conversation(history, rreq, response["output"]),
+                                 responses.input_items(rreq)])
+            await service.stored_responses("put", response["id"], blob)
         except Exception:
             log.exception("storing response %s failed", response["id"])
 
