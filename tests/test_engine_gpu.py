@@ -153,7 +153,8 @@ def test_prefill_graphs_match_eager(engines):
     launch, launch_sample = graphs.launch_prefill, graphs.launch_sample
     graphs.launch_prefill = lambda *a: replays.append((len(a[0]), len(a[1]))) or launch(*a)
     tails = []  # (source, masked) of each sample tail replayed
-    graphs.launch_sample = lambda step, masked, *a: tails.append((step.source, masked)) or launch_sample(step, masked, *a)
+    graphs.launch_sample = lambda step, masked, *a: (tails.append((step.source, masked))
+                                                     or launch_sample(step, masked, *a))
     grammar = GrammarSpec.json_schema(SCHEMA)
     batched = prompts(eng, 12) + [long]
 

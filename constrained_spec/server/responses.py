@@ -3,9 +3,10 @@ request it means (instructions as the system turn, `input` as the turns, `text.f
 `response_format`, function tools as chat tools), runs as one, and its answer is written back as
 a Response object, or streamed as Responses events (`response.created` ... `response.completed`).
 
-Responses are stored unless `store` is false (`response_store.py`): `previous_response_id` continues
-a stored one's conversation. No built-in tools (a 400 names the field). The chat route's extension fields (regex, ebnf, choice, grammar_backend, seed, stop, top_k
-and the rest) pass through as they are.
+Responses are stored unless `store` is false (`response_store.py`): `previous_response_id`
+continues a stored one's conversation. No built-in tools (a 400 names the field). The chat route's
+extension fields (regex, ebnf, choice, grammar_backend, seed, stop, top_k and the rest) pass
+through as they are.
 """
 from __future__ import annotations
 
