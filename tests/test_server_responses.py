@@ -137,6 +137,17 @@ def test_previous_response_id_continues_the_stored_conversation(openai_client):
     assert third.usage.input_tokens > chained.usage.input_tokens + chained.usage.output_tokens
 
 
+def test_a_chained_turn_finds_the_conversation_in_the_prefix_cache(openai_client):
+    """previous_response_id rebuilds the conversation through the chat template; its earlier prompt
+    and answer come back token for token, so the prefix cache serves them (all but the last token)."""
+    first = openai_client.responses.create(model=MODEL_ID, input="Name three colors.", max_output_tokens=12,
+                                           temperature=0)
+    chained = openai_client.responses.create(model=MODEL_ID, previous_response_id=first.id,
+                                             input="And three fruits?", max_output_tokens=4, temperature=0)
+    cached = chained.usage.input_tokens_details.cached_tokens
+    assert cached >= first.usage.input_tokens + first.usage.output_tokens - 2, (cached, first.usage)
+
+
 def test_input_items_list_a_stored_responses_input(openai_client, http):
     """`responses.input_items.list` pages through the stored response's own input items, newest first
     by default, each with an id (the SDK follows `has_more` / `after` across pages)."""
