@@ -1,7 +1,7 @@
 """The JSON-schema rewrites for llguidance (`grammar/llguidance_schema.py`): a `oneOf` whose branches
-cannot share a JSON type becomes `anyOf`, and `format` values no draft defines and empty `dependencies`
-are dropped, so llguidance takes schemas it used to refuse (they went to xgrammar, compiling in
-seconds). The rewrites must leave the language alone: unit cases, then random token walks through
+cannot share a JSON type becomes `anyOf`, `format` values no draft defines and empty `dependencies`
+are dropped, and property dependencies become `allOf` entries, so llguidance takes schemas it used
+to refuse (they went to xgrammar, compiling in seconds, or were refused). The rewrites must leave the language alone: unit cases, then random token walks through
 the real dev schemas they concern (SmolLM2 tokenizer, no model), every completed walk valid for the
 ORIGINAL schema."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 from constrained_spec.grammar.llguidance_schema import (STANDARD_FORMATS, one_of_by_type_as_any_of,
-                                                        without_inert_keywords)
+                                                        required_dependencies_as_all_of, without_inert_keywords)
 from test_grammar_soundness import special_ids, validation_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +90,51 @@ def test_empty_dependencies_are_dropped_and_properties_named_so_kept():
     assert out["$defs"] == {"dependencies": {}}
 
 
+def test_property_dependencies_become_all_of_any_of():
+    either = lambda a, *deps: {"anyOf": [{"properties": {a: False}}, {"required": [*deps, a]}]}
+    schema = {"type": "object", "dependentRequired": {"a": ["b", "a"]}, "allOf": [{"type": "object"}],
+              "properties": {"dependencies": {"type": "string"}, "o": {"dependencies": {"x": ["y"], "z": []}}},
+              "default": {"dependencies": {"q": ["r"]}}}
+    before = copy.deepcopy(schema)
+    out = required_dependencies_as_all_of(schema)
+    assert schema == before and "dependentRequired" not in out
+    assert out["allOf"] == [{"type": "object"}, either("a", "b")]  # appended; a name does not depend on itself
+    assert out["properties"]["dependencies"] == {"type": "string"}  # a property named so keeps its schema
+    assert out["properties"]["o"] == {"allOf": [either("x", "y"), either("z")]}
+    # required names in their declared order, where declared
+    declared = required_dependencies_as_all_of({"properties": {"b": {}, "a": {}}, "dependentRequired": {"b": ["c", "a"]}})
+    assert declared["allOf"] == [{"anyOf": [{"properties": {"b": False}}, {"required": ["b", "a", "c"]}]}]
+    assert out["default"] == before["default"]  # data
+    # a subschema dependency stays (llguidance refuses it, as before); so does a malformed allOf
+    kept = [{"dependencies": {"a": ["b"], "c": {"required": ["d"]}}}, {"dependentRequired": {"a": ["b"]}, "allOf": {}},
+            {"dependencies": {"a": "b"}}]
+    for s in kept:
+        assert required_dependencies_as_all_of(s) == s
+
+
+def test_a_property_dependency_is_enforced(tokenizer):
+    """`a` present needs `b`: an object with `a` alone cannot close, with both it can, and one
+    without `a` can (llguidance, via auto, where it used to be refused)."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#",  # whose `dependencies` a validator checks
+              "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                               "c": {"type": "integer"}},
+              "dependencies": {"a": ["b"]}, "additionalProperties": False}
+    b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=1)
+    try:
+        compiled = b.compile(GrammarSpec.json_schema(schema))
+        assert compiled.backend == "llguidance"
+        # (the grammar writes properties in their declared order)
+        for text, ok in (('{"a": 1, "b": 2}', True), ('{"a": 1, "b": 2, "c": 3}', True), ('{"c": 3}', True),
+                         ("{}", True), ('{"a": 1}', False), ('{"a": 1, "c": 3}', False)):
+            m = b.matcher(compiled)
+            toks = tokenizer.encode(text, add_special_tokens=False)
+            took = m.accept_tokens(toks)
+            assert (took == len(toks) and m.can_terminate()) == ok, text
+            assert validation_error(schema, text) is None if ok else validation_error(schema, text), text
+    finally:
+        b.close()
+
+
 def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
     b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=1)
     try:
@@ -109,7 +154,8 @@ def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
 def concerned(row) -> bool:
     """A dev schema the rewrites change."""
     s = row["schema"]
-    return one_of_by_type_as_any_of(s) != s or without_inert_keywords(s) != s
+    return (one_of_by_type_as_any_of(s) != s or without_inert_keywords(s) != s
+            or required_dependencies_as_all_of(s) != s)
 
 
 def walk(matcher, never: np.ndarray, short: np.ndarray, vocab_bytes: list, rng: random.Random, max_steps: int = 300):

@@ -7,7 +7,9 @@ JSON type into `anyOf` (`one_of_by_type_as_any_of`; llguidance refuses a `oneOf`
 disjoint, and proves this kind only sometimes), and drop what constrains nothing yet llguidance
 refuses: `format` values that no JSON Schema draft defines (annotations) and empty `dependencies`
 (`without_inert_keywords`). Without the last two, such schemas went to xgrammar and compiled in
-seconds instead of a millisecond. Every rewrite leaves `enum`, `const`, `default` and `examples`
+seconds instead of a millisecond. Property dependencies ("if a is present, b and c are too"), which
+llguidance does not take and xgrammar ignores, become an `allOf` of two-way `anyOf`s that say the
+same (`required_dependencies_as_all_of`). Every rewrite leaves `enum`, `const`, `default` and `examples`
 values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
@@ -27,7 +29,8 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
         schema = close_objects(schema)
     schema = formats_as_patterns(schema)
     schema = one_of_by_type_as_any_of(schema)
-    return without_inert_keywords(schema)
+    # after close_objects: the `allOf` it adds would leave a strict object open
+    return required_dependencies_as_all_of(without_inert_keywords(schema))
 
 
 def close_objects(schema: Any) -> Any:
@@ -173,6 +176,43 @@ def without_inert_keywords(schema: Any) -> Any:
         else:
             out[k] = without_inert_keywords(v)
     return out
+
+
+def required_dependencies_as_all_of(schema: Any) -> Any:
+    """The schema with each property dependency (`dependentRequired`, or a `dependencies` whose
+    values are all name lists) written as `allOf` entries llguidance takes: "a absent, or a and its
+    dependents present", `{"anyOf": [{"properties": {a: false}}, {"required": [..., a]}]}`. Exact for
+    every instance (neither branch constrains a non-object). A `dependencies` with a subschema value
+    stays as it is (llguidance refuses it)."""
+    if isinstance(schema, list):
+        return [required_dependencies_as_all_of(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out, entries = {}, []
+    for k, v in schema.items():
+        if k in DATA_KEYWORDS:
+            out[k] = v
+        elif k in ("dependentRequired", "dependencies") and _property_dependencies(v, schema):
+            declared = list(schema["properties"]) if isinstance(schema.get("properties"), dict) else []
+            for name, names in v.items():
+                # the order llguidance writes required names in: the declared one, then the
+                # dependents before the name (as instances tend to list them)
+                required = sorted([*(n for n in names if n != name), name],
+                                  key=lambda n: declared.index(n) if n in declared else len(declared))
+                entries.append({"anyOf": [{"properties": {name: False}}, {"required": required}]})
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: required_dependencies_as_all_of(sub) for name, sub in v.items()}
+        else:
+            out[k] = required_dependencies_as_all_of(v)
+    if entries:
+        out["allOf"] = [*out.get("allOf", []), *entries]
+    return out
+
+
+def _property_dependencies(v: Any, schema: dict) -> bool:
+    """Whether `v` maps names to name lists only, in a schema whose `allOf`, if any, is a list."""
+    return isinstance(v, dict) and bool(v) and isinstance(schema.get("allOf", []), list) and all(
+        isinstance(names, list) and all(isinstance(n, str) for n in names) for names in v.values())
 
 
 def one_of_by_type_as_any_of(schema: Any) -> Any:
