@@ -1,7 +1,7 @@
 """The JSON-schema rewrites for llguidance (`grammar/llguidance_schema.py`): a `oneOf` whose branches
 cannot share a JSON type becomes `anyOf`, `format` values no draft defines and empty `dependencies`
-are dropped, and property dependencies become `allOf` entries, so llguidance takes schemas it used
-to refuse (they went to xgrammar, compiling in seconds, or were refused). The rewrites must leave the language alone: unit cases, then random token walks through
+are dropped, property dependencies become `allOf` entries and a `oneOf` of required property sets an
+`anyOf`, so llguidance takes schemas it used to refuse (they went to xgrammar, compiling in seconds, or were refused). The rewrites must leave the language alone: unit cases, then random token walks through
 the real dev schemas they concern (SmolLM2 tokenizer, no model), every completed walk valid for the
 ORIGINAL schema."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 from constrained_spec.grammar.llguidance_schema import (STANDARD_FORMATS, one_of_by_type_as_any_of,
+                                                        one_of_required_sets_as_any_of,
                                                         required_dependencies_as_all_of, without_inert_keywords)
 from test_grammar_soundness import special_ids, validation_error
 
@@ -135,6 +136,47 @@ def test_a_property_dependency_is_enforced(tokenizer):
         b.close()
 
 
+def test_one_of_required_sets_becomes_any_of():
+    absent = lambda n: {"properties": {n: False}}
+    two = one_of_required_sets_as_any_of({"type": "object", "oneOf": [
+        {"required": ["length", "width"], "description": "a rectangle"}, {"required": ["radius"]}]})
+    assert "oneOf" not in two and two["anyOf"] == [
+        {"type": "object", "required": ["length", "width"], "allOf": [absent("radius")]},
+        {"type": "object", "required": ["radius"], "allOf": [{"anyOf": [absent("length"), absent("width")]}]}]
+    # a set that holds another can never match alone: it goes; shared names are not asked absent
+    three = one_of_required_sets_as_any_of({"oneOf": [{"required": ["a"]}, {"required": ["a", "b"]},
+                                                      {"required": ["b", "c"]}]})
+    assert three["anyOf"] == [
+        {"type": "object", "required": ["a"], "allOf": [absent("b"), {"anyOf": [absent("b"), absent("c")]}]},
+        {"type": "object", "required": ["b", "c"], "allOf": [absent("a")]}]
+    nested = one_of_required_sets_as_any_of({"items": {"oneOf": [{"required": ["x"]}, {"required": ["y"]}]}})
+    assert "anyOf" in nested["items"]
+    for kept in ({"oneOf": [{"required": ["x"]}]}, {"oneOf": [{"required": ["x"]}, {"required": ["y"], "type": "object"}]},
+                 {"oneOf": [{"required": ["x"]}, {"required": ["y"]}], "anyOf": [{}]},
+                 {"enum": [{"oneOf": [{"required": ["x"]}, {"required": ["y"]}]}]}):
+        assert one_of_required_sets_as_any_of(kept) == kept
+
+
+def test_one_of_required_sets_is_enforced(tokenizer):
+    """Exactly one of the two property sets: either alone closes, both or neither do not, and a
+    validator agrees (llguidance, via auto, where it used to be refused)."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+              "properties": {"length": {"type": "integer"}, "width": {"type": "integer"}, "radius": {"type": "integer"}},
+              "oneOf": [{"required": ["length", "width"]}, {"required": ["radius"]}]}
+    b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=1)
+    try:
+        compiled = b.compile(GrammarSpec.json_schema(schema))
+        assert compiled.backend == "llguidance"
+        for text, ok in (('{"length": 1, "width": 2}', True), ('{"radius": 3}', True), ('{"length": 1, "radius": 3}', True),
+                         ('{"length": 1, "width": 2, "radius": 3}', False), ('{"length": 1}', False), ("{}", False)):
+            m = b.matcher(compiled)
+            toks = tokenizer.encode(text, add_special_tokens=False)
+            assert (m.accept_tokens(toks) == len(toks) and m.can_terminate()) == ok, text
+            assert (validation_error(schema, text) is None) == ok, text
+    finally:
+        b.close()
+
+
 def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
     b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=1)
     try:
@@ -155,7 +197,7 @@ def concerned(row) -> bool:
     """A dev schema the rewrites change."""
     s = row["schema"]
     return (one_of_by_type_as_any_of(s) != s or without_inert_keywords(s) != s
-            or required_dependencies_as_all_of(s) != s)
+            or required_dependencies_as_all_of(s) != s or one_of_required_sets_as_any_of(s) != s)
 
 
 def walk(matcher, never: np.ndarray, short: np.ndarray, vocab_bytes: list, rng: random.Random, max_steps: int = 300):

@@ -9,7 +9,8 @@ refuses: `format` values that no JSON Schema draft defines (annotations) and emp
 (`without_inert_keywords`). Without the last two, such schemas went to xgrammar and compiled in
 seconds instead of a millisecond. Property dependencies ("if a is present, b and c are too"), which
 llguidance does not take and xgrammar ignores, become an `allOf` of two-way `anyOf`s that say the
-same (`required_dependencies_as_all_of`). Every rewrite leaves `enum`, `const`, `default` and `examples`
+same (`required_dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length
+and width, or radius", `one_of_required_sets_as_any_of`). Every rewrite leaves `enum`, `const`, `default` and `examples`
 values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
@@ -29,8 +30,9 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
         schema = close_objects(schema)
     schema = formats_as_patterns(schema)
     schema = one_of_by_type_as_any_of(schema)
-    # after close_objects: the `allOf` it adds would leave a strict object open
-    return required_dependencies_as_all_of(without_inert_keywords(schema))
+    # after close_objects: the `allOf` it adds would leave a strict object open, and it would close
+    # the `{"properties": {name: false}}` branches these two add
+    return one_of_required_sets_as_any_of(required_dependencies_as_all_of(without_inert_keywords(schema)))
 
 
 def close_objects(schema: Any) -> Any:
@@ -207,6 +209,62 @@ def required_dependencies_as_all_of(schema: Any) -> Any:
     if entries:
         out["allOf"] = [*out.get("allOf", []), *entries]
     return out
+
+
+def one_of_required_sets_as_any_of(schema: Any) -> Any:
+    """The schema with each `oneOf` whose branches only require property sets ("length and width, or
+    radius") written as the `anyOf` that says the same, which llguidance takes: branch i is an
+    object with its names present and, for every other branch j, one of j's other names absent (a
+    branch whose names include another's can never match alone, and goes). A `oneOf` beside an
+    `anyOf` stays."""
+    if isinstance(schema, list):
+        return [one_of_required_sets_as_any_of(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in DATA_KEYWORDS:
+            out[k] = v
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: one_of_required_sets_as_any_of(sub) for name, sub in v.items()}
+        else:
+            out[k] = one_of_required_sets_as_any_of(v)
+    sets = _required_sets(schema.get("oneOf"))
+    if sets is not None and "anyOf" not in schema:
+        del out["oneOf"]
+        out["anyOf"] = [_alone(i, sets) for i in range(len(sets)) if not any(
+            j != i and set(sets[j]) <= set(sets[i]) for j in range(len(sets)))]
+    return out
+
+
+def _required_sets(branches: Any) -> list[list[str]] | None:
+    """The name lists of a `oneOf` of two or more branches that hold only `required` (and notes)."""
+    if not isinstance(branches, list) or len(branches) < 2:
+        return None
+    sets = []
+    for b in branches:
+        if not isinstance(b, dict) or set(b) - {"required", "description", "title", "$comment"} or not (
+                isinstance(b.get("required"), list) and all(isinstance(n, str) for n in b["required"])):
+            return None
+        sets.append(b["required"])
+    return sets
+
+
+def _alone(i: int, sets: list[list[str]]) -> dict:
+    """Branch i of a `oneOf` of required sets, matching no other: an object with its names, and for
+    each other set one of its names (not in this set) absent. (Without `type`, a non-object would
+    match every branch, which a `oneOf` of two or more refuses.)"""
+    branch = {"type": "object", "required": sets[i]}
+    others = []
+    for j, names in enumerate(sets):
+        if j != i:
+            absent = [{"properties": {n: False}} for n in names if n not in sets[i]]
+            one = absent[0] if len(absent) == 1 else {"anyOf": absent}
+            if one not in others:
+                others.append(one)
+    if others:
+        branch["allOf"] = others
+    return branch
 
 
 def _property_dependencies(v: Any, schema: dict) -> bool:
