@@ -350,6 +350,23 @@ def test_formats_as_patterns_rewrites_only_format_keywords():
     assert schema["properties"]["format"]["format"] == "date"  # the input is not changed
 
 
+def test_formats_llguidance_lacks_become_the_narrower_ones_it_has(backend, tokenizer):
+    """`iri` and `idn-email` hold every `uri` and `email`: served by llguidance as those (where both
+    refused them), and every answer a URI, so an IRI; `idn-hostname` stays refused."""
+    from constrained_spec.grammar.llguidance_schema import formats_as_patterns
+    assert formats_as_patterns({"format": "iri"}) == {"format": "uri"}
+    assert formats_as_patterns({"format": "idn-email"}) == {"format": "email"}
+    assert formats_as_patterns({"format": "idn-hostname"}) == {"format": "idn-hostname"}
+    compiled = backend.compile(GrammarSpec.json_schema({"type": "string", "format": "iri"}))
+    assert compiled.backend == "llguidance"
+    for text, ok in (('"https://example.com/a?b=1"', True), ('"not a uri"', False)):
+        m = backend.matcher(compiled)
+        toks = ids(tokenizer, text)
+        assert (m.accept_tokens(toks) == len(toks) and m.can_terminate()) == ok, text
+    with pytest.raises(GrammarError):
+        backend.compile(GrammarSpec.json_schema({"type": "string", "format": "idn-hostname"}))
+
+
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar", "auto"])
 def test_a_grammar_that_accepts_nothing_is_refused(backend, name):
     """Its first mask would hold no token but a stop token its matcher refuses (llguidance) or none at

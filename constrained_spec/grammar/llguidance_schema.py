@@ -2,7 +2,7 @@
 
 `for_llguidance` runs them in order: refuse what the grammar could not write (`check_writable`),
 close objects as OpenAI's `strict` does (`close_objects`), write the date formats as the exact
-patterns the normalizer uses (`formats_as_patterns`), turn a `oneOf` whose branches cannot share a
+patterns the normalizer uses and `iri` / `idn-email` as the narrower `uri` / `email` (`formats_as_patterns`), turn a `oneOf` whose branches cannot share a
 JSON type into `anyOf` (`one_of_by_type_as_any_of`; llguidance refuses a `oneOf` it cannot prove
 disjoint, and proves this kind only sometimes), and drop what constrains nothing yet llguidance
 refuses: `format` values that no JSON Schema draft defines (annotations) and empty `dependencies`
@@ -124,9 +124,16 @@ def check_writable(schema: Any, path: str) -> None:
 _PATTERN_FORMATS = {name: FORMAT_PATTERNS[name] for name in ("date", "date-time", "time")}
 
 
+# formats llguidance lacks whose language holds that of one it has: every URI is an IRI (RFC 3987),
+# every email address an internationalized one (RFC 6531). Narrower, so every answer stays valid.
+# (Not idn-hostname: a hostname's "xn--" label need not be valid punycode, which an IDN must be.)
+_NARROWER_FORMATS = {"iri": "uri", "idn-email": "email"}
+
+
 def formats_as_patterns(schema: Any) -> Any:
     """The schema with each string `format` of _PATTERN_FORMATS written as its `pattern` (where the
-    subschema has no pattern of its own, which llguidance could not intersect with it)."""
+    subschema has no pattern of its own, which llguidance could not intersect with it), and each of
+    _NARROWER_FORMATS as the narrower format llguidance has."""
     if isinstance(schema, list):
         return [formats_as_patterns(v) for v in schema]
     if not isinstance(schema, dict):
@@ -138,6 +145,8 @@ def formats_as_patterns(schema: Any) -> Any:
     if isinstance(fmt, str) and fmt in _PATTERN_FORMATS and "pattern" not in out:
         del out["format"]
         out["pattern"] = _PATTERN_FORMATS[fmt]
+    elif isinstance(fmt, str) and fmt in _NARROWER_FORMATS:
+        out["format"] = _NARROWER_FORMATS[fmt]
     return out
 
 
