@@ -170,23 +170,12 @@ DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
 def without_inert_keywords(schema: Any) -> Any:
     """The schema without what constrains no instance and llguidance refuses: a `format` no draft
     defines (`STANDARD_FORMATS`) and an empty `dependencies` (`dependentRequired`, `dependentSchemas`)."""
-    if isinstance(schema, list):
-        return [without_inert_keywords(v) for v in schema]
     if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k == "format" and isinstance(v, str) and v not in STANDARD_FORMATS:
-            continue
-        if k in DEPENDENCY_KEYWORDS and v == {}:
-            continue
-        if k in DATA_KEYWORDS:
-            out[k] = v
-        elif k in SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: without_inert_keywords(sub) for name, sub in v.items()}
-        else:
-            out[k] = without_inert_keywords(v)
-    return out
+        return _each(schema, without_inert_keywords)
+    kept = {k: v for k, v in schema.items()
+            if not (k == "format" and isinstance(v, str) and v not in STANDARD_FORMATS)
+            and not (k in DEPENDENCY_KEYWORDS and v == {})}
+    return _subschemas_rewritten(kept, without_inert_keywords)
 
 
 def required_dependencies_as_all_of(schema: Any) -> Any:
@@ -195,26 +184,21 @@ def required_dependencies_as_all_of(schema: Any) -> Any:
     dependents present", `{"anyOf": [{"properties": {a: false}}, {"required": [..., a]}]}`. Exact for
     every instance (neither branch constrains a non-object). A `dependencies` with a subschema value
     stays as it is (llguidance refuses it)."""
-    if isinstance(schema, list):
-        return [required_dependencies_as_all_of(v) for v in schema]
     if not isinstance(schema, dict):
-        return schema
-    out, entries = {}, []
-    for k, v in schema.items():
-        if k in DATA_KEYWORDS:
-            out[k] = v
-        elif k in ("dependentRequired", "dependencies") and _property_dependencies(v, schema):
-            declared = list(schema["properties"]) if isinstance(schema.get("properties"), dict) else []
-            for name, names in v.items():
-                # the order llguidance writes required names in: the declared one, then the
-                # dependents before the name (as instances tend to list them)
-                required = sorted([*(n for n in names if n != name), name],
-                                  key=lambda n: declared.index(n) if n in declared else len(declared))
-                entries.append({"anyOf": [{"properties": {name: False}}, {"required": required}]})
-        elif k in SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: required_dependencies_as_all_of(sub) for name, sub in v.items()}
-        else:
-            out[k] = required_dependencies_as_all_of(v)
+        return _each(schema, required_dependencies_as_all_of)
+    out, entries = _subschemas_rewritten(schema, required_dependencies_as_all_of), []
+    declared = list(schema["properties"]) if isinstance(schema.get("properties"), dict) else []
+    for k in ("dependentRequired", "dependencies"):
+        v = schema.get(k)
+        if not _property_dependencies(v, schema):
+            continue
+        del out[k]
+        for name, names in v.items():
+            # the order llguidance writes required names in: the declared one, then the dependents
+            # before the name (as instances tend to list them)
+            required = sorted([*(n for n in names if n != name), name],
+                              key=lambda n: declared.index(n) if n in declared else len(declared))
+            entries.append({"anyOf": [{"properties": {name: False}}, {"required": required}]})
     if entries:
         out["allOf"] = [*out.get("allOf", []), *entries]
     return out
@@ -226,18 +210,9 @@ def one_of_required_sets_as_any_of(schema: Any) -> Any:
     object with its names present and, for every other branch j, one of j's other names absent (a
     branch whose names include another's can never match alone, and goes). A `oneOf` beside an
     `anyOf` stays."""
-    if isinstance(schema, list):
-        return [one_of_required_sets_as_any_of(v) for v in schema]
     if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k in DATA_KEYWORDS:
-            out[k] = v
-        elif k in SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: one_of_required_sets_as_any_of(sub) for name, sub in v.items()}
-        else:
-            out[k] = one_of_required_sets_as_any_of(v)
+        return _each(schema, one_of_required_sets_as_any_of)
+    out = _subschemas_rewritten(schema, one_of_required_sets_as_any_of)
     sets = _required_sets(schema.get("oneOf"))
     if sets is not None and "anyOf" not in schema:
         del out["oneOf"]
@@ -274,6 +249,25 @@ def _alone(i: int, sets: list[list[str]]) -> dict:
     if others:
         branch["allOf"] = others
     return branch
+
+
+def _each(schema: Any, rewrite) -> Any:
+    """A list's items rewritten; any other non-object as it is."""
+    return [rewrite(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def _subschemas_rewritten(schema: dict, rewrite) -> dict:
+    """The schema with `rewrite` applied under every keyword: data keywords' values stay as they
+    are, and a schema map's names are names (only its values are subschemas)."""
+    out = {}
+    for k, v in schema.items():
+        if k in DATA_KEYWORDS:
+            out[k] = v
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: rewrite(sub) for name, sub in v.items()}
+        else:
+            out[k] = rewrite(v)
+    return out
 
 
 def _property_dependencies(v: Any, schema: dict) -> bool:
