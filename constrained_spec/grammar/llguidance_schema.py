@@ -1,17 +1,19 @@
-"""JSON schemas rewritten for llguidance: the same language, in the form llguidance takes.
+"""JSON schemas rewritten for llguidance: the same language (for two formats a narrower one, so every
+answer stays valid), in the form llguidance takes.
 
 `for_llguidance` runs them in order: refuse what the grammar could not write (`check_writable`),
 close objects as OpenAI's `strict` does (`close_objects`), write the date formats as the exact
-patterns the normalizer uses and `iri` / `idn-email` as the narrower `uri` / `email` (`formats_as_patterns`), turn a `oneOf` whose branches cannot share a
-JSON type into `anyOf` (`one_of_by_type_as_any_of`; llguidance refuses a `oneOf` it cannot prove
-disjoint, and proves this kind only sometimes), and drop what constrains nothing yet llguidance
-refuses: `format` values that no JSON Schema draft defines (annotations) and empty `dependencies`
-(`without_inert_keywords`). Without the last two, such schemas went to xgrammar and compiled in
-seconds instead of a millisecond. Property dependencies ("if a is present, b and c are too"), which
-llguidance does not take and xgrammar ignores, become an `allOf` of two-way `anyOf`s that say the
-same (`required_dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length
-and width, or radius", `one_of_required_sets_as_any_of`). Every rewrite leaves `enum`, `const`, `default` and `examples`
-values alone (data, not schemas), and none changes the input.
+patterns the normalizer uses and `iri` / `idn-email` as the narrower `uri` / `email`
+(`formats_as_patterns`), turn a `oneOf` whose branches cannot share a JSON type into `anyOf`
+(`one_of_by_type_as_any_of`; llguidance refuses a `oneOf` it cannot prove disjoint, and proves
+this kind only sometimes), and drop what constrains nothing yet llguidance refuses: `format` values
+that no JSON Schema draft defines (annotations) and empty `dependencies` (`without_inert_keywords`).
+Without the last two, such schemas went to xgrammar and compiled in seconds instead of a
+millisecond. Property dependencies ("if a is present, b and c are too"), which llguidance does not
+take and xgrammar ignores, become an `allOf` of two-way `anyOf`s that say the same
+(`required_dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length and
+width, or radius", `one_of_required_sets_as_any_of`). Every rewrite leaves `enum`, `const`,
+`default` and `examples` values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
 
