@@ -136,13 +136,9 @@ def formats_as_patterns(schema: Any) -> Any:
     """The schema with each string `format` of _PATTERN_FORMATS written as its `pattern` (where the
     subschema has no pattern of its own, which llguidance could not intersect with it), and each of
     _NARROWER_FORMATS as the narrower format llguidance has."""
-    if isinstance(schema, list):
-        return [formats_as_patterns(v) for v in schema]
     if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        out[k] = v if k in ("enum", "const", "default", "examples") else formats_as_patterns(v)
+        return _each(schema, formats_as_patterns)
+    out = _subschemas_rewritten(schema, formats_as_patterns)
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt in _PATTERN_FORMATS and "pattern" not in out:
         del out["format"]
