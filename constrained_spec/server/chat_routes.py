@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event, stream_chunk
+from .generation import Generation, SSEResponse, finish_str, sse_body, sse_event, stream_chunk
 from .json_io import json_response, parse, read_json
 from .protocol import ChatCompletionRequest, new_id
 from .service import ClientGone, Service, answer_message, collect, now, once, usage
@@ -86,10 +86,8 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
             first = "" if calls is None else None  # a call's message has no content
             yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": first}, "logprobs": None,
                                    "finish_reason": None}]) for i in range(req.n))
-            async for items in gen.batches():
-                yield b"".join(e for i, out in items for e in events(i, out))
-            if include_usage:
-                yield chunk([], usage(prompt_len, finals, req.n))
-            yield SSE_DONE
+            async for body in sse_body(gen, events, lambda: chunk([], usage(prompt_len, finals, req.n))
+                                       if include_usage else b""):
+                yield body
         finally:
             gen.abort()

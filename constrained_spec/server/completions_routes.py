@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from .errors import bad_request
-from .generation import SSE_DONE, Generation, SSEResponse, finish_str, sse_event, stream_chunk
+from .generation import Generation, SSEResponse, finish_str, sse_body, sse_event, stream_chunk
 from .json_io import json_response, parse, read_json
 from .protocol import CompletionRequest, new_id
 from .service import ClientGone, Service, collect, now, once, usage
@@ -95,10 +95,8 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
             return [chunk([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])]
 
         try:
-            async for items in gen.batches():
-                yield b"".join(e for i, out in items for e in events(i, out))
-            if include_usage:
-                yield chunk([], usage(prompt_tokens, finals, req.n))
-            yield SSE_DONE
+            async for body in sse_body(gen, events, lambda: chunk([], usage(prompt_tokens, finals, req.n))
+                                       if include_usage else b""):
+                yield body
         finally:
             gen.abort()

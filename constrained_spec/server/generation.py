@@ -133,3 +133,12 @@ def stream_chunk(kind: str, cid: str, created: int, model: str, choices: list, u
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_body(gen, events, tail):
+    """The rest of a streamed chat completion's or completion's body: each batch of updates as the
+    events `events(choice index, output)` makes of them, then `tail()` (the usage chunk, or b"")
+    and [DONE]."""
+    async for items in gen.batches():
+        yield b"".join(e for i, out in items for e in events(i, out))
+    yield tail() + SSE_DONE
