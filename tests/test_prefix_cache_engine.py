@@ -181,6 +181,47 @@ def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
     assert batch.requests == [early, cached] and batch.num_new_tokens == [10, 1] and early.skips == 0
 
 
+def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
+    """A prompt another request cached first: `cache_prompts` points the row at the tree's slots
+    and frees its own. The device table has the new row before anything launches, whether the
+    next step decodes (the scheduler writes it) or extends (the step's plan writes it with the
+    admissions' prefixes, in one upload)."""
+    from constrained_spec.attention import ForwardMode
+    from constrained_spec.engine.config import EngineConfig
+    from constrained_spec.engine.model_runner import ModelRunner
+    from constrained_spec.engine.request import Request
+    from constrained_spec.engine.scheduler import Scheduler
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    config = EngineConfig(device="cpu", kv_cache_slots=4000, max_running_requests=8, max_prefill_tokens=512)
+    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+    sched, table = Scheduler(runner, config), runner.table
+    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=8), lambda out: None)
+
+    def mirrored(req) -> bool:
+        n = int(table.lengths[req.row])
+        return np.array_equal(table.device_table[req.row, :n].numpy(), table.host[req.row, :n])
+
+    for k, next_mode in enumerate((ForwardMode.DECODE, ForwardMode.EXTEND)):
+        prompt = np.arange(1000 + 500 * k, 1300 + 500 * k, dtype=np.int64)
+        req = new(prompt.tolist())
+        sched.add(req)
+        runner.forward(sched.schedule(can_retract=True))  # the prefill: its prompt is cached next step
+        first_copy = runner.pool.alloc(len(prompt))
+        runner.prefix_cache.tree.insert(prompt, first_copy, None)  # another request's, first
+        own = table.host[req.row, :len(prompt)].copy()
+        if next_mode is ForwardMode.EXTEND:
+            sched.add(new(range(5000, 5040)))
+        batch = sched.schedule(can_retract=True)
+        assert batch.mode is next_mode
+        assert np.array_equal(table.host[req.row, :len(prompt)], first_copy)
+        assert not np.array_equal(own, first_copy)
+        if next_mode is ForwardMode.EXTEND:
+            assert req not in batch.requests
+            runner.plan(batch)
+        assert mirrored(req)
+
+
 def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir):
     """A prompt whose uncached part is shorter than CACHE_AFTER_PREFILL enters the tree at release,
     not after its prefill (a longer one at once: the scheduler test above)."""

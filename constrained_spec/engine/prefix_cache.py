@@ -86,14 +86,15 @@ class PrefixCache:
     # -- caching ---------------------------------------------------------------------------------
     def cache_prompts(self) -> None:
         """Inserts the prompts whose prefill was launched by an earlier step (on the device, in
-        stream order, before anything this step launches reads them)."""
+        stream order, before anything this step launches reads them). The rows it repoints are
+        mirrored on the device by the next `write_device`, which must come before the next launch:
+        the scheduler's, or an extend step's plan with its admissions' prefixes (one upload)."""
         if not self._prefilled:
             return
         reqs, self._prefilled = self._prefilled, []
         for req in reqs:
             if req.row >= 0 and req.num_cached >= len(req.prompt_ids):
                 self._cache_running(req, len(req.prompt_ids))
-        self.write_device()
 
     def _cache_running(self, req, n: int) -> None:
         row, start = req.row, req.cache_len

@@ -68,6 +68,12 @@ class Scheduler:
             # Only partial prefills hold the pool: free the newest so the others can finish.
             self._retract(max(self.running, key=lambda r: r.arrival))
             batch = self._schedule_extend()
+        cache = self.runner.prefix_cache
+        if cache is not None and (batch is None or batch.mode is not ForwardMode.EXTEND):
+            # Rows `cache_prompts` repointed, on the device before anything launches; an extend
+            # step's plan writes them with its prefixes instead (each upload is a few GIL-releasing
+            # torch calls, which a loaded server's engine thread waits to get back from).
+            cache.write_device()
         return batch
 
     def _schedule_extend(self) -> ScheduledBatch | None:
