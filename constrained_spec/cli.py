@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: max running + max queued)")
     srv.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                      help="completion limit for chat requests that set none (default: the rest of the context)")
+    srv.add_argument("--response-store", metavar="FILE", default=None,
+                     help="keep the stored Responses (/v1/responses with store) in this SQLite file, so that a "
+                          "restarted server still has them (default: in memory only)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="log verbosity (default: %(default)s)")
     srv.add_argument("--single-process", action="store_true",
@@ -396,7 +399,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from .server.engine_process import EngineProcess
         try:
-            process = EngineProcess(config)
+            process = EngineProcess(config, response_store=args.response_store)
         except (RuntimeError, TimeoutError) as e:
             log.error("%s", e)
             return 1
@@ -409,7 +412,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pending = -(-pending // n_frontends)
     server_config = ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
                                  max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_pending_requests=pending,
-                                 default_max_tokens=args.default_max_tokens, frontends=n_frontends)
+                                 default_max_tokens=args.default_max_tokens, frontends=n_frontends,
+                                 response_store=args.response_store)
     # with other front-ends, the engine stops after them (below), not with this app
     app = create_app(engine, server_config, owns_engine=n_frontends == 1)
     host_shown = f"[{args.host}]" if ":" in args.host else args.host

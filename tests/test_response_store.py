@@ -72,3 +72,48 @@ def test_input_items_and_their_pages():
     with pytest.raises(APIError) as e:
         items_page(items, "msg_unknown", 5, "asc")
     assert e.value.status == 400 and e.value.param == "after"
+
+
+def test_a_file_keeps_them_across_restarts_in_their_order_of_use(tmp_path):
+    path = tmp_path / "sub" / "responses.db"
+    store = ResponseStore(path=path)
+    for name in "abcd":
+        store.put(name, name.encode() * 3)
+    assert store.get("a") == b"aaa"  # used last: now the most recent
+    assert store.delete("c")
+    store.put("b", b"B")  # replaced
+    store.close()
+    again = ResponseStore(max_responses=2, path=path)  # a smaller store: the least recently used go
+    assert again.get("c") is None and again.get("d") is None
+    assert again.get("a") == b"aaa" and again.get("b") == b"B"
+    assert again.snapshot() == {"responses": 2, "bytes": 4}
+    again.close()
+    third = ResponseStore(path=path)  # what the smaller store dropped is gone from the file too
+    assert len(third) == 2 and third.get("d") is None
+    third.put("e", b"e")
+    third.close()
+    assert ResponseStore(path=path).get("e") == b"e"
+
+
+def test_an_unusable_file_is_a_clear_error(tmp_path):
+    (tmp_path / "dir.db").mkdir()
+    with pytest.raises(RuntimeError, match="cannot use .*dir.db as the stored responses' file"):
+        ResponseStore(path=tmp_path / "dir.db")
+
+
+def test_the_engine_process_keeps_them_in_its_file(tiny_llama_dir, tmp_path):
+    """`serve --response-store FILE`: the engine process's store (every front-end's) outlives it."""
+    from constrained_spec.engine import EngineConfig
+    from constrained_spec.server.engine_process import EngineProcess
+    path = tmp_path / "responses.db"
+    config = EngineConfig(model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_slots=512)
+    for step in ("put", "get"):
+        process = EngineProcess(config, response_store=str(path))
+        client = process.connect(owns_process=True)
+        try:
+            if step == "put":
+                client.responses_async("put", "resp_1", b'[{"id": "resp_1"}]').result(30)
+            else:
+                assert client.responses_async("get", "resp_1").result(30) == b'[{"id": "resp_1"}]'
+        finally:
+            client.shutdown()

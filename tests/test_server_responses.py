@@ -208,6 +208,29 @@ def test_stored_responses_are_shared_by_front_ends(openai_client, secured_server
         assert count and size and float(count.group(1)) >= 1 and float(size.group(1)) > 0, metrics[-2000:]
 
 
+def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
+    """`serve --single-process --response-store FILE`: a server started again over the same file
+    retrieves the response and continues its conversation."""
+    from constrained_spec.server.app import ServerConfig, create_app
+    from constrained_spec.server.runner import start_server_thread
+    config = ServerConfig(served_model_name=MODEL_ID, response_store=str(tmp_path / "responses.db"))
+    first = start_server_thread(create_app(server_engine, config), log_level="warning")
+    try:
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.responses.create(model=MODEL_ID, input="Name a color.", max_output_tokens=4, temperature=0)
+    finally:
+        first.stop()
+    again = start_server_thread(create_app(server_engine, config), log_level="warning")
+    try:
+        client = openai.OpenAI(base_url=again.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert client.responses.retrieve(r.id).output_text == r.output_text
+        more = client.responses.create(model=MODEL_ID, previous_response_id=r.id, input="Another.",
+                                       max_output_tokens=4, temperature=0)
+        assert more.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    finally:
+        again.stop()
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0]"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),

@@ -57,6 +57,7 @@ class ServerConfig:
     default_max_tokens: int | None = None  # chat requests without max_tokens; None: up to the context limit
     frontends: int = 1  # front-end processes over the engine: each admits its share of the default limit
     frontend: int = 0  # this one's number (0: the `serve` process); /health says it
+    response_store: str | None = None  # a SQLite file the stored Responses persist in; None: memory only
 
 
 def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool = False) -> FastAPI:
@@ -74,6 +75,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
             yield
         finally:
             metrics.detach()
+            service.close()
             if owns_engine:
                 try:
                     await run_in_threadpool(engine.shutdown)

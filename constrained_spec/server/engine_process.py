@@ -189,7 +189,7 @@ class _Connection:
 class EngineServer:
     """Accepts front-end connections on a Unix socket and ships each step's updates to them."""
 
-    def __init__(self, engine, address: str):
+    def __init__(self, engine, address: str, response_store: str | None = None):
         self.engine = engine
         self.address = address
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -199,7 +199,7 @@ class EngineServer:
         self._lock = threading.Lock()
         self._count = 0
         self.calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-calls")
-        self.responses = ResponseStore()
+        self.responses = ResponseStore(path=response_store)
         engine.step_hook = self._flush_all
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
 
@@ -225,6 +225,7 @@ class EngineServer:
 
     def close(self) -> None:
         self.calls.shutdown(wait=False)
+        self.responses.close()
         try:
             self._listener.close()
         finally:
@@ -234,7 +235,7 @@ class EngineServer:
                 pass
 
 
-def _main(config, address: str, lifeline) -> None:
+def _main(config, address: str, lifeline, response_store: str | None = None) -> None:
     """The engine process's body: build the engine, say ready (or why not), serve until told to stop
     or the parent is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
@@ -244,7 +245,7 @@ def _main(config, address: str, lifeline) -> None:
         from ..engine import Engine
         engine = Engine(config)
         engine.grammar.warm_up()  # the first grammar request would otherwise pay it
-        server = EngineServer(engine, address)
+        server = EngineServer(engine, address, response_store)
         runner = engine.runner
         lifeline.send(("ready", EngineInfo(
             address=address, pid=os.getpid(), model_name=engine.model_name, tokenizer=engine.tokenizer,
@@ -273,14 +274,14 @@ class EngineProcess:
     """Starts the engine in a process of its own (spawned: the parent may hold threads and must not
     have touched CUDA) and stops it. `connect()` gives a front-end's `EngineClient`."""
 
-    def __init__(self, config, ready_timeout_s: float = 600.0):
+    def __init__(self, config, ready_timeout_s: float = 600.0, response_store: str | None = None):
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="constrained-spec-")
         self.address = os.path.join(self._dir, "engine.sock")
         self._lifeline, child_end = ctx.Pipe()
         self._stop_lock = threading.Lock()
         self._stopped = False
-        self.process = ctx.Process(target=_main, args=(config, self.address, child_end),
+        self.process = ctx.Process(target=_main, args=(config, self.address, child_end, response_store),
                                    name="constrained-spec-engine", daemon=True)
         self.process.start()
         child_end.close()

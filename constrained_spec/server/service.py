@@ -72,7 +72,13 @@ class Service:
                                     self.max_context, config.default_max_tokens)
         self.checked = CheckedGrammars()  # grammars seen to compile: no check for them again
         # stored Responses: the engine process's (shared by every front-end), or this process's own
-        self._responses = None if isinstance(engine, EngineClient) else ResponseStore()
+        self._responses = (None if isinstance(engine, EngineClient)
+                           else ResponseStore(path=getattr(config, "response_store", None)))
+
+    def close(self) -> None:
+        """At the app's shutdown: the stored Responses' file written and closed (if this process has it)."""
+        if self._responses is not None:
+            self._responses.close()
 
     # -- the engine's state ---------------------------------------------------------------------------
 
