@@ -95,6 +95,7 @@ def test_json_schema_strict_semantics(backend, tokenizer):
     ({"type": "string", "format": "iri"}, "format", ""),
     ({"type": "string", "pattern": "^a+$", "minLength": 3}, "minLength", ""),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", ""),
+    ({"oneOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}, "oneOf", ""),
     ({"$ref": "http://example.com/s.json"}, "$ref", ""),
     ({"$ref": "#/$defs/missing"}, "$ref", ""),
     ({"$defs": {"x": {"type": "array", "items": {"not": {}}}},
@@ -143,6 +144,10 @@ def test_rewrites_are_exact(backend, tokenizer):
         ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                     {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
          ['{"k": "a"}', '{"k": "b"}'], ['{"k": "c"}']),
+        # untyped object branches: a non-object matches all of them, so oneOf refuses it
+        ({"oneOf": [{"properties": {"k": {"enum": ["a"]}, "x": {"type": "integer"}}, "required": ["k"]},
+                    {"properties": {"k": {"enum": ["b"]}}, "required": ["k"], "additionalProperties": False}]},
+         ['{"k": "a"}', '{"k": "a", "x": 1}', '{"k": "b"}'], ['5', '"s"', 'null', '{"k": "c"}', '{"k": "b", "x": 1}']),
         # xgrammar's optional group ending in a repetition, `(ab*)?`, matched `b` alone
         ({"type": "string", "pattern": "^/(([a-z.]|%[0-9a-fA-F]{2})+(/([a-z.]|%[0-9a-fA-F]{2})*)*)?$"},
          ['"/a/b"', '"/"', '"/a//b"'], ['"//a"', '"//thelist/x"']),

@@ -492,6 +492,7 @@ class _Normalizer:
         if len(normed) > MAX_BRANCHES:
             raise unsupported(kw, path, f"more than {MAX_BRANCHES} branches after expansion")
         if kw == "oneOf" and len(normed) > 1:
+            normed = self._objects_only(normed, path)
             for i in range(len(normed)):
                 for j in range(i + 1, len(normed)):
                     if not self.disjoint(normed[i], normed[j], path):
@@ -500,6 +501,22 @@ class _Normalizer:
         if len(normed) == 1:
             return normed[0]
         return {kw: normed}
+
+    def _objects_only(self, branches: list, path: str) -> list:
+        """oneOf branches that each constrain objects alone (no `type`, object keywords only: a
+        non-object matches every one of them, which two or more of them refuse) as the same
+        branches typed "object": exact, and then their discriminators can prove them disjoint."""
+        try:
+            bodies = [self.deref(b, path) for b in branches]
+        except GrammarError:
+            return branches
+        every = set(UNTYPED_ORDER)
+        for b in bodies:
+            if not isinstance(b, dict) or _types_of(b) is None or not every <= _types_of(b):
+                return branches
+            if any(k not in OBJECT_KW and k not in ANNOTATIONS and k != "type" for k in b):
+                return branches
+        return [{**b, "type": "object"} for b in bodies]
 
     # ---- merging (allOf, $ref siblings, union distribution) ----
     def merge(self, a: Any, b: Any, path: str, kw: str) -> Any:
