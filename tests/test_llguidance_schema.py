@@ -18,7 +18,8 @@ import torch
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 from constrained_spec.grammar.llguidance_schema import (STANDARD_FORMATS, one_of_by_type_as_any_of,
                                                         one_of_required_sets_as_any_of,
-                                                        required_dependencies_as_all_of, without_inert_keywords)
+                                                        required_dependencies_as_all_of, required_negations_as_absences,
+                                                        without_inert_keywords)
 from test_grammar_soundness import special_ids, validation_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,6 +175,28 @@ def test_one_of_required_sets_is_enforced(tokenizer):
         ('{"length": 1, "width": 2, "radius": 3}', False), ('{"length": 1}', False), ("{}", False)))
 
 
+def test_not_of_required_names_becomes_their_absence():
+    absent = lambda *names: [{"properties": {n: False}} for n in names]
+    schema = {"type": "object", "not": {"required": ["crs", "srs"], "description": "not both"},
+              "properties": {"p": {"not": {"required": ["x"]}, "allOf": [{"minProperties": 1}]}}}
+    out = required_negations_as_absences(schema)
+    assert "not" not in out and out["allOf"] == [{"type": "object", "anyOf": absent("crs", "srs")}]
+    assert out["properties"]["p"] == {"allOf": [{"minProperties": 1}, {"type": "object", **absent("x")[0]}]}
+    for kept in ({"not": {"required": ["a"], "minProperties": 1}}, {"not": {"required": []}},
+                 {"not": {"type": "string"}}, {"not": {"required": ["a"]}, "allOf": {}}):
+        assert required_negations_as_absences(kept) == kept
+
+
+def test_not_of_required_names_is_enforced(tokenizer):
+    """"Either crs or srs, not both; both may be omitted": objects with one, or none, close;
+    with both, or a non-object, not (where the schema used to go to xgrammar, which refused `not`)."""
+    schema = {"anyOf": [{"description": "not both", "not": {"required": ["crs", "srs"]}}],
+              "properties": {"crs": {"type": "string"}, "srs": {"type": "string"}}}
+    check_served_by_llguidance(tokenizer, schema, [
+        ('{"crs": "a"}', True), ('{"srs": "b"}', True), ('{}', True),
+        ('{"crs": "a", "srs": "b"}', False), ('5', False), ('"crs"', False)])
+
+
 def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
     b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=1)
     try:
@@ -194,7 +217,8 @@ def concerned(row) -> bool:
     """A dev schema the rewrites change."""
     s = row["schema"]
     return (one_of_by_type_as_any_of(s) != s or without_inert_keywords(s) != s
-            or required_dependencies_as_all_of(s) != s or one_of_required_sets_as_any_of(s) != s)
+            or required_dependencies_as_all_of(s) != s or one_of_required_sets_as_any_of(s) != s
+            or required_negations_as_absences(s) != s)
 
 
 def walk(matcher, never: np.ndarray, short: np.ndarray, vocab_bytes: list, rng: random.Random, max_steps: int = 300):

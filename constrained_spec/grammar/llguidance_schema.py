@@ -12,7 +12,8 @@ Without the last two, such schemas went to xgrammar and compiled in seconds inst
 millisecond. Property dependencies ("if a is present, b and c are too"), which llguidance does not
 take and xgrammar ignores, become an `allOf` of two-way `anyOf`s that say the same
 (`required_dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length and
-width, or radius", `one_of_required_sets_as_any_of`). Every rewrite leaves `enum`, `const`,
+width, or radius", `one_of_required_sets_as_any_of`), and a `not` of required names ("not both crs
+and srs", `required_negations_as_absences`). Every rewrite leaves `enum`, `const`,
 `default` and `examples` values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
     schema = one_of_by_type_as_any_of(schema)
     # after close_objects: the `allOf` it adds would leave a strict object open, and it would close
     # the `{"properties": {name: false}}` branches these two add
-    return one_of_required_sets_as_any_of(required_dependencies_as_all_of(without_inert_keywords(schema)))
+    schema = required_dependencies_as_all_of(without_inert_keywords(schema))
+    return required_negations_as_absences(one_of_required_sets_as_any_of(schema))
 
 
 def close_objects(schema: Any) -> Any:
@@ -217,6 +219,30 @@ def one_of_required_sets_as_any_of(schema: Any) -> Any:
         out["anyOf"] = [_alone(i, sets) for i in range(len(sets)) if not any(
             j != i and set(sets[j]) <= set(sets[i]) for j in range(len(sets)))]
     return out
+
+
+def required_negations_as_absences(schema: Any) -> Any:
+    """The schema with each `not` of a bare `required` ("not both crs and srs") written as what it
+    says, which llguidance takes: an object with one of the names absent, as an `allOf` entry
+    `{"type": "object", "anyOf": [{"properties": {crs: false}}, {"properties": {srs: false}}]}`.
+    Exact: `required` holds for every non-object, so its `not` refuses them all."""
+    if not isinstance(schema, dict):
+        return _each(schema, required_negations_as_absences)
+    out = _subschemas_rewritten(schema, required_negations_as_absences)
+    names = _bare_required(schema.get("not"))
+    if names and isinstance(schema.get("allOf", []), list):
+        del out["not"]
+        absent = [{"properties": {n: False}} for n in dict.fromkeys(names)]
+        out["allOf"] = [*out.get("allOf", []), {"type": "object", **(absent[0] if len(absent) == 1 else {"anyOf": absent})}]
+    return out
+
+
+def _bare_required(s: Any) -> list[str] | None:
+    """The names of a schema that holds only `required` (and notes)."""
+    if not isinstance(s, dict) or set(s) - {"required", "description", "title", "$comment"}:
+        return None
+    names = s.get("required")
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
 
 
 def _required_sets(branches: Any) -> list[list[str]] | None:
