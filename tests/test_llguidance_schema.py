@@ -18,8 +18,8 @@ import torch
 from constrained_spec.grammar import GrammarBackend, GrammarSpec
 from constrained_spec.grammar.llguidance_schema import (STANDARD_FORMATS, one_of_by_type_as_any_of,
                                                         one_of_required_sets_as_any_of,
-                                                        required_dependencies_as_all_of, required_negations_as_absences,
-                                                        without_inert_keywords)
+                                                        dependencies_as_all_of, required_negations_as_absences,
+                                                        type_negations_as_types, without_inert_keywords)
 from test_grammar_soundness import special_ids, validation_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,20 +98,26 @@ def test_property_dependencies_become_all_of_any_of():
               "properties": {"dependencies": {"type": "string"}, "o": {"dependencies": {"x": ["y"], "z": []}}},
               "default": {"dependencies": {"q": ["r"]}}}
     before = copy.deepcopy(schema)
-    out = required_dependencies_as_all_of(schema)
+    out = dependencies_as_all_of(schema)
     assert schema == before and "dependentRequired" not in out
     assert out["allOf"] == [{"type": "object"}, either("a", "b")]  # appended; a name does not depend on itself
     assert out["properties"]["dependencies"] == {"type": "string"}  # a property named so keeps its schema
     assert out["properties"]["o"] == {"allOf": [either("x", "y"), either("z")]}
     # required names in their declared order, where declared
-    declared = required_dependencies_as_all_of({"properties": {"b": {}, "a": {}}, "dependentRequired": {"b": ["c", "a"]}})
+    declared = dependencies_as_all_of({"properties": {"b": {}, "a": {}}, "dependentRequired": {"b": ["c", "a"]}})
     assert declared["allOf"] == [{"anyOf": [{"properties": {"b": False}}, {"required": ["b", "a", "c"]}]}]
     assert out["default"] == before["default"]  # data
-    # a subschema dependency stays (llguidance refuses it, as before); so does a malformed allOf
-    kept = [{"dependencies": {"a": ["b"], "c": {"required": ["d"]}}}, {"dependentRequired": {"a": ["b"]}, "allOf": {}},
-            {"dependencies": {"a": "b"}}]
+    # schema dependencies: "a absent, or its schema holds" (false: a absent; true: nothing)
+    mixed = dependencies_as_all_of({"dependencies": {"a": ["b"], "c": {"required": ["d"], "dependentSchemas": {"d": False}}},
+                                    "dependentSchemas": {"e": False, "f": True}})
+    assert mixed == {"allOf": [either("a", "b"),
+                               {"anyOf": [{"properties": {"c": False}}, {"required": ["d"], "allOf": [{"properties": {"d": False}}]}]},
+                               {"properties": {"e": False}}]}
+    # malformed: an allOf that is no list, a name where names or a schema go, names under dependentSchemas
+    kept = [{"dependentRequired": {"a": ["b"]}, "allOf": {}}, {"dependencies": {"a": "b"}}, {"dependentSchemas": {"a": ["b"]}},
+            {"dependentRequired": {"a": {"required": ["b"]}}}]
     for s in kept:
-        assert required_dependencies_as_all_of(s) == s
+        assert dependencies_as_all_of(s) == s
 
 
 def check_served_by_llguidance(tokenizer, schema: dict, cases) -> None:
@@ -197,6 +203,30 @@ def test_not_of_required_names_is_enforced(tokenizer):
         ('{"crs": "a", "srs": "b"}', False), ('5', False), ('"crs"', False)])
 
 
+def test_not_of_types_becomes_the_types_left():
+    assert type_negations_as_types({"not": {"type": ["array", "object", "null"]}}) == {"type": ["string", "number", "boolean"]}
+    assert type_negations_as_types({"type": ["integer", "string"], "not": {"type": "number"}}) == {"type": "string"}
+    assert type_negations_as_types({"items": {"not": {"type": "string"}, "type": ["string", "null"]}}) == {"items": {"type": "null"}}
+    for kept in ({"not": {"type": "integer"}}, {"type": "number", "not": {"type": "integer"}},
+                 {"type": "string", "not": {"type": "string"}}, {"not": {"type": "string", "minLength": 2}}):
+        assert type_negations_as_types(kept) == kept
+
+
+def test_schema_dependencies_and_not_of_types_are_enforced(tokenizer):
+    """"A format names the type's formats" (a schema dependency) and "a default is no array, object
+    or null" (a not of types): served by llguidance, exactly."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#",  # whose `dependencies` a validator checks
+              "type": "object", "properties": {"type": {"enum": ["integer", "string"]}, "format": {"type": "string"},
+                                               "default": {"not": {"type": ["array", "object", "null"]}}},
+              "required": ["type"], "additionalProperties": False,
+              "dependencies": {"format": {"properties": {"type": {"enum": ["string"]}}}}}
+    check_served_by_llguidance(tokenizer, schema, [
+        ('{"type": "integer"}', True), ('{"type": "string", "format": "date"}', True),
+        ('{"type": "integer", "format": "int32"}', False), ('{"type": "string", "default": 3}', True),
+        ('{"type": "string", "default": "x"}', True), ('{"type": "string", "default": null}', False),
+        ('{"type": "string", "default": [1]}', False)])
+
+
 def test_auto_serves_rewritten_schemas_with_llguidance(tokenizer):
     b = GrammarBackend(tokenizer, VOCAB, default_backend="auto", compile_workers=1)
     try:
@@ -217,8 +247,8 @@ def concerned(row) -> bool:
     """A dev schema the rewrites change."""
     s = row["schema"]
     return (one_of_by_type_as_any_of(s) != s or without_inert_keywords(s) != s
-            or required_dependencies_as_all_of(s) != s or one_of_required_sets_as_any_of(s) != s
-            or required_negations_as_absences(s) != s)
+            or dependencies_as_all_of(s) != s or one_of_required_sets_as_any_of(s) != s
+            or required_negations_as_absences(s) != s or type_negations_as_types(s) != s)
 
 
 def walk(matcher, never: np.ndarray, short: np.ndarray, vocab_bytes: list, rng: random.Random, max_steps: int = 300):

@@ -9,11 +9,12 @@ patterns the normalizer uses and `iri` / `idn-email` as the narrower `uri` / `em
 this kind only sometimes), and drop what constrains nothing yet llguidance refuses: `format` values
 that no JSON Schema draft defines (annotations) and empty `dependencies` (`without_inert_keywords`).
 Without the last two, such schemas went to xgrammar and compiled in seconds instead of a
-millisecond. Property dependencies ("if a is present, b and c are too"), which llguidance does not
-take and xgrammar ignores, become an `allOf` of two-way `anyOf`s that say the same
-(`required_dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length and
-width, or radius", `one_of_required_sets_as_any_of`), and a `not` of required names ("not both crs
-and srs", `required_negations_as_absences`). Every rewrite leaves `enum`, `const`,
+millisecond. Property dependencies ("if a is present, b and c are too", or "... the instance also
+matches S"), which llguidance does not take and xgrammar ignores, become an `allOf` of two-way
+`anyOf`s that say the same (`dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length and
+width, or radius", `one_of_required_sets_as_any_of`), a `not` of required names ("not both crs
+and srs", `required_negations_as_absences`), and a `not` of types becomes the types left
+(`type_negations_as_types`). Every rewrite leaves `enum`, `const`,
 `default` and `examples` values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
@@ -35,16 +36,16 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
     schema = one_of_by_type_as_any_of(schema)
     # after close_objects: the `allOf` it adds would leave a strict object open, and it would close
     # the `{"properties": {name: false}}` branches these two add
-    schema = required_dependencies_as_all_of(without_inert_keywords(schema))
-    return required_negations_as_absences(one_of_required_sets_as_any_of(schema))
+    schema = dependencies_as_all_of(without_inert_keywords(schema))
+    return type_negations_as_types(required_negations_as_absences(one_of_required_sets_as_any_of(schema)))
 
 
 def close_objects(schema: Any) -> Any:
     """OpenAI `strict`: objects that declare `properties` without `additionalProperties` are closed,
     and `prefixItems` without `items` closes the array (what xgrammar's strict mode does).
 
-    A subschema llguidance intersects with others (an `allOf` branch, a `$ref` target or a schema
-    beside a `$ref`) is left open: closing one side of an intersection would reject the properties
+    A subschema llguidance intersects with others (an `allOf` branch, a `$ref` target, a schema
+    beside a `$ref` or a dependency's schema) is left open: closing one side of an intersection would reject the properties
     of the other. That keeps such objects to JSON Schema's semantics (extra properties allowed)."""
     if not isinstance(schema, (dict, list)):
         return schema
@@ -72,8 +73,11 @@ def close_objects(schema: Any) -> Any:
         for k, v in s.items():
             if k in ("enum", "const", "default", "examples"):
                 out[k] = v
-            elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            elif k in ("properties", "patternProperties", "$defs", "definitions"):
                 out[k] = ({n: walk(sub, f"{pointer}/{k}/{_escape(n)}", False) for n, sub in v.items()}
+                          if isinstance(v, dict) else v)
+            elif k in ("dependentSchemas", "dependencies"):  # applied to the instance itself: intersected
+                out[k] = ({n: walk(sub, f"{pointer}/{k}/{_escape(n)}", True) for n, sub in v.items()}
                           if isinstance(v, dict) else v)
             elif k == "allOf":
                 out[k] = [walk(sub, f"{pointer}/allOf/{i}", True) for i, sub in enumerate(v)] \
@@ -178,30 +182,46 @@ def without_inert_keywords(schema: Any) -> Any:
     return _subschemas_rewritten(kept, without_inert_keywords)
 
 
-def required_dependencies_as_all_of(schema: Any) -> Any:
-    """The schema with each property dependency (`dependentRequired`, or a `dependencies` whose
-    values are all name lists) written as `allOf` entries llguidance takes: "a absent, or a and its
-    dependents present", `{"anyOf": [{"properties": {a: false}}, {"required": [..., a]}]}`. Exact for
-    every instance (neither branch constrains a non-object). A `dependencies` with a subschema value
-    stays as it is (llguidance refuses it)."""
+def dependencies_as_all_of(schema: Any) -> Any:
+    """The schema with each property dependency (`dependentRequired`, `dependentSchemas`, or a
+    `dependencies` holding either kind) written as `allOf` entries llguidance takes: "a absent, or a
+    and its dependents present", `{"anyOf": [{"properties": {a: false}}, {"required": [..., a]}]}`,
+    and "a absent, or a's schema holds", `{"anyOf": [{"properties": {a: false}}, S]}`. Exact for
+    every instance: a non-object passes the first branch, as it passes a dependency. A malformed
+    dependency stays as it is (llguidance refuses it)."""
     if not isinstance(schema, dict):
-        return _each(schema, required_dependencies_as_all_of)
-    out, entries = _subschemas_rewritten(schema, required_dependencies_as_all_of), []
+        return _each(schema, dependencies_as_all_of)
+    out, entries = _subschemas_rewritten(schema, dependencies_as_all_of), []
+    if not isinstance(schema.get("allOf", []), list):
+        return out
     declared = list(schema["properties"]) if isinstance(schema.get("properties"), dict) else []
-    for k in ("dependentRequired", "dependencies"):
+    for k in DEPENDENCY_KEYWORDS:
         v = schema.get(k)
-        if not _property_dependencies(v, schema):
+        if not (isinstance(v, dict) and v and all(_dependency(k, d) for d in v.values())):
             continue
         del out[k]
-        for name, names in v.items():
-            # the order llguidance writes required names in: the declared one, then the dependents
-            # before the name (as instances tend to list them)
-            required = sorted([*(n for n in names if n != name), name],
-                              key=lambda n: declared.index(n) if n in declared else len(declared))
-            entries.append({"anyOf": [{"properties": {name: False}}, {"required": required}]})
+        for name, dep in v.items():
+            absent = {"properties": {name: False}}
+            if isinstance(dep, list):
+                # the order llguidance writes required names in: the declared one, then the
+                # dependents before the name (as instances tend to list them)
+                required = sorted([*(n for n in dep if n != name), name],
+                                  key=lambda n: declared.index(n) if n in declared else len(declared))
+                entries.append({"anyOf": [absent, {"required": required}]})
+            elif dep is False:
+                entries.append(absent)
+            elif dep is not True and dep != {}:
+                entries.append({"anyOf": [absent, dependencies_as_all_of(dep)]})
     if entries:
         out["allOf"] = [*out.get("allOf", []), *entries]
     return out
+
+
+def _dependency(keyword: str, dep: Any) -> bool:
+    """Whether `dep` is a well-formed value of a `keyword` entry: names, a schema, or either."""
+    names = isinstance(dep, list) and all(isinstance(n, str) for n in dep)
+    schema = isinstance(dep, (dict, bool))
+    return {"dependentRequired": names, "dependentSchemas": schema}.get(keyword, names or schema)
 
 
 def one_of_required_sets_as_any_of(schema: Any) -> Any:
@@ -235,6 +255,39 @@ def required_negations_as_absences(schema: Any) -> Any:
         absent = [{"properties": {n: False}} for n in dict.fromkeys(names)]
         out["allOf"] = [*out.get("allOf", []), {"type": "object", **(absent[0] if len(absent) == 1 else {"anyOf": absent})}]
     return out
+
+
+def type_negations_as_types(schema: Any) -> Any:
+    """The schema with each `not` of a bare `type` ("anything but an array, object or null") written
+    as the types left, which llguidance takes. Left as it is where the rest cannot be said with
+    `type` (not integer, but number: the non-integral numbers) or nothing is left."""
+    if not isinstance(schema, dict):
+        return _each(schema, type_negations_as_types)
+    out = _subschemas_rewritten(schema, type_negations_as_types)
+    left = _types_left(schema)
+    if left is not None:
+        del out["not"]
+        out["type"] = left[0] if len(left) == 1 else left
+    return out
+
+
+_ALL_TYPES = ("object", "array", "string", "number", "boolean", "null")
+
+
+def _types_left(schema: dict) -> list[str] | None:
+    """The types a schema with `not: {"type": T}` (and notes) allows, its own `type` included."""
+    neg = schema.get("not")
+    if not isinstance(neg, dict) or set(neg) - {"type", "description", "title", "$comment"}:
+        return None
+    banned, own = neg.get("type"), schema.get("type", list(_ALL_TYPES))
+    banned = [banned] if isinstance(banned, str) else banned
+    own = [own] if isinstance(own, str) else own
+    if not (isinstance(banned, list) and isinstance(own, list) and all(isinstance(t, str) for t in banned + own)):
+        return None
+    if "integer" in banned and "number" not in banned and "number" in own:
+        return None  # the numbers that are not integers: no type says that
+    left = [t for t in own if t not in banned and not (t == "integer" and "number" in banned)]
+    return left or None
 
 
 def _bare_required(s: Any) -> list[str] | None:
@@ -292,12 +345,6 @@ def _subschemas_rewritten(schema: dict, rewrite) -> dict:
         else:
             out[k] = rewrite(v)
     return out
-
-
-def _property_dependencies(v: Any, schema: dict) -> bool:
-    """Whether `v` maps names to name lists only, in a schema whose `allOf`, if any, is a list."""
-    return isinstance(v, dict) and bool(v) and isinstance(schema.get("allOf", []), list) and all(
-        isinstance(names, list) and all(isinstance(n, str) for n in names) for names in v.values())
 
 
 def one_of_by_type_as_any_of(schema: Any) -> Any:
