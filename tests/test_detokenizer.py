@@ -126,3 +126,25 @@ def test_whole_answer_in_one_piece_matches_token_by_token(tokenizer, text):
         whole = IncrementalDetokenizer(tokenizer, [1, 2, 3], [])
         _add_whole(whole, ids[:cut])
         assert whole.take(final=True) == step.take(final=True), cut
+
+
+@pytest.mark.parametrize("text", ["Say hello 𝄞 world", "Héllo wörld — ✓ 日本語 🙂🙂 done"])
+def test_final_text_does_not_depend_on_how_tokens_came(tokenizer, text):
+    """An answer that ends inside a character, its last tokens added in one call (a speculative
+    step's): the final take gives what token by token gives. The chunk's text was held back whole
+    for the unfinished character and lost when the request ended there."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(1)
+    for cut in range(1, len(ids) + 1):
+        step = IncrementalDetokenizer(tokenizer, [1, 2, 3], [])
+        for i in ids[:cut]:
+            step.add([i])
+        expected = step.take(final=True)
+        for _ in range(4):
+            chunked = IncrementalDetokenizer(tokenizer, [1, 2, 3], [])
+            i = 0
+            while i < cut:
+                n = rng.randint(1, 6)
+                chunked.add(ids[i:min(i + n, cut)])
+                i += n
+            assert chunked.take(final=True) == expected, (cut, ids[:cut])

@@ -46,6 +46,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0  # characters of `text` handed to the caller
         self._pending = ""  # decoded text not handed out yet (the end of `text`)
+        self._stopped = False  # a stop string was found: nothing after it is text
         self._out: list[str] = []  # the text handed out, in pieces (joined now and then)
 
     @property
@@ -78,11 +79,21 @@ class IncrementalDetokenizer:
             at = self._pending.find(s)
             if at != -1:
                 self._pending = self._pending[:at]
+                self._stopped = True
                 return s
         return None
 
     def take(self, final: bool) -> str:
-        """The text not yet handed out; keeps back a possible stop-string prefix unless final."""
+        """The text not yet handed out; keeps back a possible stop-string prefix unless final. The
+        final take first adds one by one the tokens still held back because their text ended
+        inside a character: the text is then what a token-by-token feed gives (an unfinished last
+        character left out), however the tokens came. Held back whole, several tokens added at
+        once (a speculative step's) lost all their text when the request ended there."""
+        if final and not self._stopped and self.read_offset < len(self.ids):
+            held = self.ids[self.read_offset:]
+            del self.ids[self.read_offset:]
+            for token in held:
+                self.add([token])
         pending = self._pending
         if final or not self.stop:
             out, self._pending = pending, ""
