@@ -11,11 +11,11 @@ that no JSON Schema draft defines (annotations) and empty `dependencies` (`witho
 Without the last two, such schemas went to xgrammar and compiled in seconds instead of a
 millisecond. Property dependencies ("if a is present, b and c are too", or "... the instance also
 matches S"), which llguidance does not take and xgrammar ignores, become an `allOf` of two-way
-`anyOf`s that say the same (`dependencies_as_all_of`), and so does a `oneOf` of required property sets ("length and
-width, or radius", `one_of_required_sets_as_any_of`), a `not` of required names ("not both crs
-and srs", `required_negations_as_absences`), and a `not` of types becomes the types left
-(`type_negations_as_types`). Every rewrite leaves `enum`, `const`,
-`default` and `examples` values alone (data, not schemas), and none changes the input.
+`anyOf`s that say the same (`dependencies_as_all_of`), and so do a `oneOf` of required property
+sets ("length and width, or radius", `one_of_required_sets_as_any_of`) and a `not` of required
+names ("not both crs and srs", `required_negations_as_absences`); a `not` of types becomes the
+types left (`type_negations_as_types`). Every rewrite leaves `enum`, `const`, `default` and
+`examples` values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def close_objects(schema: Any) -> Any:
     and `prefixItems` without `items` closes the array (what xgrammar's strict mode does).
 
     A subschema llguidance intersects with others (an `allOf` branch, a `$ref` target, a schema
-    beside a `$ref` or a dependency's schema) is left open: closing one side of an intersection would reject the properties
-    of the other. That keeps such objects to JSON Schema's semantics (extra properties allowed)."""
+    beside a `$ref` or a dependency's schema) is left open: closing one side of an intersection
+    would reject the properties of the other. That keeps such objects to JSON Schema's semantics (extra properties allowed)."""
     if not isinstance(schema, (dict, list)):
         return schema
     shared = set()
@@ -167,7 +167,10 @@ STANDARD_FORMATS = frozenset({
 
 
 # keywords whose value maps names to subschemas: their keys are names, not keywords
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# keyword -> {name: subschema}; `dependencies` may also map a name to names, which rewrite to themselves
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# what a schema may hold beside the keyword a rewrite looks for and still say nothing more
+_NOTES = {"description", "title", "$comment"}
 DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
 
 
@@ -199,7 +202,7 @@ def dependencies_as_all_of(schema: Any) -> Any:
         v = schema.get(k)
         if not (isinstance(v, dict) and v and all(_dependency(k, d) for d in v.values())):
             continue
-        del out[k]
+        rewritten = out.pop(k)  # its schemas rewritten already (a schema map)
         for name, dep in v.items():
             absent = {"properties": {name: False}}
             if isinstance(dep, list):
@@ -211,7 +214,7 @@ def dependencies_as_all_of(schema: Any) -> Any:
             elif dep is False:
                 entries.append(absent)
             elif dep is not True and dep != {}:
-                entries.append({"anyOf": [absent, dependencies_as_all_of(dep)]})
+                entries.append({"anyOf": [absent, rewritten[name]]})
     if entries:
         out["allOf"] = [*out.get("allOf", []), *entries]
     return out
@@ -253,7 +256,8 @@ def required_negations_as_absences(schema: Any) -> Any:
     if names and isinstance(schema.get("allOf", []), list):
         del out["not"]
         absent = [{"properties": {n: False}} for n in dict.fromkeys(names)]
-        out["allOf"] = [*out.get("allOf", []), {"type": "object", **(absent[0] if len(absent) == 1 else {"anyOf": absent})}]
+        one = absent[0] if len(absent) == 1 else {"anyOf": absent}
+        out["allOf"] = [*out.get("allOf", []), {"type": "object", **one}]
     return out
 
 
@@ -277,7 +281,7 @@ _ALL_TYPES = ("object", "array", "string", "number", "boolean", "null")
 def _types_left(schema: dict) -> list[str] | None:
     """The types a schema with `not: {"type": T}` (and notes) allows, its own `type` included."""
     neg = schema.get("not")
-    if not isinstance(neg, dict) or set(neg) - {"type", "description", "title", "$comment"}:
+    if not isinstance(neg, dict) or set(neg) - {"type"} - _NOTES:
         return None
     banned, own = neg.get("type"), schema.get("type", list(_ALL_TYPES))
     banned = [banned] if isinstance(banned, str) else banned
@@ -292,7 +296,7 @@ def _types_left(schema: dict) -> list[str] | None:
 
 def _bare_required(s: Any) -> list[str] | None:
     """The names of a schema that holds only `required` (and notes)."""
-    if not isinstance(s, dict) or set(s) - {"required", "description", "title", "$comment"}:
+    if not isinstance(s, dict) or set(s) - {"required"} - _NOTES:
         return None
     names = s.get("required")
     return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
@@ -302,13 +306,8 @@ def _required_sets(branches: Any) -> list[list[str]] | None:
     """The name lists of a `oneOf` of two or more branches that hold only `required` (and notes)."""
     if not isinstance(branches, list) or len(branches) < 2:
         return None
-    sets = []
-    for b in branches:
-        if not isinstance(b, dict) or set(b) - {"required", "description", "title", "$comment"} or not (
-                isinstance(b.get("required"), list) and all(isinstance(n, str) for n in b["required"])):
-            return None
-        sets.append(b["required"])
-    return sets
+    sets = [_bare_required(b) for b in branches]
+    return None if None in sets else sets
 
 
 def _alone(i: int, sets: list[list[str]]) -> dict:

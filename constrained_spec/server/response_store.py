@@ -114,15 +114,14 @@ class ResponseFile:
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
-        if path.parent and not path.parent.is_dir():
-            path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across a process crash
             self._db.execute("CREATE TABLE IF NOT EXISTS responses "
                              "(id TEXT PRIMARY KEY, blob BLOB NOT NULL, used INTEGER NOT NULL)")
-        except sqlite3.Error as e:
+        except (OSError, sqlite3.Error) as e:
             raise RuntimeError(f"cannot use {path} as the stored responses' file: {e}") from e
         self.path = path
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
@@ -156,8 +155,6 @@ class ResponseFile:
             self._ops.put(None)
             self._thread.join(30)
             self._thread = None
-        else:
-            self._write(self._drain([]))
         self._db.close()
 
     def _write_loop(self) -> None:

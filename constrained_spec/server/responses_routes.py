@@ -137,6 +137,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
 
 
 def not_found(response_id: str, param: str) -> APIError:
-    return APIError(404, f"no stored response '{response_id}' (responses are kept in memory, the least recently "
-                         "used dropped first, until the server restarts; `store: false` keeps none)",
+    return APIError(404, f"no stored response '{response_id}' (the least recently used go first when the store is "
+                         "full; a restart forgets them unless the server keeps a --response-store file; "
+                         "`store: false` keeps none)",
                     param=param, code="not_found")
