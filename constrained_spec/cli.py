@@ -415,7 +415,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  default_max_tokens=args.default_max_tokens, frontends=n_frontends,
                                  response_store=args.response_store)
     # with other front-ends, the engine stops after them (below), not with this app
-    app = create_app(engine, server_config, owns_engine=n_frontends == 1)
+    try:
+        app = create_app(engine, server_config, owns_engine=n_frontends == 1)
+    except RuntimeError as e:  # an unusable --response-store file (single-process: the store is this process's)
+        log.error("%s", e)
+        engine.shutdown()
+        if metrics_dir is not None:
+            remove_metrics_dir(metrics_dir)
+        return 1
     host_shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host_shown}:{args.port}"
     served = args.served_model_name or engine.model_name

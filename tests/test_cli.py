@@ -122,3 +122,15 @@ def test_mask_threads_leave_the_front_ends_their_cores(monkeypatch):
     assert default_mask_threads(reserved=1) == 1
     monkeypatch.setattr(cpus, "available_cores", lambda: 64)
     assert default_mask_threads() == 16
+
+
+@pytest.mark.parametrize("layout", [["--single-process"], []])
+def test_serve_refuses_an_unusable_response_store(tiny_llama_dir, tmp_path, layout):
+    """`serve --response-store` naming a folder: exit 1 with the reason, single-process or split."""
+    (tmp_path / "a-folder").mkdir()
+    r = run_cli("serve", "--model", tiny_llama_dir, "--device", "cpu", "--port", "0", "--frontends", "1", *layout,
+                "--response-store", str(tmp_path / "a-folder"), timeout=180)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "cannot use" in r.stderr and "stored responses' file" in r.stderr, r.stderr[-2000:]
+    if layout:  # the serve process's own error: a line, not a traceback
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]
