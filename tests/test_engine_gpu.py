@@ -174,25 +174,41 @@ def test_prefill_graphs_match_eager(engines):
 
 
 def test_prefix_cache_gpu(engines, reference):
-    """Prompts sharing a long system prompt, with and without the prefix cache (prefill graphs over
+    """Prompts sharing a system prompt, with and without the prefix cache (prefill graphs over
     cached prefixes, decode graphs, overlap): every greedy token is the float32 reference's argmax,
-    and the pool is whole again afterwards."""
+    and the pool is whole again afterwards. A long shared prompt's table entries are uploaded on
+    their own; a short one's travel in the prefill graph's input copy: both ways are taken."""
     from greedy_check import check_greedy
     plain = engines("triton32-nocache", attention_backend="triton", dtype="float32", disable_prefix_cache=True)
     cached = engines("triton32", attention_backend="triton", dtype="float32")
-    system = "You answer briefly and precisely, in the format asked for. " * 40
-    ps = [cached.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
-          for q in QUESTIONS]
-    hits = cached.runner.prefix_cache.hit_tokens
-    for grammar in (None, GrammarSpec.json_schema(SCHEMA)):
-        want = greedy(plain, ps, grammar)
-        greedy(cached, ps[:1], grammar)  # the system prompt into the cache
-        got = greedy(cached, ps, grammar)
-        for outs in (want, got):
-            check = check_greedy(cached, reference, ps, outs, grammar, tol=1e-3)
-            assert check.violations == 0, check
-        print(f"prefix cache: {sum(a == b for a, b in zip(got, want))}/{len(ps)} answers identical")
-    assert cached.runner.prefix_cache.hit_tokens - hits >= len(ps) * len(system) // 8
+    cache, graphs = cached.runner.prefix_cache, cached.runner.graphs
+    carried, uploaded = [], []  # table entries the prefill graphs carried, and those uploaded apart
+    launch, upload = graphs.launch_prefill, cache.upload
+
+    def counting_launch(*a):  # a: launch_prefill's arguments, the table writes and their upload last
+        writes, before = a[8], len(uploaded)
+        step = launch(*a[:9], lambda w: uploaded.append(len(w[0])) or upload(w))
+        if step is not None and writes is not None and len(uploaded) == before:
+            carried.append(len(writes[0]))
+        return step
+    graphs.launch_prefill = counting_launch
+    try:
+        for system in ("You answer briefly and precisely, in the format asked for. " * 40, "Be brief."):
+            ps = [cached.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+                  for q in QUESTIONS]
+            hits = cache.hit_tokens
+            for grammar in (None, GrammarSpec.json_schema(SCHEMA)):
+                want = greedy(plain, ps, grammar)
+                greedy(cached, ps[:1], grammar)  # the system prompt into the cache
+                got = greedy(cached, ps, grammar)
+                for outs in (want, got):
+                    check = check_greedy(cached, reference, ps, outs, grammar, tol=1e-3)
+                    assert check.violations == 0, check
+                print(f"prefix cache: {sum(a == b for a, b in zip(got, want))}/{len(ps)} answers identical")
+            assert cache.hit_tokens - hits >= len(ps) * len(system) // 8
+    finally:
+        graphs.launch_prefill = launch
+    assert carried and uploaded, (carried, uploaded)
     pool = cached.runner.pool
     assert pool.num_free == pool.capacity
 

@@ -184,8 +184,8 @@ def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
 def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
     """A prompt another request cached first: `cache_prompts` points the row at the tree's slots
     and frees its own. The device table has the new row before anything launches, whether the
-    next step decodes (the scheduler writes it) or extends (the step's plan writes it with the
-    admissions' prefixes, in one upload)."""
+    next step decodes (the scheduler writes it) or extends (the step writes it with the
+    admissions' prefixes, in one upload: `ModelRunner.forward`)."""
     from constrained_spec.attention import ForwardMode
     from constrained_spec.engine.config import EngineConfig
     from constrained_spec.engine.model_runner import ModelRunner
@@ -218,7 +218,7 @@ def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
         assert not np.array_equal(own, first_copy)
         if next_mode is ForwardMode.EXTEND:
             assert req not in batch.requests
-            runner.plan(batch)
+            runner.forward(batch)
         assert mirrored(req)
 
 

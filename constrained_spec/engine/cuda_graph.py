@@ -307,16 +307,20 @@ class CudaGraphRunner:
 
     def launch_prefill(self, rows: np.ndarray, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        token_rows: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
-                       sample_index: list[int]) -> GraphStep | None:
+                       sample_index: list[int], table_writes=None, upload_writes=None) -> GraphStep | None:
         """Replays the prefill graph of the smallest bucket that holds the requests and their new
         tokens (`PrefillIO.set_inputs` says what the arguments are). Returns the step of the k
         requests at `sample_index` (their logits [k, V] and table rows [k] on the device; its
         sample tail replays where a graph of k's padded size is captured), or None when no bucket
-        is large enough."""
+        is large enough (`table_writes` then untouched). Table writes more than the bucket carries
+        go through `upload_writes` first."""
         io = next((io for io in self.prefill_io if io.fits(len(ids), len(rows))), None)
         if io is None:
             return None
-        io.set_inputs(rows, ids, positions, slots, token_rows, q_lens, kv_lens, sample_index)
+        if not io.carries(table_writes):
+            upload_writes(table_writes)
+            table_writes = None
+        io.set_inputs(rows, ids, positions, slots, token_rows, q_lens, kv_lens, sample_index, table_writes)
         io.copy_inputs()
         self.graphs[("prefill", io.tokens, io.requests)][0].replay()
         k = len(sample_index)

@@ -153,8 +153,6 @@ class ModelRunner:
                 host_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
             req.num_cached += n
             kv_lens[i] = req.num_cached
-        if self.prefix_cache is not None:
-            self.prefix_cache.write_device()
         q_starts = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=q_starts[1:])
         T = int(q_starts[-1])
@@ -237,14 +235,19 @@ class ModelRunner:
         """Launches the model. Returns the logits [n_sampling, V] (float32) of the rows that sample,
         or, for a graphed decode or prefill step, a GraphStep whose sample tail is a graph too."""
         p = self.plan(batch)
+        # the prefixes `plan` placed: a graphed prefill carries them in its input copy
+        cache = self.prefix_cache
+        writes = cache.take_writes() if cache is not None else None
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_decode(batch.size):
             return self.graphs.launch_decode(p.rows, p.positions, p.out_slots, p.kv_lens)
         if batch.mode is ForwardMode.EXTEND and self.graphs is not None:
             launched = self.graphs.launch_prefill(p.rows, np.asarray(p.host_ids, dtype=np.int64), p.positions,
                                                   p.out_slots, p.token_rows, p.q_lens, p.kv_lens,
-                                                  batch.sample_index)
+                                                  batch.sample_index, writes, cache and cache.upload)
             if launched is not None:
                 return launched
+        if writes is not None:
+            cache.upload(writes)
         return self._eager_forward(batch, p)
 
     def _index(self, positions: list[int]) -> torch.Tensor:

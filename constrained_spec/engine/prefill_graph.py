@@ -8,11 +8,15 @@ requests arrive a few at a time, so under load most prefills hold several reques
 is one graph launch.
 
 Layout of the per-step inputs (one int64 buffer, one host-to-device copy):
-  ids[T] | positions[T] | slots[T] | table rows[T] | rows[R] | q_starts[R+1] | q_lens[R] | kv_lens[R]
-  | sample_tokens[R] | sample_rows[R]
+  ids[T] | positions[T] | slots[T] | table rows[T] | table_flat[T] | table_slots[T] | rows[R]
+  | q_starts[R+1] | q_lens[R] | kv_lens[R] | sample_tokens[R] | sample_rows[R]
 Tokens [n, T) are padding: they sit on the spare table row at column 0, write their K/V to the
 reserved slot 0, and no real token attends to them; padding requests have no new tokens
 (q_len 0, so attention skips them). Their rows of every activation are garbage that nothing reads.
+`table_flat`/`table_slots` are up to T more table entries written before the step reads the table:
+the cached prefixes of the requests the step admits (`PrefixCache.take_writes`), carried in this
+copy because an upload of their own costs a loaded server's engine thread several GIL-releasing
+torch calls; padding entries write slot 0 to the spare row's column 0, as padding tokens do.
 `sample_tokens[:k]` are the flat indices of the k sampling requests' last tokens (a prompt chunk
 that is not the last does not sample), `sample_rows[:k]` their table rows.
 """
@@ -37,11 +41,12 @@ class PrefillIO:
         self.requests = R = requests
         self._logits_out = logits_out[:R]
         self._rows_out = rows_out[:R]
-        size = 4 * T + 6 * R + 1
+        size = 6 * T + 6 * R + 1
         self._staging = PinnedStaging((size,), torch.int64)
         self._dev = torch.zeros(size, dtype=torch.int64, device=runner.device)
-        self._ids, self._positions, self._slots, self._table_rows = self._dev[:4 * T].view(4, T)
-        rest = self._dev[4 * T:]
+        self._ids, self._positions, self._slots, self._table_rows, self._table_flat, self._table_slots = \
+            self._dev[:6 * T].view(6, T)
+        rest = self._dev[6 * T:]
         self._rows, self._q_starts = rest[:R], rest[R:2 * R + 1]
         self._q_lens, self._kv_lens, self._sample_tokens, self._sample_rows = rest[2 * R + 1:].view(4, R)
         self.set_inputs(np.array([runner.pad_row]), np.zeros(1, np.int64), np.zeros(1, np.int64),
@@ -52,19 +57,29 @@ class PrefillIO:
     def fits(self, num_tokens: int, num_requests: int) -> bool:
         return num_tokens <= self.tokens and num_requests <= self.requests
 
+    def carries(self, table_writes: tuple[np.ndarray, np.ndarray] | None) -> bool:
+        """Whether `set_inputs` can take these extra table entries (at most `tokens` of them)."""
+        return table_writes is None or len(table_writes[0]) <= self.tokens
+
     def set_inputs(self, rows: np.ndarray, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                    token_rows: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
-                   sample_index: list[int]) -> None:
+                   sample_index: list[int], table_writes: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Stages one prefill: B requests (`rows`, `q_lens`, `kv_lens` [B]) with n new tokens in all
         (`ids`, `positions`, `slots`, `token_rows` [n], request by request); the requests at
-        `sample_index` sample from their last token."""
+        `sample_index` sample from their last token. `table_writes` (flat table indices, slots;
+        see `carries`) go into the table first."""
         T, R, n, B = self.tokens, self.requests, len(ids), len(rows)
         h = self._staging.stage()
-        fields = h[:4 * T].reshape(4, T)
+        fields = h[:6 * T].reshape(6, T)
         fields[0, :n], fields[1, :n], fields[2, :n], fields[3, :n] = ids, positions, slots, token_rows
         fields[:3, n:] = 0
         fields[3, n:] = self.r.pad_row
-        rest = h[4 * T:]
+        w = 0 if table_writes is None else len(table_writes[0])
+        if w:
+            fields[4, :w], fields[5, :w] = table_writes
+        fields[4, w:] = self.r.pad_row * self.r.table.max_context
+        fields[5, w:] = 0
+        rest = h[6 * T:]
         req_rows, q_starts = rest[:R], rest[R:2 * R + 1]
         q_lens_h, kv_lens_h, sample_tokens, sample_rows = rest[2 * R + 1:].reshape(4, R)
         req_rows[:B], req_rows[B:] = rows, self.r.pad_row
@@ -87,6 +102,7 @@ class PrefillIO:
         """Logits [R, V] float32 of the sampling requests' last tokens (rows past them: garbage),
         and their table rows into `rows_out`."""
         r = self.r
+        r.table.write_device_flat(self._table_flat, self._table_slots)
         r.table.write_device(self._table_rows, self._positions, self._slots)
         meta = AttentionMetadata(
             mode=ForwardMode.EXTEND, out_slots=self._slots, q_starts=self._q_starts.to(torch.int32),

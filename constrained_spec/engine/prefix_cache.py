@@ -76,7 +76,7 @@ class PrefixCache:
         if slots is None or not len(slots):
             return
         self.table.append(req.row, slots)
-        self._writes.append((req.row, 0, slots))  # written by `write_device`, once per step
+        self._writes.append((req.row, 0, slots))  # to the device with the step's inputs (`take_writes`)
 
     def prompt_scheduled(self, req) -> None:
         """The step being planned computes the last of the request's prompt."""
@@ -87,8 +87,8 @@ class PrefixCache:
     def cache_prompts(self) -> None:
         """Inserts the prompts whose prefill was launched by an earlier step (on the device, in
         stream order, before anything this step launches reads them). The rows it repoints are
-        mirrored on the device by the next `write_device`, which must come before the next launch:
-        the scheduler's, or an extend step's plan with its admissions' prefixes (one upload)."""
+        mirrored on the device before the next launch: by the scheduler's `write_device`, or with
+        an extend step's admissions' prefixes (`take_writes`)."""
         if not self._prefilled:
             return
         reqs, self._prefilled = self._prefilled, []
@@ -145,21 +145,36 @@ class PrefixCache:
                 "evicted_tokens": tree.evicted_tokens, "tree_tokens": tree.size,
                 "evictable_tokens": tree.evictable_size}
 
-    def write_device(self) -> None:
-        """Mirrors the table entries placed or repointed since the last call on the device: one
-        copy from a pinned buffer kept for it and one scatter (per request, the copies and launches
-        cost ~18% of a loaded engine thread; pinning a new buffer each step, ~5%)."""
+    def take_writes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The table entries placed or repointed since the last call, as (flat table indices,
+        slots), for the caller to mirror on the device before its next launch: a graphed prefill
+        carries them in its own input copy (`PrefillIO`), anything else calls `upload`."""
         if not self._writes:
-            return
+            return None
         writes, self._writes = self._writes, []
         total = sum(len(w[2]) for w in writes)
-        host = self._uploads.stage(2 * total)
-        flat, values = host[:total], host[total:]  # flat table indices, slots
+        flat, values = np.empty(total, np.int64), np.empty(total, np.int64)
         width, ramp, at = self.table.max_context, self._ramp, 0
         for row, first, slots in writes:
             n = len(slots)
             np.add(ramp[:n], row * width + first, out=flat[at:at + n])
             values[at:at + n] = slots
             at += n
+        return flat, values
+
+    def upload(self, writes: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Mirrors `take_writes`' entries on the device: one copy from a pinned buffer kept for it
+        and one scatter (per request, the copies and launches cost ~18% of a loaded engine thread;
+        pinning a new buffer each step, ~5%)."""
+        if writes is None:
+            return
+        flat, values = writes
+        total = len(flat)
+        host = self._uploads.stage(2 * total)
+        host[:total], host[total:] = flat, values
         flat_d, values_d = self._uploads.upload(2 * total).split(total)
         self.table.write_device_flat(flat_d, values_d)
+
+    def write_device(self) -> None:
+        """`take_writes` and `upload`: for a step that does not carry them itself."""
+        self.upload(self.take_writes())

@@ -71,8 +71,9 @@ class Scheduler:
         cache = self.runner.prefix_cache
         if cache is not None and (batch is None or batch.mode is not ForwardMode.EXTEND):
             # Rows `cache_prompts` repointed, on the device before anything launches; an extend
-            # step's plan writes them with its prefixes instead (each upload is a few GIL-releasing
-            # torch calls, which a loaded server's engine thread waits to get back from).
+            # step carries them with its prefixes instead (`ModelRunner.forward`: each upload of
+            # their own is a few GIL-releasing torch calls, which a loaded server's engine thread
+            # waits to get back from).
             cache.write_device()
         return batch
 
