@@ -12,7 +12,8 @@
 #   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
 #   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
 #   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*
-#   prefix     bench_serving.py, prefix cache on / off (interleaved rounds): short JSON prompts, prompts
+#   prefix     bench_serving.py, prefix cache on / off (3 interleaved rounds of 40 requests a client, ~8 s
+#              a run: shorter runs move a round's ratio by several percent): short JSON prompts, prompts
 #              that share nothing, a 1,500-token shared system prompt, multi-turn -> bench_serving_prefix.*
 #   prefix_engine  prefix_cache_ab.py: the cache on / off in the engine alone (JSON, answers of 64-128
 #              tokens), with the engine thread's time in the cache's functions -> prefix_cache_ab.*
@@ -47,8 +48,8 @@ stage_spec() {
 stage_serving() { "$PYTHON" benchmarks/bench_serving.py --device cuda --workloads plain,json,schemas; }
 stage_prefix() {
   "$PYTHON" benchmarks/bench_serving.py "${MODEL_ARGS[@]}" --device cuda --workloads json,distinct,shared-prefix,multi-turn \
-    --clients 64 --stream yes --rates "" --no-engine --max-tokens 128 --rounds 16 --servers split,split+nocache \
-    --interleave 2 --name bench_serving_prefix ${BENCH_ARGS:-}
+    --clients 64 --stream yes --rates "" --no-engine --max-tokens 128 --rounds 40 --servers split,split+nocache \
+    --interleave 3 --name bench_serving_prefix ${BENCH_ARGS:-}
 }
 stage_prefix_engine() { "$PYTHON" benchmarks/prefix_cache_ab.py "${MODEL_ARGS[@]}" --workload json --max-tokens-spread 0.5; }
 stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
