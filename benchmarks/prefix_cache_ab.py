@@ -36,7 +36,8 @@ from constrained_spec.engine.scheduler import Scheduler  # noqa: E402
 # (class, method, what one call is): the engine thread's work the cache adds to or changes
 TIMED = [(Scheduler, "remove", "finished request (its KV released: the tree insert with the cache)"),
          (PrefixCache, "admit", "admitted request (match and lock)"),
-         (PrefixCache, "write_device", "admitting step (prefix slots into the device table)"),
+         (PrefixCache, "take_writes", "step (the table entries of its admitted prefixes and repointed rows)"),
+         (PrefixCache, "upload", "upload of its own (entries a prefill graph does not carry, eager steps)"),
          (PrefixCache, "cache_prompts", "step (prompts cached after their prefill)"),
          (Scheduler, "schedule", "step (scheduling)"),
          (ModelRunner, "plan", "step (inputs and KV slots)")]
