@@ -243,7 +243,7 @@ class ModelRunner:
         if batch.mode is ForwardMode.EXTEND and self.graphs is not None:
             launched = self.graphs.launch_prefill(p.rows, np.asarray(p.host_ids, dtype=np.int64), p.positions,
                                                   p.out_slots, p.token_rows, p.q_lens, p.kv_lens,
-                                                  batch.sample_index, writes, cache and cache.upload)
+                                                  batch.sample_index, writes, cache.upload if cache is not None else None)
             if launched is not None:
                 return launched
         if writes is not None:
