@@ -236,6 +236,39 @@ def test_auto_prefers_llguidance_and_falls_back(backend):
     assert backend.compile(GrammarSpec.regex("[a-z]+").with_backend("xgrammar")).backend == "xgrammar"
 
 
+@pytest.mark.parametrize("schema,inside,outside", [
+    # llguidance read these as f64: 2**53 was taken for 2**53 + 1, 10**19 clamped to i64's maximum
+    ({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 3}, 2**53 + 1, 2**53),
+    ({"type": "integer", "minimum": 2**62 + 1, "maximum": 2**62 + 3}, 2**62 + 2, 2**62),
+    ({"enum": [2**53 + 1, "a"]}, 2**53 + 1, 2**53),
+    ({"type": "object", "properties": {"n": {"const": 2**60 + 1}}}, {"n": 2**60 + 1}, {"n": 2**60}),
+    # a bound at i64's minimum crashed the process inside llguidance (SIGSEGV)
+    ({"type": "integer", "minimum": -2**63, "maximum": -2**63 + 8}, -2**63 + 1, -2**63 + 9),
+])
+def test_numbers_past_2_53_go_to_xgrammar(backend, tokenizer, schema, inside, outside):
+    import json
+    with pytest.raises(GrammarError, match="2\\*\\*53") as e:
+        backend.compile(llg(GrammarSpec.json_schema(schema)))
+    assert e.value.keyword in ("minimum", "enum", "const")
+    served = backend.compile(GrammarSpec.json_schema(schema).with_backend("auto"))
+    assert served.backend == "xgrammar"
+    for value, ok in ((inside, True), (outside, False)):
+        m = backend.matcher(served)
+        t = ids(tokenizer, json.dumps(value))
+        assert (m.accept_tokens(t) == len(t) and m.can_terminate()) == ok, value
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "integer", "minimum": 10**19}, "minimum"),  # answered 9223372036854775807 under llguidance
+    ({"type": "number", "minimum": 2**53 + 1}, "minimum"),  # xgrammar bounds numbers as doubles
+    ({"const": 2**64 + 1}, "const"),  # xgrammar matched no text at all
+])
+def test_numbers_no_backend_holds_exactly_are_refused(backend, schema, keyword):
+    with pytest.raises(GrammarError) as e:
+        backend.compile(GrammarSpec.json_schema(schema).with_backend("auto"))
+    assert e.value.keyword == keyword or "exceeds" in str(e.value), str(e.value)
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(GrammarError, match="grammar backend"):
         GrammarSpec.regex("a").with_backend("outlines")

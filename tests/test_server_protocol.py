@@ -72,6 +72,23 @@ def test_token_bytes_byte_level():
     assert t.lookup(2)[1] == [_BYTE_DECODER["Ã"]]
 
 
+def test_masked_tokens_get_a_finite_logprob():
+    """A grammar leaving fewer tokens than top_logprobs asks for: the rest have probability 0. Their
+    logprob is OpenAI's -9999.0, not -inf, which JSON writes as null (its schema wants a number)."""
+    import orjson
+
+    class Tok:
+        def convert_ids_to_tokens(self, i):
+            return {1: "yes", 2: "no", 3: "x"}[i]
+    t = TokenTexts(Tok())
+    entry = {"logprob": 0.0, "top": [(1, 0.0), (2, float("-inf")), (3, float("nan"))]}
+    chat_lps = t.chat_logprobs([([1], [entry])], top_n=3)
+    assert [e["logprob"] for e in chat_lps["content"][0]["top_logprobs"]] == [0.0, -9999.0, -9999.0]
+    legacy = t.completion_logprobs([([1], [entry])], top_n=3)
+    assert legacy["top_logprobs"][0] == {"yes": 0.0, "no": -9999.0, "x": -9999.0}
+    assert b"null" not in orjson.dumps(chat_lps["content"]) + orjson.dumps(legacy)
+
+
 def test_request_params():
     """A request's choices get seed, seed + 1, ...; the token budget is clamped to the context left;
     logit_bias keys become token ids; what the engine would refuse is a 400 naming the field."""

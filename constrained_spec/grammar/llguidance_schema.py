@@ -1,7 +1,8 @@
 """JSON schemas rewritten for llguidance: the same language (for two formats a narrower one, so every
 answer stays valid), in the form llguidance takes.
 
-`for_llguidance` runs them in order: refuse what the grammar could not write (`check_writable`),
+`for_llguidance` runs them in order: refuse what the grammar could not write (`check_writable`) and
+numbers it would not read exactly (`check_exact_numbers`),
 close objects as OpenAI's `strict` does (`close_objects`), write the date formats as the exact
 patterns the normalizer uses and `iri` / `idn-email` as the narrower `uri` / `email`
 (`formats_as_patterns`), turn a `oneOf` whose branches cannot share a JSON type into `anyOf`
@@ -30,6 +31,7 @@ from .schema_refs import DATA_KEYWORDS, has_nested_id, local_target
 
 def for_llguidance(schema: Any, strict: bool) -> Any:
     check_writable(schema, "")
+    check_exact_numbers(schema, "")
     if strict:
         schema = close_objects(schema)
     schema = formats_as_patterns(schema)
@@ -124,6 +126,46 @@ def check_writable(schema: Any, path: str) -> None:
                                "JSON writes only as a \\u escape", keyword=k, path=path)
         if k not in ("const", "enum", "default", "examples"):
             check_writable(v, f"{path}/{_escape(k)}")
+
+
+# llguidance (1.9) reads a schema's numbers as f64: past 2**53 an integer loses digits, so a bound of
+# 2**53 + 1 let 2**53 through and an enum value of 2**53 + 1 took 2**53 instead; a bound past
+# i64's range was clamped to it (minimum 10**19 answered 9223372036854775807); and a bound at
+# i64's minimum crashed the process (SIGSEGV).
+_EXACT = 2 ** 53
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def check_exact_numbers(schema: Any, path: str) -> None:
+    """Refuses a schema with a bound, `multipleOf`, or an integer in `const`/`enum`, whose magnitude
+    passes 2**53, which llguidance would not read exactly (the normalizer and xgrammar take it)."""
+    if isinstance(schema, list):
+        for i, v in enumerate(schema):
+            check_exact_numbers(v, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for k, v in schema.items():
+        if k in _BOUNDS or k in ("const", "enum"):
+            if _inexact(v, bound=k in _BOUNDS):
+                raise GrammarError(f"'{k}' {'at ' + path if path else 'at the schema root'} holds a number past "
+                                   "2**53, which llguidance does not read exactly", keyword=k, path=path)
+        elif k not in ("default", "examples"):
+            check_exact_numbers(v, f"{path}/{_escape(k)}")
+
+
+def _inexact(v: Any, bound: bool) -> bool:
+    """An integer past 2**53 in `v` (a number, or data holding numbers); in a bound, any number past it
+    (a float bound past i64's range is clamped too)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, (int, float)):
+        return abs(v) > _EXACT and (bound or isinstance(v, int))
+    if isinstance(v, list):
+        return any(_inexact(x, bound) for x in v)
+    if isinstance(v, dict):
+        return any(_inexact(x, bound) for x in v.values())
+    return False
 
 
 # formats llguidance enforces more loosely than a checker does (measured: "date" takes 0000-01-01 and

@@ -110,6 +110,19 @@ def _json_key(v: Any) -> str:
 
 
 # --------------------------------------------------------------------------- normalizer
+
+def _has_wide_integer(v: Any) -> bool:
+    """Whether a JSON value holds an integer outside int64."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return not -2 ** 63 <= v < 2 ** 63
+    if isinstance(v, list):
+        return any(_has_wide_integer(x) for x in v)
+    if isinstance(v, dict):
+        return any(_has_wide_integer(x) for x in v.values())
+    return False
+
 class _Normalizer:
     def __init__(self, root: Any, strict: bool):
         self.root = root
@@ -322,6 +335,10 @@ class _Normalizer:
                 if k in node:
                     if not isinstance(node[k], (int, float)) or isinstance(node[k], bool):
                         raise GrammarError(f"'{k}' must be a number {at(path)}", k, path)
+                    if "number" in tset and isinstance(node[k], int) and float(node[k]) != node[k]:
+                        # xgrammar bounds numbers as doubles: minimum 2**53 + 1 let 2**53 through
+                        raise unsupported(k, path, "a number bound past 2**53 that a double cannot hold "
+                                                   "is not enforced exactly")
                     out[k] = node[k]
             if "multipleOf" in node:
                 m = node["multipleOf"]
@@ -453,6 +470,8 @@ class _Normalizer:
         if not uniq:
             raise GrammarError(f"no 'enum'/'const' value satisfies the other keywords {at(path)}",
                                "enum", path)
+        if _has_wide_integer(uniq):  # xgrammar's grammar for such a value matches no text
+            raise unsupported("const" if "const" in node else "enum", path, "integers past 64 bits are not written")
         return {"enum": uniq}
 
     def _filter_values(self, values: list, schema: dict, path: str, kw: str) -> list:

@@ -49,7 +49,7 @@ class TokenTexts:
 
     def entry(self, token_id: int, logprob: float) -> dict:
         text, raw = self.lookup(token_id)
-        return {"token": text, "logprob": float(logprob), "bytes": raw}
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": raw}
 
     def chat_logprobs(self, chunks: list[tuple[list[int], list[dict]]], top_n: int) -> dict:
         """`choices[].logprobs` of a chat completion from (token ids, their logprob entries) chunks."""
@@ -74,11 +74,21 @@ class TokenTexts:
                 text = self.text(tid)
                 lp = entries[k] if k < len(entries) else {"logprob": 0.0, "top": [(tid, 0.0)]}
                 tokens.append(text)
-                token_lps.append(float(lp["logprob"]))
+                token_lps.append(finite_logprob(lp["logprob"]))
                 top = {}
                 for t, v in (lp.get("top") or [])[:top_n]:
-                    top.setdefault(self.text(t), float(v))
+                    top.setdefault(self.text(t), finite_logprob(v))
                 tops.append(top)
                 offsets.append(off)
                 off += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# OpenAI's logprob for a token that cannot be sampled (one a grammar masks, when fewer tokens than
+# top_logprobs asks for are allowed); -inf would go out as JSON null, which its schema does not allow
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def finite_logprob(logprob: float) -> float:
+    v = float(logprob)
+    return v if v > IMPOSSIBLE_LOGPROB else IMPOSSIBLE_LOGPROB
