@@ -292,6 +292,28 @@ def test_strict_closes_objects_where_xgrammar_does(backend, tokenizer):
     assert accepts(llg(GrammarSpec.json_schema({"type": "object", **both})), '{"a": 1, "b": 2}')
 
 
+def test_strict_closes_a_reference_target_unless_it_is_intersected(backend, tokenizer):
+    """A `$ref` target used only as a whole subschema is closed under `strict`, as xgrammar closes
+    it; one referenced beside other keywords, or from an `allOf` branch (directly or through another
+    target), stays open."""
+    def accepts(spec, text):
+        m = backend.matcher(backend.compile(spec))
+        t = ids(tokenizer, text)
+        return m.accept_tokens(t) == len(t) and m.can_terminate()
+    pt = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    plain = {"$defs": {"pt": pt}, "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}}, "required": ["a"]}
+    for name in ("llguidance", "xgrammar"):
+        spec = GrammarSpec.json_schema(plain, strict=True).with_backend(name)
+        assert accepts(spec, '{"a": {"x": 1}}') and not accepts(spec, '{"a": {"x": 1, "z": 1}}'), name
+    assert close_objects(plain)["$defs"]["pt"]["additionalProperties"] is False
+    beside = {"$ref": "#/$defs/pt", "properties": {"y": {"type": "integer"}}}
+    chained = {"$defs": {"pt": pt, "via": {"$ref": "#/$defs/pt"}},
+               "allOf": [{"$ref": "#/$defs/via"}, {"properties": {"y": {"type": "integer"}}}]}
+    for schema in ({"$defs": {"pt": pt}, **beside}, chained):
+        assert "additionalProperties" not in close_objects(schema)["$defs"]["pt"]
+        assert accepts(llg(GrammarSpec.json_schema(schema, strict=True)), '{"x": 1, "y": 2}')
+
+
 def test_refusal_keyword():
     assert refusal_keyword('Unimplemented keys: ["not"]') == "not"
     assert refusal_keyword("Unknown format: foo") == "format"

@@ -46,31 +46,21 @@ def close_objects(schema: Any) -> Any:
     """OpenAI `strict`: objects that declare `properties` without `additionalProperties` are closed,
     and `prefixItems` without `items` closes the array (what xgrammar's strict mode does).
 
-    A subschema llguidance intersects with others (an `allOf` branch, a `$ref` target, a schema
-    beside a `$ref` or a dependency's schema) is left open: closing one side of an intersection
-    would reject the properties of the other. That keeps such objects to JSON Schema's semantics (extra properties allowed)."""
+    A subschema llguidance intersects with others (an `allOf` branch, a schema beside a `$ref`, a
+    `$ref` target referenced from such a place or beside other keywords, or a dependency's schema)
+    is left open: closing one side of an intersection would reject the properties of the other.
+    That keeps such objects to JSON Schema's semantics (extra properties allowed). A target that is
+    only ever the whole of a subschema (`{"$ref": ...}` alone) is closed, as xgrammar does."""
     if not isinstance(schema, (dict, list)):
         return schema
-    shared = set()
-
-    def find_refs(s):
-        if isinstance(s, dict):
-            ref = s.get("$ref")
-            if isinstance(ref, str):
-                shared.add(ref)
-            for v in s.values():
-                find_refs(v)
-        elif isinstance(s, list):
-            for v in s:
-                find_refs(v)
-    find_refs(schema)
+    intersected = _intersected_targets(schema)
 
     def walk(s, pointer: str, open_here: bool):
         if isinstance(s, list):
             return [walk(v, pointer, open_here) for v in s]
         if not isinstance(s, dict):
             return s
-        open_here = open_here or "$ref" in s or "allOf" in s or pointer in shared
+        open_here = open_here or "$ref" in s or "allOf" in s or pointer in intersected
         out = {}
         for k, v in s.items():
             if k in ("enum", "const", "default", "examples"):
@@ -96,6 +86,53 @@ def close_objects(schema: Any) -> Any:
                 out["items"] = False
         return out
     return walk(schema, "#", False)
+
+
+# keywords beside a `$ref` that constrain nothing (containers and annotations)
+_BESIDE_REF_INERT = frozenset(("$ref", "$defs", "definitions", "$comment", "description", "title", "default",
+                               "examples", "$schema", "$id", "$anchor", "deprecated", "readOnly", "writeOnly"))
+
+
+def _intersected_targets(schema: Any) -> set[str]:
+    """The `$ref` values whose targets `close_objects` must leave open: those referenced beside other
+    keywords or from a subschema that is itself intersected (an `allOf` branch, a dependency's
+    schema, a target of this kind), found by walking again until no target is added."""
+    found: set[str] = set()
+
+    def visit(s, pointer: str, open_here: bool) -> None:
+        if isinstance(s, list):
+            for v in s:
+                visit(v, pointer, open_here)
+            return
+        if not isinstance(s, dict):
+            return
+        ref = s.get("$ref")
+        if isinstance(ref, str) and ref not in found and (open_here or pointer in found
+                                                            or any(k not in _BESIDE_REF_INERT for k in s)):
+            found.add(ref)
+        open_here = open_here or "allOf" in s or pointer in found
+        for k, v in s.items():
+            if k in ("enum", "const", "default", "examples"):
+                continue
+            if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"):
+                if isinstance(v, dict):
+                    inner = k in ("dependentSchemas", "dependencies")
+                    for n, sub in v.items():
+                        visit(sub, f"{pointer}/{k}/{_escape(n)}", inner)
+            elif k == "allOf" and isinstance(v, list):
+                for i, sub in enumerate(v):
+                    visit(sub, f"{pointer}/allOf/{i}", True)
+            elif isinstance(v, dict):
+                visit(v, f"{pointer}/{k}", False)
+            elif isinstance(v, list):
+                for i, sub in enumerate(v):
+                    visit(sub, f"{pointer}/{k}/{i}", False)
+
+    size = -1
+    while size != len(found):
+        size = len(found)
+        visit(schema, "#", False)
+    return found
 
 
 # characters JSON can only write as \u escapes, which the grammars leave out (`json_options`)
