@@ -72,6 +72,23 @@ def test_token_bytes_byte_level():
     assert t.lookup(2)[1] == [_BYTE_DECODER["Ã"]]
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "foo"}}},
+     "response_format.json_schema.schema"),
+    ({"stop": 5}, "stop"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"n": "many"}, "n"),
+])
+def test_error_param_is_the_field_path_without_union_tags(extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error_to_api(e.value.errors(include_url=False), body)
+    assert err.param == param, err.body()
+    assert param in err.body()["error"]["message"]
+
+
 def test_masked_tokens_get_a_finite_logprob():
     """A grammar leaving fewer tokens than top_logprobs asks for: the rest have probability 0. Their
     logprob is OpenAI's -9999.0, not -inf, which JSON writes as null (its schema wants a number)."""

@@ -44,15 +44,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return APIError(400, message, param=param, code=code)
 
 
-def validation_error_to_api(errors: list[dict[str, Any]], prefix: tuple = ()) -> APIError:
-    """Turns pydantic's error list into a 400 naming the first offending field."""
+def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> APIError:
+    """Turns pydantic's error list into a 400 naming the first offending field (its path in `body`,
+    the request as sent, where given)."""
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
-    loc = [str(x) for x in (*prefix, *first.get("loc", ())) if x not in ("body",)]
-    # drop pydantic's union/discriminator tags (e.g. 'json_schema' for the tagged union member) when they
-    # repeat the discriminator value; keep list indexes
-    param = ".".join(loc) or None
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(str(x) for x in _field_path(loc, body)) or None
     msg = first.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -64,3 +63,23 @@ def validation_error_to_api(errors: list[dict[str, Any]], prefix: tuple = ()) ->
     else:
         text = msg
     return bad_request(text, param=param, code="invalid_value" if kind != "missing" else "missing_field")
+
+
+def _field_path(loc: list, body: Any) -> list:
+    """`loc` without pydantic's union tags ('str' for a union's string member, 'json_schema' for a
+    tagged union's member): followed through the body, an element that names no key or index there
+    is a tag, but for the last one, a missing field's name; past a scalar, all are tags."""
+    if body is None:
+        return loc
+    path, at = [], body
+    for i, x in enumerate(loc):
+        if isinstance(at, dict) and x in at:
+            at = at[x]
+        elif isinstance(at, list) and isinstance(x, int) and 0 <= x < len(at):
+            at = at[x]
+        elif isinstance(at, dict) and i == len(loc) - 1:
+            pass  # a required field the body lacks
+        else:
+            continue  # a tag
+        path.append(x)
+    return path

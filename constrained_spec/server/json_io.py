@@ -40,4 +40,4 @@ def parse(model_cls, data: dict):
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
-        raise validation_error_to_api(e.errors(include_url=False))
+        raise validation_error_to_api(e.errors(include_url=False), data)

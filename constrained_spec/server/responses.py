@@ -65,7 +65,7 @@ def parse(data: dict) -> ResponsesRequest:
     try:
         req = ResponsesRequest.model_validate(data)
     except ValidationError as e:
-        raise validation_error_to_api(e.errors(include_url=False))
+        raise validation_error_to_api(e.errors(include_url=False), data)
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise bad_request("reasoning options are not supported by this model", param="reasoning",
                           code="unsupported_parameter")
@@ -93,7 +93,7 @@ def chat_request(req: ResponsesRequest, data: dict, history: list[dict] = ()) ->
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
-        error = validation_error_to_api(e.errors(include_url=False))
+        error = validation_error_to_api(e.errors(include_url=False), chat)
         error.param = param_name(error.param)
         raise error
 
