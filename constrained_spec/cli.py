@@ -403,6 +403,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError) as e:
             log.error("%s", e)
             return 1
+        process.supervise()  # a crashed engine process is started again; the front-ends reconnect
         engine = process.connect(owns_process=True)
         info = process.info
         log.info("engine ready in process %d: model %s, device %s, dtype %s, KV capacity %d tokens, max context %d",

@@ -1,7 +1,8 @@
 """Lifecycles of the split server (engine process + front-ends), on a tiny random model:
 a front-end that goes away loses no other front-end's request and frees its KV; a request the
 engine refuses fails alone; the engine process dying turns /health unhealthy and answers 503
-instead of hanging clients; shutdown stops the engine process. (A client disconnect aborting its
+instead of hanging clients, and a supervised one is started again and reconnected to; shutdown
+stops the engine process. (A client disconnect aborting its
 request is tested against the SmolLM2 split server in test_server_concurrency.py.)"""
 from __future__ import annotations
 
@@ -233,6 +234,37 @@ def test_engine_process_death_is_reported(tiny_llama_dir):
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
         assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200  # the front-end still answers
     finally:
+        server.stop()
+        client.shutdown()
+
+
+def test_a_dead_engine_process_is_started_again(tiny_llama_dir):
+    """Supervised (as `serve` runs it), an engine process that dies fails its requests in flight,
+    is started again at the same address, and every front-end reconnects and serves; past
+    `max_restarts` deaths within the window it stays down and /health says so."""
+    process = EngineProcess(_config(tiny_llama_dir))
+    process.supervise(max_restarts=1)
+    client, server = _front_end(process, owns=True)
+    other, other_server = _front_end(process)
+    try:
+        first = process.info.pid
+        t0 = time.monotonic()
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: _health(server.url).status_code == 503, 10, "the death seen")
+        for url in (server.url, other_server.url):
+            _wait(lambda: _health(url).status_code == 200, 120, "the engine back")
+            r = httpx.post(url + "/v1/chat/completions", json=_body(4), timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert process.restarts == 1 and process.info.pid != first
+        print(f"engine back in {time.monotonic() - t0:.1f} s")
+        os.kill(process.info.pid, signal.SIGKILL)  # the second death in the window: stays down
+        _wait(lambda: _health(server.url).status_code == 503, 10, "the second death seen")
+        time.sleep(3)
+        assert process.restarts == 1 and not process.alive()
+        assert _health(other_server.url).status_code == 503
+    finally:
+        other_server.stop()
+        other.shutdown()
         server.stop()
         client.shutdown()
 

@@ -88,9 +88,7 @@ class EngineClient:
         self.config = _Limits(info.max_running_requests, info.max_queued_requests)
         self.grammar = _RemoteGrammar(self)
         self.stats = _Listeners()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(info.address)
-        self._channel = ipc.Channel(sock)
+        self._channel = self._open_channel()
         self._keys = itertools.count(1)
         self._by_key: dict[int, _Pending] = {}
         self._by_id: dict[str, _Pending] = {}
@@ -99,8 +97,22 @@ class EngineClient:
         self._lock = threading.Lock()  # the dicts above, between the app's threads and the reader
         self.healthy = True
         self.closed = False
-        self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
-        self._reader.start()
+        self._reader = self._start_reader()
+
+    def _open_channel(self) -> ipc.Channel:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.info.address)
+        except OSError:
+            sock.close()
+            raise
+        return ipc.Channel(sock)
+
+    def _start_reader(self) -> threading.Thread:
+        reader = threading.Thread(target=self._read_loop, args=(self._channel,), name="engine-client-reader",
+                                  daemon=True)
+        reader.start()
+        return reader
 
     # -- what the app calls ------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params, grammar=None, on_output=None, request_id: str | None = None,
@@ -196,10 +208,10 @@ class EngineClient:
             self._by_key.pop(p.key, None)
             self._by_id.pop(p.request_id, None)
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, channel: ipc.Channel) -> None:
         try:
             while True:
-                msg = self._channel.recv()
+                msg = channel.recv()
                 if msg[0] == "out":
                     self._on_updates(msg[1], msg[2])
                 else:
@@ -294,6 +306,26 @@ class EngineClient:
         for p in pending:
             self._deliver(p, RequestOutput(p.request_id, p.detok.take(True), [], True, FinishReason.ERROR,
                                            ENGINE_GONE, len(p.prompt_ids), len(p.output_ids)))
+        if not self.closed:
+            threading.Thread(target=self._reconnect, name="engine-client-reconnect", daemon=True).start()
+
+    def _reconnect(self, every_s: float = 0.5) -> None:
+        """Connects again once the engine process is back at its address (`EngineProcess.supervise`
+        starts it again); until then requests get 503 and /health says unhealthy."""
+        while not self.closed:
+            time.sleep(every_s)
+            try:
+                channel = self._open_channel()
+            except OSError:
+                continue
+            if self.closed:
+                channel.close()
+                return
+            self._channel = channel
+            self._reader = self._start_reader()
+            self.healthy = True
+            log.info("connected to the engine process again")
+            return
 
 
 ENGINE_GONE = "the engine process stopped"

@@ -272,20 +272,68 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
 
 class EngineProcess:
     """Starts the engine in a process of its own (spawned: the parent may hold threads and must not
-    have touched CUDA) and stops it. `connect()` gives a front-end's `EngineClient`."""
+    have touched CUDA) and stops it. `connect()` gives a front-end's `EngineClient`; `supervise()`
+    starts it again, at the same address, if it dies (its clients reconnect by themselves)."""
 
     def __init__(self, config, ready_timeout_s: float = 600.0, response_store: str | None = None):
-        ctx = mp.get_context("spawn")
+        self._config, self._response_store, self._ready_timeout_s = config, response_store, ready_timeout_s
         self._dir = tempfile.mkdtemp(prefix="constrained-spec-")
         self.address = os.path.join(self._dir, "engine.sock")
-        self._lifeline, child_end = ctx.Pipe()
         self._stop_lock = threading.Lock()
         self._stopped = False
-        self.process = ctx.Process(target=_main, args=(config, self.address, child_end, response_store),
+        self._stopping = threading.Event()
+        self.restarts = 0
+        self.info: EngineInfo = self._start()
+
+    def _start(self) -> EngineInfo:
+        ctx = mp.get_context("spawn")
+        try:
+            os.unlink(self.address)  # a dead engine's socket file
+        except OSError:
+            pass
+        self._lifeline, child_end = ctx.Pipe()
+        self.process = ctx.Process(target=_main, args=(self._config, self.address, child_end, self._response_store),
                                    name="constrained-spec-engine", daemon=True)
         self.process.start()
         child_end.close()
-        self.info: EngineInfo = self._wait_ready(ready_timeout_s)
+        return self._wait_ready(self._ready_timeout_s)
+
+    def supervise(self, max_restarts: int = 5, window_s: float = 600.0) -> None:
+        """Watches the process from a thread: if it dies unasked (a crash in native code, the OOM
+        killer), its requests in flight have failed; it is started again, unless it already died
+        `max_restarts` times within `window_s` (then the server stays up, unhealthy, so that whoever
+        runs it sees /health fail and the log says why)."""
+        threading.Thread(target=self._watch, args=(max_restarts, window_s), name="engine-supervisor",
+                         daemon=True).start()
+
+    def _watch(self, max_restarts: int, window_s: float) -> None:
+        from multiprocessing.connection import wait
+        deaths: list[float] = []
+        while True:
+            wait([self.process.sentinel])
+            if self._stopping.is_set():
+                return
+            now = time.monotonic()
+            deaths = [t for t in deaths if now - t < window_s] + [now]
+            code = self.process.exitcode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            if len(deaths) > max_restarts:
+                log.error("the engine process died (%s), %d times within %.0f s: not starting it again",
+                          how, len(deaths), window_s)
+                return
+            log.error("the engine process died (%s); starting it again", how)
+            self._lifeline.close()
+            try:
+                info = self._start()
+            except (RuntimeError, TimeoutError) as e:
+                log.error("the engine process could not start again: %s", e)
+                return
+            if self._stopping.is_set():  # stopped while it started: stop this one too
+                self._stopped = False
+                self.stop()
+                return
+            self.info, self.restarts = info, self.restarts + 1
+            log.info("the engine process is back (pid %d)", info.pid)
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
         deadline = time.monotonic() + timeout_s
@@ -317,6 +365,7 @@ class EngineProcess:
         """Asks the engine to stop (it finishes its step, frees its threads), then makes sure. Safe
         to call more than once and from several threads (an app's shutdown and the process's owner
         may both stop it): the first call stops it, the others wait for that."""
+        self._stopping.set()
         with self._stop_lock:
             if self._stopped:
                 return
