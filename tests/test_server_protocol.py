@@ -89,6 +89,18 @@ def test_error_param_is_the_field_path_without_union_tags(extra, param):
     assert param in err.body()["error"]["message"]
 
 
+@pytest.mark.parametrize("bad", [{"max_tokens": "5"}, {"max_tokens": True}, {"max_tokens": 5.0}, {"stream": "yes"},
+                                 {"n": "2"}, {"logprobs": 1}, {"seed": 1.5}])
+def test_integers_and_booleans_are_strict(bad):
+    """As OpenAI's: a string, float or boolean where an integer goes (or the other way) is a 400 naming
+    the field, not a value pydantic made up (`max_tokens: true` ran as 1)."""
+    with pytest.raises(ValidationError) as e:
+        chat(**bad)
+    body = {"messages": [{"role": "user", "content": "hi"}], **bad}
+    assert validation_error_to_api(e.value.errors(include_url=False), body).param == next(iter(bad))
+    assert chat(max_tokens=5, stream=True, n=2, logprobs=True, seed=3).max_tokens == 5
+
+
 def test_masked_tokens_get_a_finite_logprob():
     """A grammar leaving fewer tokens than top_logprobs asks for: the rest have probability 0. Their
     logprob is OpenAI's -9999.0, not -inf, which JSON writes as null (its schema wants a number)."""

@@ -134,14 +134,15 @@ class _GenerationRequest(_Lenient):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    # integers and booleans strict, as OpenAI's are: "5", 5.0 or true for max_tokens is a 400, not 5 or 1
+    n: int = Field(default=1, ge=1, le=16, strict=True)
+    seed: int | None = Field(default=None, strict=True)
     stop: Union[str, list[str], None] = None
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     prediction: Prediction | None = None
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = Field(default=None, discriminator="type")
     user: str | None = None
@@ -156,10 +157,10 @@ class _GenerationRequest(_Lenient):
     guided_json: Union[dict[str, Any], str, None] = None
     grammar_backend: str | None = None  # xgrammar | llguidance | auto; None: the server's --grammar-backend
     # extensions: sampling
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, strict=True)
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = Field(default=False, strict=True)
 
     @field_validator("stop")
     @classmethod
@@ -180,10 +181,10 @@ class _GenerationRequest(_Lenient):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    logprobs: bool = Field(default=False, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None  # one call per choice either way
@@ -206,9 +207,9 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    max_tokens: int | None = Field(default=16, ge=1, strict=True)
+    logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
+    echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
     best_of: int | None = None
 

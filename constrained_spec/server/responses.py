@@ -45,15 +45,15 @@ class ResponsesRequest(_Lenient):
     input: Union[str, list[dict[str, Any]]]
     instructions: str | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
+    stream: bool = Field(default=False, strict=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     previous_response_id: str | None = None
-    store: bool = True
+    store: bool = Field(default=True, strict=True)
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
 
     @property
     def format(self) -> TextFormat | None:
