@@ -123,6 +123,37 @@ def test_auto_answers_in_text_or_calls():
     assert plan.message('{"con', "length", False)[0]["content"] == ""  # cut before it said which: nothing
 
 
+def test_auto_with_a_response_format_answers_under_its_schema():
+    """Tools and a JSON response_format together (what an agent with tools and a structured output
+    type sends): the answer branch is {"content": <JSON under the format's schema>}, with its $defs
+    moved beside the functions'; the message's content is that JSON, streamed in any pieces alike.
+    With a call forced or required the format does not apply."""
+    point = {"type": "object", "properties": {"at": {"$ref": "#/$defs/xy"}}, "required": ["at"],
+             "$defs": {"xy": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": point}}
+    plan = tool_call_plan(_request(tools=TOOLS, response_format=fmt))
+    answer = plan.schema["anyOf"][-1]
+    assert answer["required"] == ["content"] and answer["properties"]["content"]["properties"]["at"] == {
+        "$ref": "#/$defs/answer.format__xy"}
+    assert plan.schema["$defs"]["answer.format__xy"] == point["$defs"]["xy"]
+    assert "under this schema" in plan.with_instructions([{"role": "user", "content": "x"}])[0]["content"]
+    inner = '{"at": {"x": 3}}'
+    text = '{"content": ' + inner + ' }'
+    message, reason = plan.message(text, "stop", True)
+    assert reason == "stop" and message["content"] == inner and "tool_calls" not in message
+    assert plan.message(text[:20], "length", False)[0]["content"] == inner[:20 - len('{"content": ')]
+    for size in range(1, 9):
+        stream = plan.stream()
+        deltas = [stream.update(text[i:i + size]) for i in range(0, len(text), size)] + [stream.update("", "stop", True)]
+        assert "".join(d["content"] for d in deltas if d) == inner and stream.finish_reason("stop", True) == "stop"
+    call = '{"name": "get_time", "arguments": {"timezone": "UTC"}}'
+    assert plan.message(call, "stop", True)[0]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert tool_call_plan(_request(tools=TOOLS, response_format={"type": "json_object"})).answer_schema == {
+        "type": "object"}
+    for choice in ("required", _named("get_time")):
+        assert tool_call_plan(_request(tools=TOOLS, tool_choice=choice, response_format=fmt)).answer_schema is None
+
+
 def test_instructions_for_a_template_without_tools():
     plan = tool_call_plan(_request(tools=TOOLS, tool_choice=_named("get_time")))
     alone = plan.with_instructions([{"role": "user", "content": "What time is it in Paris?"}])
@@ -174,6 +205,35 @@ def test_auto_through_openai(openai_client):
         else:
             assert choice.finish_reason in ("stop", "length") and not calls
             assert choice.message.content and streamed_text == choice.message.content
+
+
+@pytest.mark.slow
+def test_auto_with_a_response_format_through_openai(openai_client):
+    """Tools and a structured output type in one request: a valid call, or content that validates
+    under the response format's schema; streamed alike."""
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    joke = {"type": "object", "properties": {"setup": {"type": "string", "maxLength": 60},
+                                             "punchline": {"type": "string", "maxLength": 60}},
+            "required": ["setup", "punchline"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "joke", "schema": joke}}
+    answers = 0
+    # SmolLM2-135M calls a function whatever it is asked; the second request bans the envelope's `name`
+    # key as SmolLM2 spells it ('name', 'n'), so that it answers
+    for question, bias in (("What time is it in Tokyo?", None), ("Tell me a joke about cats.", {"1245": -100, "94": -100})):
+        kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": question}], tools=TOOLS, max_tokens=80,
+                  temperature=0, response_format=fmt, **({"logit_bias": bias} if bias else {}))
+        choice = openai_client.chat.completions.create(**kw).choices[0]
+        chunks = list(openai_client.chat.completions.create(**kw, stream=True))
+        streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        if choice.message.tool_calls:
+            (call,) = choice.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        else:
+            answers += 1
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), joke)
+            assert streamed_text == choice.message.content
+    assert answers >= 1
 
 
 @pytest.mark.slow
@@ -287,8 +347,7 @@ def test_conversation_with_a_tool_result(http):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, param", [({"tool_choice": _named("nope")}, "tool_choice"),
                                           ({"tool_choice": _named("get_weather"), "logprobs": True}, "logprobs"),
-                                          ({"tool_choice": "required", "response_format": {"type": "json_object"}},
-                                           "tools"),
+                                          ({"tool_choice": "auto", "regex": "[a-z]+"}, "tools"),
                                           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
                                               "type": "object", "if": {"required": ["a"]}, "then": {}}}}],
                                             "tool_choice": "required"}, "tools")])

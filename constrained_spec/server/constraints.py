@@ -56,8 +56,11 @@ class CheckedGrammars:
 def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
     """The constraints a request sets, as (kind, request field, value)."""
     found: list[tuple[str, str, Any]] = []
+    tools = bool(getattr(req, "tools", None)) and req.tool_choice != "none"
     rf = req.response_format
-    if isinstance(rf, ResponseFormatJsonSchema):
+    if tools:
+        pass  # a JSON response_format shapes the answer beside the calls (`tools.answer_schema`)
+    elif isinstance(rf, ResponseFormatJsonSchema):
         found.append(("json_schema", "response_format", rf.json_schema))
     elif isinstance(rf, ResponseFormatJsonObject):
         found.append(("json_object", "response_format", None))
@@ -67,7 +70,7 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
         value = getattr(req, field)
         if value is not None:
             found.append((kind, field, value))
-    if getattr(req, "tools", None) and req.tool_choice != "none":
+    if tools:
         found.append(("tool_call", "tools", None))
     return found
 

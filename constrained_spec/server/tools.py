@@ -6,7 +6,9 @@ schema of the called function's parameters, so their arguments always parse and 
 * `"required"`: the output is `{"name": f, "arguments": {...}}` for one of the tools (`anyOf` over
   them, the name first), split into name and arguments for the response.
 * `"auto"` (OpenAI's default when tools are given): the same, or `{"content": "..."}`, the model's
-  text answer; which one is the model's choice, told by the first key.
+  text answer; which one is the model's choice, told by the first key. With a JSON
+  `response_format` the answer is `{"content": <JSON under its schema>}`, and the message's content
+  is that JSON (an agent that has tools and a structured output type sends both).
 * `"none"`: no call, and the tools are not shown to the model.
 
 The envelopes are this server's own format, the same for every model: a grammar decides the output,
@@ -33,6 +35,8 @@ TEXT_ANSWER = {"type": "object", "properties": {"content": {"type": "string"}}, 
 # where an envelope's arguments start: after the call's name; where a text answer's string starts
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _TEXT_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+_ANSWER_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*')  # an answer under response_format: any JSON
+ANSWER_DEFS = "answer.format"  # the response format's $defs prefix ('.' is in no function name)
 _WRAPPER_TAIL = re.compile(r"\s*\}?\s*$")  # what may be the end of an envelope
 _LOCAL_DEF = re.compile(r"#/(?:\$defs|definitions)/([^/]+)")
 
@@ -44,11 +48,13 @@ def new_call_id() -> str:
 @dataclass(frozen=True)
 class ToolCallPlan:
     """What a request's `tools` and `tool_choice` ask for: `forced` names the one function called
-    (None: the model picks, in an envelope); `allow_text` lets it answer in text instead (`auto`)."""
+    (None: the model picks, in an envelope); `allow_text` lets it answer in text instead (`auto`),
+    under `answer_schema` where the request has a JSON `response_format`."""
     functions: tuple  # the request's ToolFunction models, in order
     forced: str | None
     strict: bool
     allow_text: bool = False
+    answer_schema: dict | None = None
 
     @property
     def schema(self) -> dict:
@@ -60,7 +66,14 @@ class ToolCallPlan:
             defs.update(needed)
             calls.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
                           "required": ["name", "arguments"], "additionalProperties": False})
-        schema = {"anyOf": calls + ([TEXT_ANSWER] if self.allow_text else [])}
+        if self.allow_text and self.answer_schema is not None:
+            answer, needed = _envelope_parameters(ANSWER_DEFS, self.answer_schema)
+            defs.update(needed)
+            calls.append({"type": "object", "properties": {"content": answer}, "required": ["content"],
+                          "additionalProperties": False})
+        elif self.allow_text:
+            calls.append(TEXT_ANSWER)
+        schema = {"anyOf": calls}
         return {**schema, "$defs": defs} if defs else schema
 
     def grammar(self):
@@ -82,6 +95,10 @@ class ToolCallPlan:
                                     "parameters": self._parameters(f)}).decode() for f in self.functions]
         if self.forced is not None:
             lines.append(f"Call the function {self.forced}: answer with its arguments as one JSON object.")
+        elif self.allow_text and self.answer_schema is not None:
+            lines.append('To call a function, answer with one JSON object {"name": ..., "arguments": {...}}; '
+                         'to answer instead, answer with {"content": X}, X your answer as JSON under this schema: '
+                         + orjson.dumps(self.answer_schema).decode())
         elif self.allow_text:
             lines.append('To call a function, answer with one JSON object {"name": ..., "arguments": {...}}; '
                          'to answer in text instead, answer with {"content": "your answer"}.')
@@ -107,7 +124,12 @@ class ToolCallPlan:
             arguments = _strip_wrapper(rest) if complete else rest
             return _call_message(_unescape(head.group(1)), arguments), call_finish_reason(finish_reason, complete)
         content = ""
-        if self.allow_text and _TEXT_HEAD.match(text):
+        if self.allow_text and self.answer_schema is not None:
+            head = _ANSWER_HEAD.match(text)
+            if head is not None:  # the JSON as far as it got (all of it, finished)
+                rest = text[head.end():].lstrip()
+                content = _strip_wrapper(rest) if complete else rest
+        elif self.allow_text and _TEXT_HEAD.match(text):
             content = TextAnswer().feed(text).decoded  # the string as far as it got (all of it, finished)
         return {"role": "assistant", "content": content, "refusal": None}, finish_reason
 
@@ -150,6 +172,7 @@ class ToolCallStream:
         self.call_id = new_call_id()
         self.name = plan.forced
         self.text: TextAnswer | None = None  # set once the output is a text answer
+        self.answer = False  # set once the output is an answer under response_format (JSON, streamed raw)
         self._pending = ""  # text not yet sent
         self._started = False
 
@@ -157,12 +180,16 @@ class ToolCallStream:
         """The delta for the choice's new output text (None: nothing to send yet); `finish_reason`
         (the engine's) and `complete` (`grammar_complete`) with its last text."""
         self._pending += text
-        if self.name is None and self.text is None:
+        if self.name is None and self.text is None and not self.answer:
             head = _CALL_HEAD.match(self._pending)
+            answer = self.plan.allow_text and self.plan.answer_schema is not None and _ANSWER_HEAD.match(self._pending)
             if head is not None:
                 self.name = _unescape(head.group(1))
                 self._pending = self._pending[head.end():]
-            elif self.plan.allow_text and _TEXT_HEAD.match(self._pending):
+            elif answer:
+                self.answer = True
+                self._pending = self._pending[answer.end():]
+            elif self.plan.allow_text and self.plan.answer_schema is None and _TEXT_HEAD.match(self._pending):
                 self.text = TextAnswer()
             else:
                 return None
@@ -170,12 +197,19 @@ class ToolCallStream:
             pending, self._pending = self._pending, ""
             piece = self.text.feed(pending).take()
             return {"content": piece} if piece else None
+        if self.answer:
+            piece = self._unwrapped(finish_reason, complete)
+            return {"content": piece} if piece else None
         return self._call_delta(finish_reason, complete)
 
     def finish_reason(self, finish_reason: str, complete: bool) -> str:
-        return finish_reason if self.text is not None else call_finish_reason(finish_reason, complete)
+        if self.text is not None or self.answer:
+            return finish_reason
+        return call_finish_reason(finish_reason, complete)
 
-    def _call_delta(self, finish_reason: str | None, complete: bool) -> dict | None:
+    def _unwrapped(self, finish_reason: str | None, complete: bool) -> str:
+        """The pending text that is the envelope's inner value for sure: a tail that may close the
+        envelope waits for what follows (or, at the end, is dropped if it does)."""
         wrapped = self.plan.forced is None
         if wrapped and not self._started:
             self._pending = self._pending.lstrip()
@@ -187,7 +221,14 @@ class ToolCallStream:
             out, self._pending = self._pending[:cut], self._pending[cut:]
         else:
             out, self._pending = self._pending, ""
-        if not self._started:
+        if out:
+            self._started = True
+        return out
+
+    def _call_delta(self, finish_reason: str | None, complete: bool) -> dict | None:
+        started = self._started
+        out = self._unwrapped(finish_reason, complete)
+        if not started:
             if not out and finish_reason is None:  # the header goes with the first piece of arguments
                 return None
             self._started = True
@@ -324,7 +365,19 @@ def tool_call_plan(req) -> ToolCallPlan | None:
                               f"({', '.join(names)})", param="tool_choice")
         strict_of = [f for f in functions if f.name == forced]
     # strict as response_format's json_schema: closed objects unless a function says strict false
-    return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of), allow_text=allow_text)
+    return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of), allow_text=allow_text,
+                        answer_schema=answer_schema(req) if allow_text else None)
+
+
+def answer_schema(req) -> dict | None:
+    """The schema of a text answer beside tools: the request's JSON `response_format`, if any (with
+    `tool_choice` "required" or a named function the answer is a call, and it does not apply)."""
+    rf = getattr(req, "response_format", None)
+    kind = getattr(rf, "type", None)
+    if kind == "json_schema":
+        schema = rf.json_schema.schema_
+        return schema if schema is not None else {"type": "object"}
+    return {"type": "object"} if kind == "json_object" else None
 
 
 def history_text(content: str, tool_calls: list[Any] | None) -> str:
