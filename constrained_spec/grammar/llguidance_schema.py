@@ -150,19 +150,28 @@ def check_writable(schema: Any, path: str) -> None:
         if isinstance(v, dict):
             return any(bad(k) or bad(x) for k, x in v.items())
         return False
+
+    def visit(k: str, v: Any, at: str) -> None:
+        names = k in ("properties", "required") and isinstance(v, (dict, list))
+        if (k in ("const", "enum") and bad(v)) or (names and bad(list(v))):
+            raise GrammarError(f"'{k}' {'at ' + at if at else 'at the schema root'} holds a control character "
+                               "JSON writes only as a \\u escape", keyword=k, path=at)
+    _each_keyword(schema, path, visit)
+
+
+def _each_keyword(schema: Any, path: str, visit) -> None:
+    """Calls visit(keyword, value, path of its schema) for every keyword of the schema and its
+    subschemas; data values (`const`, `enum`, `default`, `examples`) are not entered."""
     if isinstance(schema, list):
         for i, v in enumerate(schema):
-            check_writable(v, f"{path}/{i}")
+            _each_keyword(v, f"{path}/{i}", visit)
         return
     if not isinstance(schema, dict):
         return
     for k, v in schema.items():
-        names = k in ("properties", "required") and isinstance(v, (dict, list))
-        if (k in ("const", "enum") and bad(v)) or (names and bad(list(v))):
-            raise GrammarError(f"'{k}' {'at ' + path if path else 'at the schema root'} holds a control character "
-                               "JSON writes only as a \\u escape", keyword=k, path=path)
+        visit(k, v, path)
         if k not in ("const", "enum", "default", "examples"):
-            check_writable(v, f"{path}/{_escape(k)}")
+            _each_keyword(v, f"{path}/{_escape(k)}", visit)
 
 
 # llguidance (1.9) reads a schema's numbers as f64: past 2**53 an integer loses digits, so a bound of
@@ -176,19 +185,11 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 def check_exact_numbers(schema: Any, path: str) -> None:
     """Refuses a schema with a bound, `multipleOf`, or an integer in `const`/`enum`, whose magnitude
     passes 2**53, which llguidance would not read exactly (the normalizer and xgrammar take it)."""
-    if isinstance(schema, list):
-        for i, v in enumerate(schema):
-            check_exact_numbers(v, f"{path}/{i}")
-        return
-    if not isinstance(schema, dict):
-        return
-    for k, v in schema.items():
-        if k in _BOUNDS or k in ("const", "enum"):
-            if _inexact(v, bound=k in _BOUNDS):
-                raise GrammarError(f"'{k}' {'at ' + path if path else 'at the schema root'} holds a number past "
-                                   "2**53, which llguidance does not read exactly", keyword=k, path=path)
-        elif k not in ("default", "examples"):
-            check_exact_numbers(v, f"{path}/{_escape(k)}")
+    def visit(k: str, v: Any, at: str) -> None:
+        if (k in _BOUNDS or k in ("const", "enum")) and _inexact(v, bound=k in _BOUNDS):
+            raise GrammarError(f"'{k}' {'at ' + at if at else 'at the schema root'} holds a number past "
+                               "2**53, which llguidance does not read exactly", keyword=k, path=at)
+    _each_keyword(schema, path, visit)
 
 
 def _inexact(v: Any, bound: bool) -> bool:

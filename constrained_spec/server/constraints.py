@@ -59,7 +59,7 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
     tools = bool(getattr(req, "tools", None)) and req.tool_choice != "none"
     rf = req.response_format
     if tools:
-        pass  # a JSON response_format shapes the answer beside the calls (`tools.answer_schema`)
+        pass  # a JSON response_format shapes the answer beside the calls (`tools.response_format_schema`)
     elif isinstance(rf, ResponseFormatJsonSchema):
         found.append(("json_schema", "response_format", rf.json_schema))
     elif isinstance(rf, ResponseFormatJsonObject):

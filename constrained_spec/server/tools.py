@@ -366,10 +366,10 @@ def tool_call_plan(req) -> ToolCallPlan | None:
         strict_of = [f for f in functions if f.name == forced]
     # strict as response_format's json_schema: closed objects unless a function says strict false
     return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of), allow_text=allow_text,
-                        answer_schema=answer_schema(req) if allow_text else None)
+                        answer_schema=response_format_schema(req) if allow_text else None)
 
 
-def answer_schema(req) -> dict | None:
+def response_format_schema(req) -> dict | None:
     """The schema of a text answer beside tools: the request's JSON `response_format`, if any (with
     `tool_choice` "required" or a named function the answer is a call, and it does not apply)."""
     rf = getattr(req, "response_format", None)
