@@ -1,7 +1,8 @@
 """The Responses API (`POST /v1/responses`) through the official `openai` package, unchanged, against
 the real server with the real SmolLM2: `responses.create` (text and json_schema), `responses.parse`
 with a pydantic model, `responses.stream` (events reassemble to the answer, parsed), function tools
-(a forced call, streamed and not, and a function_call_output turn), max_output_tokens as an
+(a forced call, streamed and not, and a function_call_output turn; beside a format, an answer under
+it), max_output_tokens as an
 incomplete response, stored responses (retrieve, delete, previous_response_id, shared by the
 front-ends of one engine process), and the 400s for what the server does not take."""
 from __future__ import annotations
@@ -111,6 +112,21 @@ def test_forced_function_call(openai_client):
                                            input=[{"role": "user", "content": "Hi"}, *follow.output,
                                                   {"role": "user", "content": "And tomorrow?"}])
     assert again.output_text
+
+
+def test_tools_beside_a_format_answer_under_it(openai_client):
+    """Function tools and `text.format` together (the agent case): an answer, not a call, is JSON
+    under the format, streamed alike. SmolLM2-135M always calls; `logit_bias` bans the envelope's
+    `name` key as it spells it ('name', 'n') to reach the answer."""
+    kw = dict(model=MODEL_ID, input="A person as JSON.", tools=[WEATHER], max_output_tokens=64, temperature=0,
+              text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+              extra_body={"logit_bias": {"1245": -100, "94": -100}, "grammar_backend": "xgrammar"})
+    r = openai_client.responses.create(**kw)
+    assert r.status == "completed" and r.output[0].type == "message", r.output
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    with openai_client.responses.stream(**kw) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.output_text
 
 
 def test_previous_response_id_continues_the_stored_conversation(openai_client):
