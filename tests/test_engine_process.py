@@ -186,6 +186,28 @@ def test_a_whole_answer_crosses_in_two_updates(shared_process):
         client.shutdown()
 
 
+def test_an_aborted_request_reaches_the_metrics(shared_process):
+    """A request its client gave up on (a disconnect): the front-end forgets it, so the engine's
+    ABORT end never reaches it; the /metrics listeners still see it end, as "abort"."""
+    from constrained_spec.engine.request import FinishReason
+    from constrained_spec.sampling_params import SamplingParams
+    client = shared_process.connect()
+    ends, started = [], threading.Event()
+    client.stats.listeners.append(lambda event, p: event == "finish" and ends.append(p))
+    try:
+        client.add_request([1, 5, 9, 13], SamplingParams(max_tokens=400, ignore_eos=True), None,
+                           lambda out: started.set(), request_id="gone")
+        assert started.wait(60)
+        client.abort("gone")
+        assert [(p.request_id, p.finish_reason) for p in ends] == [("gone", FinishReason.ABORT)]
+        assert ends[0].output_ids and ends[0].prompt_ids == [1, 5, 9, 13]
+        _wait(lambda: not client._by_id, 5, "forgotten")
+        time.sleep(0.5)
+        assert len(ends) == 1  # the engine's own end of it does not count it twice
+    finally:
+        client.shutdown()
+
+
 def test_a_request_the_engine_refuses_fails_alone(shared_process):
     """Two front-ends share the engine's queue of 2: A fills it, B's request is refused by the engine
     itself; that request alone fails, A's finish, and B keeps serving."""

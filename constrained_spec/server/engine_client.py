@@ -147,6 +147,10 @@ class EngineClient:
             return
         self._forget(p)
         self._send_quietly(("abort", p.key))
+        # its end will not come back (it is forgotten): /metrics counts it here, as the engine does
+        p.finish_reason = FinishReason.ABORT
+        for fn in self.stats.listeners:
+            fn("finish", p)
 
     def snapshot_async(self) -> Future:
         """The engine's state for /health and /metrics (`metrics.engine_snapshot`)."""
