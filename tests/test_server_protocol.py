@@ -101,6 +101,14 @@ def test_integers_and_booleans_are_strict(bad):
     assert chat(max_tokens=5, stream=True, n=2, logprobs=True, seed=3).max_tokens == 5
 
 
+def test_only_an_assistant_turn_may_lack_content():
+    with pytest.raises(ValidationError, match="a user message needs content"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": None}]})
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": None, "tool_calls": calls}]})
+
+
 def test_masked_tokens_get_a_finite_logprob():
     """A grammar leaving fewer tokens than top_logprobs asks for: the rest have probability 0. Their
     logprob is OpenAI's -9999.0, not -inf, which JSON writes as null (its schema wants a number)."""

@@ -68,6 +68,12 @@ class ChatMessage(_Lenient):
                     raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
         return v
 
+    @model_validator(mode="after")
+    def _content_unless_calls(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":  # an assistant turn may be calls alone
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        return self
+
     def text(self) -> str:
         return _text_of(self.content)
 
