@@ -541,12 +541,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+# flags' smallest values (those a subcommand has): a value below made a server that never admitted a
+# request, or failed late with a traceback
+_AT_LEAST = {"port": 0, "frontends": 1, "max_running_requests": 1, "max_queued_requests": 0, "max_prefill_tokens": 1,
+             "kv_cache_slots": 1, "max_pending_requests": 1, "default_max_tokens": 1, "max_tokens": 1}
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What argparse's types cannot say, checked before anything loads: ranges, a model that is a
+    path or an alias, CUDA where a CUDA device is asked for. Returns the problem, or None."""
+    for name, low in _AT_LEAST.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            return f"--{name.replace('_', '-')} must be at least {low}; got {value}"
+    if getattr(args, "port", None) is not None and args.port > 65535:
+        return f"--port must be at most 65535; got {args.port}"
+    for name in ("max_body_mb", "kv_cache_memory_gb"):
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            return f"--{name.replace('_', '-')} must be positive; got {value}"
+    model = getattr(args, "model", None)
+    if model and model.strip():
+        from .models.registry import MODELS, lookup_alias
+        if not Path(os.path.expanduser(model.strip())).exists() and lookup_alias(model) is None:
+            return f"--model {model!r} is neither an existing path nor a known alias ({', '.join(sorted(MODELS))})"
+    device = getattr(args, "device", None)
+    if isinstance(device, str) and device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            return f"--device {device}: CUDA is not available here (torch {torch.__version__})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    problem = check_args(args)
+    if problem is not None:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -59,6 +59,34 @@ def test_flags_map_to_engine_config():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "--port", "-1"], "--port must be at least 0"),
+    (["serve", "--port", "70000"], "--port must be at most 65535"),
+    (["serve", "--max-running-requests", "0"], "--max-running-requests must be at least 1"),
+    (["serve", "--frontends", "0"], "--frontends must be at least 1"),
+    (["serve", "--max-body-mb", "-3"], "--max-body-mb must be positive"),
+    (["serve", "--model", "/nonexistent/x.gguf"], "neither an existing path nor a known alias"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, says, capsys):
+    """Checked before anything loads: these used to start a server that never admitted a request,
+    fail late in uvicorn, or end in a traceback."""
+    from constrained_spec.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_cuda_device_without_cuda_is_one_line(capsys, monkeypatch):
+    import torch
+    from constrained_spec.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--device", "cuda"])
+    assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
 def test_generate_with_schema(tmp_path, server_model_path):
     schema_file = tmp_path / "animal.json"
     schema_file.write_text(json.dumps(SCHEMA))

@@ -279,3 +279,12 @@ def test_jump_forward_keeps_the_models_tokenization(smollm2_dir, engine):
         assert jf.stats.forced_tokens > 0
     finally:
         jf.shutdown()
+
+
+def test_a_shut_down_engine_refuses_requests(tiny_llama_dir):
+    """A request after `shutdown()` would never run: it is refused at once, not left waiting."""
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32")
+    assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    eng.shutdown()
+    with pytest.raises(RequestError, match="shut down"):
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -160,6 +160,8 @@ class Engine:
         empties in `step_hook` (the engine thread, once per loop iteration: a step's entries come before
         its other updates). The engine process streams that way: ~0.1 µs a request a step instead of
         an update object and a callback on the engine's thread."""
+        if self._stopped:  # nothing would ever run it: a caller waiting on it would wait forever
+            raise RequestError("the engine is shut down", code="engine_shut_down")
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self._check_request(ids, params)
