@@ -236,6 +236,39 @@ def test_auto_prefers_llguidance_and_falls_back(backend):
     assert backend.compile(GrammarSpec.regex("[a-z]+").with_backend("xgrammar")).backend == "xgrammar"
 
 
+# (pattern, strings it matches, strings it does not), in ECMA-262's meaning, under both backends
+REGEX_MEANINGS = [
+    (r"\d{2}", ["12"], ["\u0661\u0662", "\U0001FBF1\U0001FBF2"]),  # ASCII digits only
+    (r"\w+", ["a_9"], ["\u00e9", "\u0661"]),
+    (r"[\d.]+", ["1.5"], ["\u0661"]),
+    (r"\D", ["a", "\u0661"], ["1"]),
+    (r"a.b", ["a-b", "a\u00e9b", "a\U0001F600b"], ["a\nb", "a\rb", "a\u2028b"]),  # `.`: no line terminator
+    (r"a\.b", ["a.b"], ["a-b"]),
+    (r"[.]", ["."], ["a"]),
+    (r"[^.]", ["a"], ["."]),
+    (r"a\\.", ["a\\x"], ["a\\\n"]),  # an escaped backslash, then any character
+]
+
+
+@pytest.mark.parametrize("pattern,inside,outside", REGEX_MEANINGS)
+def test_a_regex_means_the_same_under_both_backends(backend, tokenizer, pattern, inside, outside):
+    """A regex constraint is read as ECMA-262 reads it (JSON Schema's `pattern` meaning) whichever
+    backend compiles it: llguidance read \\d and \\w as Unicode classes and xgrammar `.` as any
+    character, so a request moved between them by `auto` changed meaning."""
+    for name in ("llguidance", "xgrammar"):
+        compiled = backend.compile(GrammarSpec.regex(pattern).with_backend(name))
+        for text, expected in [(t, True) for t in inside] + [(t, False) for t in outside]:
+            m = backend.matcher(compiled)
+            toks = ids(tokenizer, text)
+            assert (m.accept_tokens(toks) == len(toks) and m.can_terminate()) is expected, (name, pattern, text)
+
+
+def test_only_a_wildcard_dot_is_rewritten():
+    from constrained_spec.grammar.regex_dialect import _DOT, _ecma_dot
+    assert _ecma_dot(r"a.\.[.]\\.") == "a" + _DOT + r"\.[.]\\" + _DOT
+    assert _ecma_dot("[]a.].[^].].") == "[]a.]" + _DOT + "[^].]" + _DOT  # `]` first in a class is a member
+
+
 @pytest.mark.parametrize("schema,inside,outside", [
     # llguidance read these as f64: 2**53 was taken for 2**53 + 1, 10**19 clamped to i64's maximum
     ({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 3}, 2**53 + 1, 2**53),

@@ -28,6 +28,7 @@ import torch
 
 from .errors import GrammarError
 from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
+from . import regex_dialect
 from .llguidance_schema import for_llguidance
 from .spec import GrammarSpec
 
@@ -126,7 +127,7 @@ class LLGuidanceCompiler:
         if spec.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', overrides=self.json_options)
         if spec.kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(spec.value)
+            return llg.LLMatcher.grammar_from_regex(regex_dialect.for_llguidance(spec.value))
         if spec.kind == "choice":
             return llg.grammar_from("choice", spec.value)
         if spec.kind == "ebnf":

@@ -23,6 +23,7 @@ from .compile_queue import CompiledGrammar
 from .disk_cache import DiskCache, fingerprint
 from .errors import GrammarError
 from .matcher import RequestMatcher, as_i64
+from . import regex_dialect
 from .schema import prepare_schema
 from .spec import GrammarSpec
 
@@ -194,8 +195,12 @@ class XGrammarCompiler:
                 log.warning("grammar cache disabled: %s: %s", cache_dir, e)
 
     def normalize(self, spec: GrammarSpec):
-        """(key, prepared): the compile key and the schema text handed to xgrammar. Schemas that
-        differ only in annotations or key order share a key. GrammarError if the normalizer refuses."""
+        """(key, prepared): the compile key and the schema text (or regex) handed to xgrammar. Schemas
+        that differ only in annotations or key order share a key. GrammarError if the normalizer
+        refuses."""
+        if spec.kind == "regex":  # keyed by what xgrammar compiles: the meaning is in the key
+            pattern = regex_dialect.for_xgrammar(spec.value)
+            return (NAME, "regex", pattern) + spec.key[2:3], pattern
         if spec.kind != "json_schema":
             return (NAME,) + spec.key[:3], None
         prepared = prepare_schema(json.loads(spec.value), spec.strict)
@@ -214,7 +219,7 @@ class XGrammarCompiler:
                     '{"type":"object"}', any_whitespace=self.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=self.max_whitespace_cnt)
             if spec.kind == "regex":
-                return self.compiler.compile_regex(spec.value)
+                return self.compiler.compile_regex(prepared)
             if spec.kind == "ebnf":
                 return self.compiler.compile_grammar(spec.value)
             if spec.kind == "choice":
