@@ -56,29 +56,10 @@ def close_objects(schema: Any) -> Any:
     intersected = _intersected_targets(schema)
 
     def walk(s, pointer: str, open_here: bool):
-        if isinstance(s, list):
-            return [walk(v, pointer, open_here) for v in s]
         if not isinstance(s, dict):
             return s
         open_here = open_here or "$ref" in s or "allOf" in s or pointer in intersected
-        out = {}
-        for k, v in s.items():
-            if k in ("enum", "const", "default", "examples"):
-                out[k] = v
-            elif k in ("properties", "patternProperties", "$defs", "definitions"):
-                out[k] = ({n: walk(sub, f"{pointer}/{k}/{_escape(n)}", False) for n, sub in v.items()}
-                          if isinstance(v, dict) else v)
-            elif k in ("dependentSchemas", "dependencies"):  # applied to the instance itself: intersected
-                out[k] = ({n: walk(sub, f"{pointer}/{k}/{_escape(n)}", True) for n, sub in v.items()}
-                          if isinstance(v, dict) else v)
-            elif k == "allOf":
-                out[k] = [walk(sub, f"{pointer}/allOf/{i}", True) for i, sub in enumerate(v)] \
-                    if isinstance(v, list) else v
-            elif isinstance(v, (dict, list)):
-                out[k] = walk(v, f"{pointer}/{k}", False) if isinstance(v, dict) else \
-                    [walk(sub, f"{pointer}/{k}/{i}", False) for i, sub in enumerate(v)]
-            else:
-                out[k] = v
+        out = _subschemas_mapped(s, pointer, walk)
         if not open_here:
             if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
                 out["additionalProperties"] = False
@@ -99,40 +80,44 @@ def _intersected_targets(schema: Any) -> set[str]:
     schema, a target of this kind), found by walking again until no target is added."""
     found: set[str] = set()
 
-    def visit(s, pointer: str, open_here: bool) -> None:
-        if isinstance(s, list):
-            for v in s:
-                visit(v, pointer, open_here)
-            return
+    def visit(s, pointer: str, intersected: bool):
         if not isinstance(s, dict):
-            return
+            return s
         ref = s.get("$ref")
-        if isinstance(ref, str) and ref not in found and (open_here or pointer in found
+        if isinstance(ref, str) and ref not in found and (intersected or pointer in found
                                                             or any(k not in _BESIDE_REF_INERT for k in s)):
             found.add(ref)
-        open_here = open_here or "allOf" in s or pointer in found
-        for k, v in s.items():
-            if k in ("enum", "const", "default", "examples"):
-                continue
-            if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"):
-                if isinstance(v, dict):
-                    inner = k in ("dependentSchemas", "dependencies")
-                    for n, sub in v.items():
-                        visit(sub, f"{pointer}/{k}/{_escape(n)}", inner)
-            elif k == "allOf" and isinstance(v, list):
-                for i, sub in enumerate(v):
-                    visit(sub, f"{pointer}/allOf/{i}", True)
-            elif isinstance(v, dict):
-                visit(v, f"{pointer}/{k}", False)
-            elif isinstance(v, list):
-                for i, sub in enumerate(v):
-                    visit(sub, f"{pointer}/{k}/{i}", False)
+        _subschemas_mapped(s, pointer, visit)
+        return s
 
     size = -1
     while size != len(found):
         size = len(found)
         visit(schema, "#", False)
     return found
+
+
+_INSTANCE_VALUES = ("enum", "const", "default", "examples", "dependentRequired")  # not subschemas
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+def _subschemas_mapped(s: dict, pointer: str, fn) -> dict:
+    """The schema with each value under a keyword replaced by fn(value, its JSON pointer, whether
+    it is intersected with the schema around it: an `allOf` branch, a dependency's schema). Values
+    that are not subschemas reach fn too, which returns them as they are."""
+    out = {}
+    for k, v in s.items():
+        if k in _INSTANCE_VALUES or not isinstance(v, (dict, list)):
+            out[k] = v
+        elif k in _SUBSCHEMA_MAPS:
+            inner = k in DEPENDENCY_KEYWORDS
+            out[k] = {n: fn(sub, f"{pointer}/{k}/{_escape(n)}", inner) for n, sub in v.items()} \
+                if isinstance(v, dict) else v
+        elif isinstance(v, dict):
+            out[k] = fn(v, f"{pointer}/{k}", False)
+        else:
+            out[k] = [fn(sub, f"{pointer}/{k}/{i}", k == "allOf") for i, sub in enumerate(v)]
+    return out
 
 
 # characters JSON can only write as \u escapes, which the grammars leave out (`json_options`)
