@@ -288,3 +288,22 @@ def test_a_shut_down_engine_refuses_requests(tiny_llama_dir):
     eng.shutdown()
     with pytest.raises(RequestError, match="shut down"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_a_grammar_backend_failure_fails_its_request_with_its_cause(tiny_llama_dir, monkeypatch):
+    """llguidance failing on a token its own mask allowed (its parser's row limit, here on a schema
+    the up-front check would send elsewhere) fails that request with llguidance's reason, not as a
+    grammar violation; the next request is served."""
+    from constrained_spec.engine import FinishReason
+    from constrained_spec.grammar import GrammarSpec, llguidance_schema
+    monkeypatch.setattr(llguidance_schema, "MAX_OPTIONAL_ONLY_PROPERTIES", 10**6)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    eng = Engine(model=tiny_llama_dir, device="cpu", grammar_backend="llguidance")
+    try:
+        out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=8), GrammarSpec.json_schema(wide))[0]
+        assert out.finish_reason is FinishReason.ERROR
+        assert "llguidance grammar backend failed" in out.error and "max is 2000" in out.error, out.error
+        ok = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4), GrammarSpec.regex("[0-9]+"))[0]
+        assert ok.finish_reason is not FinishReason.ERROR
+    finally:
+        eng.shutdown()

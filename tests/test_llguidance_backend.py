@@ -302,6 +302,47 @@ def test_numbers_no_backend_holds_exactly_are_refused(backend, schema, keyword):
     assert e.value.keyword == keyword or "exceeds" in str(e.value), str(e.value)
 
 
+def _wide(n: int, required=()) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}, "required": list(required)}
+
+
+def test_an_object_too_wide_for_llguidance_goes_to_xgrammar(backend, tokenizer):
+    """An object of 499 properties none required (600 under strict): llguidance's mask allowed "{"
+    and accepting it failed (a parser row over its 2,000 items), a 500 mid-request. Now refused for llguidance
+    (400 when asked for), compiled by xgrammar under auto; one required property keeps it."""
+    from constrained_spec.grammar.llguidance_schema import MAX_OPTIONAL_ONLY_PROPERTIES as most
+    with pytest.raises(GrammarError, match="none is required") as e:
+        backend.compile(llg(GrammarSpec.json_schema(_wide(most + 1))))
+    assert (e.value.keyword, e.value.path) == ("properties", "")
+    nested = {"type": "array", "items": _wide(most + 1)}
+    with pytest.raises(GrammarError) as e:
+        backend.compile(llg(GrammarSpec.json_schema(nested)))
+    assert e.value.path == "/items"
+    served = backend.compile(GrammarSpec.json_schema(_wide(499)).with_backend("auto"))
+    assert served.backend == "xgrammar"
+    m = backend.matcher(served)
+    t = ids(tokenizer, '{"p7": 1, "p498": 2}')
+    assert m.accept_tokens(t) == len(t) and m.can_terminate()
+    assert backend.compile(llg(GrammarSpec.json_schema(_wide(most + 1, ["p0"])))).backend == "llguidance"
+    assert backend.compile(llg(GrammarSpec.json_schema(_wide(most)))).backend == "llguidance"
+
+
+def test_a_backend_failure_is_told_from_a_refusal(backend, tokenizer, monkeypatch):
+    """Where llguidance fails on a token its mask allowed (one of its parser limits), the matcher
+    says why: the engine's error names it instead of a grammar violation."""
+    from constrained_spec.grammar import llguidance_schema
+    monkeypatch.setattr(llguidance_schema, "MAX_OPTIONAL_ONLY_PROPERTIES", 10**6)
+    m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(_wide(600)))))
+    bitmask = backend.allocate_bitmask(1)
+    m.fill_bitmask(bitmask, 0)
+    brace = ids(tokenizer, "{")[0]
+    assert allowed(bitmask, 0) >= {brace} and m.error() is None
+    assert not m.accept_token(brace)
+    assert "max is 2000" in m.error()
+    ok = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(_wide(3)))))
+    assert not ok.accept_token(ids(tokenizer, "x")[0]) and ok.error() is None  # a refusal is not a failure
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(GrammarError, match="grammar backend"):
         GrammarSpec.regex("a").with_backend("outlines")

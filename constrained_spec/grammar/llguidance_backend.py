@@ -232,6 +232,12 @@ class LLGuidanceMatcher(RequestMatcher):
         self._ended = False
         self._m.reset()
 
+    def error(self) -> str | None:
+        if not self._m.is_error():
+            return None
+        lines = self._m.get_error().strip().splitlines()
+        return lines[0] if lines else "llguidance failed"
+
     def fork(self) -> "LLGuidanceMatcher":
         new = LLGuidanceMatcher(self.compiled, self._m.deep_copy(), self.vocab_size, self._stops, self._specials)
         new._ended = self._ended

@@ -57,6 +57,11 @@ class RequestMatcher(ABC):
     def reset(self) -> None:
         ...
 
+    def error(self) -> str | None:
+        """Why the matcher can go no further where the backend failed rather than the grammar
+        refused (llguidance's parser limits: a schema too wide for it), else None."""
+        return None
+
     @abstractmethod
     def fork(self) -> "RequestMatcher":
         """An independent copy in the same state."""
