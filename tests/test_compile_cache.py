@@ -197,6 +197,23 @@ def test_disk_cache_warm_restart(tok, tmp_path):
         other.close()
 
 
+def test_a_grammar_too_large_to_save_is_not_serialized(tok, tmp_path, monkeypatch):
+    """Serializing a large compiled grammar held ~13 times its JSON, itself up to 64 times its
+    memory size: past MAX_SAVED_MEMORY a grammar is not written out at all."""
+    from constrained_spec.grammar import xgrammar_backend
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0)
+    try:
+        small = b.compile(regex("small"))
+        _wait_writes(b, 1)
+        assert small.memory_bytes > 0
+        monkeypatch.setattr(xgrammar_backend, "MAX_SAVED_MEMORY", small.memory_bytes - 1)
+        b.compile(regex("large"))
+        time.sleep(0.5)  # its save would be written by now
+        assert b.stats["disk_writes"] == 1 and b.stats["disk_saving"] == 0 and b.stats["disk_errors"] == 0
+    finally:
+        b.close()
+
+
 def test_damaged_cache_files_are_recompiled(tok, tmp_path):
     import zlib
     spec_a, spec_b = GrammarSpec.json_schema(PERSON), regex("disk")

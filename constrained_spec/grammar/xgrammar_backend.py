@@ -148,6 +148,10 @@ def canonical_schema(schema: Any, ordered: bool = False) -> Any:
             for k in sorted(schema)}
 
 
+# compiled grammars saved to disk at most this large in memory (`_persist`)
+MAX_SAVED_MEMORY = 4 << 20
+
+
 def _memory(cg) -> int:
     try:
         return int(cg.memory_size_bytes)
@@ -274,7 +278,14 @@ class XGrammarCompiler:
         (read, zlib and deserialize_json on the dev VM: 112 MB in 1.8 s for a 4.2 s compile,
         167 MB in 3.7 s for a 4.8 s one): one whose text would load slower than half its compile
         is not kept, nor one that compiled faster than persist_min_s (the median dev schema:
-        11 ms to compile, 17 ms to load). With persist_min_s 0 every compile is saved."""
+        11 ms to compile, 17 ms to load). With persist_min_s 0 every compile is saved.
+
+        One larger than MAX_SAVED_MEMORY in memory is not even written out: its JSON is 3-64 times
+        its memory size (dev schemas; an object of 100 optional properties, 11 MB, wrote 709 MB)
+        and serializing it held ~13 times the text, so a few such grammars took the engine process
+        past 24 GB and the kernel killed it."""
+        if compiled.memory_bytes > MAX_SAVED_MEMORY:
+            return
         try:
             text = compiled.grammar.serialize_json()
             if self.persist_min_s and len(text) > compiled.compile_seconds * 30e6:
