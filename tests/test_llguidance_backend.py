@@ -263,6 +263,23 @@ def test_a_regex_means_the_same_under_both_backends(backend, tokenizer, pattern,
             assert (m.accept_tokens(toks) == len(toks) and m.can_terminate()) is expected, (name, pattern, text)
 
 
+@pytest.mark.parametrize("pattern", ["a^b", "a$b", "^a$b", "x(?:^y)?", "[a]^"])
+def test_a_regex_anchor_inside_is_refused(backend, pattern):
+    """xgrammar dropped an inner anchor silently: `a^b`, which matches nothing, answered "ab" under
+    auto (llguidance refused it as a lookaround, and auto fell back to xgrammar)."""
+    for name in ("llguidance", "xgrammar", "auto"):
+        with pytest.raises(GrammarError, match="anchors"):
+            backend.compile(GrammarSpec.regex(pattern).with_backend(name))
+
+
+def test_regex_anchors_at_the_edges_and_literal_ones_are_kept(backend, tokenizer):
+    for pattern, text in ((r"^ab$", "ab"), (r"[$^]+", "$^"), (r"a\$", "a$"), (r"\^b", "^b")):
+        for name in ("llguidance", "xgrammar"):
+            m = backend.matcher(backend.compile(GrammarSpec.regex(pattern).with_backend(name)))
+            t = ids(tokenizer, text)
+            assert m.accept_tokens(t) == len(t) and m.can_terminate(), (pattern, name)
+
+
 def test_only_a_wildcard_dot_is_rewritten():
     from constrained_spec.grammar.regex_dialect import _DOT, _ecma_dot
     assert _ecma_dot(r"a.\.[.]\\.") == "a" + _DOT + r"\.[.]\\" + _DOT

@@ -68,7 +68,7 @@ FORMAT_PATTERNS = {
 }
 
 
-def _scan_regex(p: str):
+def scan_regex(p: str):
     """Return (has_top_level_alternation, has_inner_anchor) for pattern body p."""
     depth, in_class, i, alt, anchor = 0, False, 0, False, False
     while i < len(p):
@@ -111,7 +111,7 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
     start = p.startswith("^")
     end = p.endswith("$") and not p.endswith("\\$")
     body = p[1 if start else 0: len(p) - 1 if end else len(p)]
-    alt, anchor = _scan_regex(body)
+    alt, anchor = scan_regex(body)
     if anchor:
         raise unsupported(keyword, path, "anchors inside the regex are not supported")
     if alt:

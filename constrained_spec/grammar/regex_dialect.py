@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import llguidance as llg
 
+from .errors import GrammarError
+from .json_regex import scan_regex
+
 __all__ = ["for_llguidance", "for_xgrammar"]
 
 # ECMA-262's `.` outside the s flag: anything but a line terminator
@@ -23,11 +26,23 @@ _DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
 def for_xgrammar(pattern: str) -> str:
-    return _ecma_dot(pattern)
+    return _ecma_dot(_edge_anchors_only(pattern))
 
 
 def for_llguidance(pattern: str) -> str:
-    return llg.regex_to_lark(_ecma_dot(pattern), "dw")
+    return llg.regex_to_lark(_ecma_dot(_edge_anchors_only(pattern)), "dw")
+
+
+def _edge_anchors_only(pattern: str) -> str:
+    """The pattern, or GrammarError for a `^` or `$` inside it: xgrammar dropped one silently (`a^b`,
+    which matches nothing, answered "ab") and llguidance refused it as a lookaround. A regex
+    constraint is a full match, so anchors at its edges change nothing."""
+    body = pattern[pattern.startswith("^"):]
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    if scan_regex(body)[1]:
+        raise GrammarError("regex anchors (^, $) are supported only at the start and end of the regex")
+    return pattern
 
 
 def _ecma_dot(pattern: str) -> str:
