@@ -90,7 +90,53 @@ def test_overrunning_compile_blocks_no_one(tok):
             time.sleep(0.05)
         assert b.compile(slow).spec == slow
         assert b.stats["compile_count"] == 2
-        assert b.queue._threads == 1  # the replaced thread retired
+        assert b.queue._threads == 2  # the replaced thread retired (one worker, one kept for fast compiles)
+    finally:
+        b.close()
+
+
+def test_a_new_schema_does_not_wait_behind_slow_compiles(tok):
+    """llguidance's compiles (fast) go before xgrammar's (slow), which hold at most `workers` of the
+    workers + 1 threads: a new schema waited 20 s to 7 minutes behind xgrammar compiles of wide
+    objects (QA, 2 cores). A second slow compile waits for the lane."""
+    slow = [regex(f"slow{i}") for i in range(2)]
+    b = SlowBackend(tok, VOCAB, default_backend="auto", compile_workers=1, compile_timeout_s=30,
+                    slow={s.value: 1.5 for s in slow})
+    try:
+        t0 = time.monotonic()
+        f_slow = [b.compile_async(s.with_backend("xgrammar")) for s in slow]
+        time.sleep(0.1)  # the first holds the slow lane
+        fast = b.compile(GrammarSpec.json_schema(PERSON))  # llguidance, on the thread kept for it
+        assert fast.backend == "llguidance" and time.monotonic() - t0 < 1.0
+        assert b.stats["queue_depth"] == 1  # the second slow compile waits for the lane
+        for f in f_slow:
+            f.result(timeout=30)
+        assert time.monotonic() - t0 >= 3.0  # one after the other
+    finally:
+        b.close()
+
+
+def test_autos_fallback_compiles_in_the_slow_lane(tok):
+    """A schema llguidance refuses falls back to xgrammar under auto on the slow lane, its request
+    still waiting on the same compile; fast compiles pass it meanwhile."""
+    refused = GrammarSpec.json_schema({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 9})
+
+    class SlowFallback(GrammarBackend):
+        def _build_xgrammar(self, spec, prepared, key):
+            if spec == refused:
+                time.sleep(1.5)
+            return super()._build_xgrammar(spec, prepared, key)
+
+    b = SlowFallback(tok, VOCAB, default_backend="auto", compile_workers=1)
+    try:
+        t0 = time.monotonic()
+        f = b.compile_async(refused)
+        time.sleep(0.2)
+        assert b.compile(GrammarSpec.json_schema(PERSON)).backend == "llguidance"
+        assert time.monotonic() - t0 < 1.0
+        got = f.result(timeout=30)
+        assert got.backend == "xgrammar" and got.spec == refused
+        assert b.stats["llguidance_fallbacks"] == 1 and b.queue._slow_running == 0
     finally:
         b.close()
 

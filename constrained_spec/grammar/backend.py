@@ -29,7 +29,7 @@ import xgrammar as xgr
 
 from ..cpus import available_cores
 from . import llguidance_backend, xgrammar_backend
-from .compile_queue import CompiledGrammar, CompileQueue, Latency  # noqa: F401 (re-exported)
+from .compile_queue import CompiledGrammar, CompileQueue, Latency, SlowLane  # noqa: F401 (re-exported)
 from .errors import GrammarBusy, GrammarError
 from .llguidance_backend import LLGuidanceCompiler, LLGuidanceMatcher
 from .matcher import REFUSED_DRAFT, RequestMatcher, legal_draft_nodes  # noqa: F401 (re-exported)
@@ -144,7 +144,7 @@ class GrammarBackend:
                 out.set_exception(e)
                 return out
             return self.queue.submit(key, spec, lambda: self._build(spec, prepared, key),
-                                     self.xgrammar.persist_call(key), timeout_s)
+                                     self.xgrammar.persist_call(key), timeout_s, slow=True)
         if choice == AUTO and not check_only:
             ready = self._xgrammar_if_compiled(spec)
             if ready is not None:
@@ -183,7 +183,7 @@ class GrammarBackend:
             self._background.add(key)
         try:
             done = self.queue.submit(key, spec, lambda: self._build(spec, prepared, key),
-                                     self.xgrammar.persist_call(key), timeout_s=0)
+                                     self.xgrammar.persist_call(key), timeout_s=0, slow=True)
         except GrammarBusy:
             with self._lock:
                 self._background.discard(key)
@@ -235,7 +235,8 @@ class GrammarBackend:
 
     def _build(self, spec: GrammarSpec, prepared: Optional[str] = None, key=None) -> CompiledGrammar:
         """On a compile worker: the grammar compiled by the backend `key` names (GrammarError if it
-        refuses or fails); "auto" tries llguidance, then the normalizer and xgrammar."""
+        refuses or fails); "auto" tries llguidance, then the normalizer and xgrammar (in the
+        queue's slow lane: `SlowLane`)."""
         backend = key[0]
         if backend == XGRAMMAR:
             return self._refuse_if_empty(self._build_xgrammar(spec, prepared, key))
@@ -249,7 +250,7 @@ class GrammarBackend:
             with self._lock:
                 self._stats["llguidance_fallbacks"] += 1
             xkey, prepared = self._normalize(spec)  # the normalizer's refusal names the keyword
-            compiled = self._build_xgrammar(spec, prepared, xkey)
+            raise SlowLane(lambda: self._refuse_if_empty(self._build_xgrammar(spec, prepared, xkey)))
         return self._refuse_if_empty(compiled)
 
     def _refuse_if_empty(self, compiled: CompiledGrammar) -> CompiledGrammar:

@@ -6,6 +6,12 @@ can cancel a compile, so one that overruns keeps its thread (and its result is c
 ends) while a spare thread takes its place. A full queue is `GrammarBusy` (the server answers 503),
 never a grammar error. Results (compiled grammars and refusals) are kept in an LRU keyed by the
 caller's key, which names the backend.
+
+Two lanes: fast jobs (llguidance's compiles, ~1 ms) go before slow ones (xgrammar's, 10 ms to
+minutes), and slow jobs hold at most `workers` threads, of `workers + 1`: a new schema's compile
+never waits behind slow ones (it waited 20 s to 7 minutes behind two to four xgrammar compiles of
+wide objects on 2 cores). A fast job that turns out slow (auto's fallback to xgrammar) raises
+`SlowLane` and queues again in the slow lane, its requests still waiting on it.
 """
 from __future__ import annotations
 
@@ -63,13 +69,21 @@ class Latency:
                 "max": r[-1] if r else 0.0}
 
 
+class SlowLane(Exception):
+    """Raised by a fast job's build: the compile continues as `build` in the slow lane."""
+
+    def __init__(self, build: Callable[[], CompiledGrammar]):
+        super().__init__("continued in the slow lane")
+        self.build = build
+
+
 class _Job:
     """One compile, shared by every request whose grammar has `key`."""
-    __slots__ = ("key", "spec", "build", "persist", "done", "queued", "started", "overran", "waiters")
+    __slots__ = ("key", "spec", "build", "persist", "slow", "done", "queued", "started", "overran", "waiters")
 
     def __init__(self, key, spec: GrammarSpec, build: Callable[[], CompiledGrammar],
-                 persist: Optional[Callable[[CompiledGrammar], None]]):
-        self.key, self.spec, self.build, self.persist = key, spec, build, persist
+                 persist: Optional[Callable[[CompiledGrammar], None]], slow: bool):
+        self.key, self.spec, self.build, self.persist, self.slow = key, spec, build, persist, slow
         self.done: Future = Future()
         self.queued = time.monotonic()
         self.started: Optional[float] = None
@@ -95,7 +109,9 @@ class CompileQueue:
         self._cache: "OrderedDict[Any, Any]" = OrderedDict()  # key -> CompiledGrammar | GrammarError
         self.cache_size = cache_size
         self._jobs: dict = {}  # key -> _Job, queued or compiling
-        self._queue: deque = deque()
+        self._queue: deque = deque()  # fast jobs
+        self._slow: deque = deque()  # slow jobs
+        self._slow_running = 0  # slow jobs on a thread of their own (not counting overruns)
         self._max_queue = max_queue
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # workers wait here for a job
@@ -110,7 +126,7 @@ class CompileQueue:
                        "compile_errors": 0, "compile_timeouts": 0, "spare_threads_started": 0}
         self._compile_latency = Latency()
         self._queue_wait = Latency()
-        for _ in range(self.workers):
+        for _ in range(self.workers + 1):  # one more than slow jobs may hold
             self._spawn()
         threading.Thread(target=self._watchdog, name="grammar-compile-watchdog", daemon=True).start()
         _OPEN_QUEUES.add(self)
@@ -121,7 +137,7 @@ class CompileQueue:
             d = dict(self._stats)
             d["cache_size"] = len(self._cache)
             d["inflight"] = len(self._jobs)
-            d["queue_depth"] = len(self._queue)
+            d["queue_depth"] = len(self._queue) + len(self._slow)
             d["compiling"] = len(self._running)
             d["disk_saving"] = self._saving
             d["compile_workers"] = self.workers
@@ -153,11 +169,11 @@ class CompileQueue:
 
     def submit(self, key, spec: GrammarSpec, build: Callable[[], CompiledGrammar],
                persist: Optional[Callable[[CompiledGrammar], None]] = None,
-               timeout_s: Optional[float] = None) -> Future:
+               timeout_s: Optional[float] = None, slow: bool = False) -> Future:
         """Future[CompiledGrammar] for `key` (built by `build()` on a worker unless cached or
-        compiling already); fails with the GrammarError `build` raises, or when the compile runs
-        longer than timeout_s. `persist(compiled)` runs on the worker after the result is out.
-        Raises GrammarBusy when the queue is full."""
+        compiling already, in the slow lane if `slow`); fails with the GrammarError `build` raises,
+        or when the compile runs longer than timeout_s. `persist(compiled)` runs on the worker
+        after the result is out. Raises GrammarBusy when the queue is full."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         out: Future = Future()
         with self._lock:
@@ -168,11 +184,12 @@ class CompileQueue:
             else:
                 job = self._jobs.get(key)
                 if job is None:
-                    if len(self._queue) >= self._max_queue:
-                        raise GrammarBusy(f"{len(self._queue)} grammars are waiting to compile; retry later")
+                    waiting = len(self._queue) + len(self._slow)
+                    if waiting >= self._max_queue:
+                        raise GrammarBusy(f"{waiting} grammars are waiting to compile; retry later")
                     self._stats["cache_misses"] += 1
-                    job = self._jobs[key] = _Job(key, spec, build, persist)
-                    self._queue.append(job)
+                    job = self._jobs[key] = _Job(key, spec, build, persist, slow)
+                    (self._slow if slow else self._queue).append(job)
                     self._work.notify()
         if hit is not None:
             if isinstance(hit, GrammarError):
@@ -207,7 +224,7 @@ class CompileQueue:
         _OPEN_QUEUES.discard(self)
         with self._lock:
             self._closed = True
-            queued, self._queue = list(self._queue), deque()
+            queued, self._queue, self._slow = list(self._queue) + list(self._slow), deque(), deque()
             for job in queued:
                 del self._jobs[job.key]
             self._work.notify_all()
@@ -229,23 +246,35 @@ class CompileQueue:
         self._threads += 1
         threading.Thread(target=self._worker, name="grammar-compile", daemon=True).start()
 
+    def _next_job(self) -> Optional[_Job]:  # under the lock
+        if self._queue:
+            return self._queue.popleft()
+        if self._slow and self._slow_running < self.workers:
+            self._slow_running += 1
+            return self._slow.popleft()
+        return None
+
     def _worker(self) -> None:
         name_os_thread("cs-compile")
         while True:
             with self._work:
-                while not self._queue and not self._closed:
+                job = None
+                while not self._closed and (job := self._next_job()) is None:
                     self._work.wait()
                 if self._closed:
                     self._threads -= 1
                     self._ended.notify_all()
                     return
-                job = self._queue.popleft()
                 job.started = time.monotonic()
                 self._queue_wait.observe(job.started - job.queued)
                 self._running.add(job)
                 self._tick.notify()
             try:
                 value = job.build()
+            except SlowLane as turn:
+                if self._to_slow_lane(job, turn.build):
+                    return
+                continue
             except GrammarError as e:
                 value = e
             except Exception as e:  # noqa: BLE001 (a bug here must not kill the worker)
@@ -255,8 +284,11 @@ class CompileQueue:
                 self._store(job.key, value)
                 del self._jobs[job.key]
                 self._running.discard(job)
+                if job.slow and not job.overran:
+                    self._slow_running -= 1
+                    self._work.notify()
                 # the thread of an overrun was replaced by a spare: one of them goes
-                retire = job.overran and self._threads > self.workers
+                retire = job.overran and self._threads > self.workers + 1
                 if retire:
                     self._threads -= 1
                     self._ended.notify_all()
@@ -276,6 +308,20 @@ class CompileQueue:
             if retire:
                 return
 
+    def _to_slow_lane(self, job: _Job, build: Callable[[], CompiledGrammar]) -> bool:
+        """The job queued again, as `build`, in the slow lane; its timeout starts again when a
+        worker takes it. Returns whether this thread retires (a spare replaced it meanwhile)."""
+        with self._lock:
+            self._running.discard(job)
+            retire = job.overran and self._threads > self.workers + 1
+            if retire:
+                self._threads -= 1
+                self._ended.notify_all()
+            job.build, job.slow, job.started, job.queued, job.overran = build, True, None, time.monotonic(), False
+            self._slow.append(job)
+            self._work.notify()
+        return retire
+
     def _store(self, key, value) -> None:  # under the lock
         self._cache[key] = value
         self._cache.move_to_end(key)
@@ -287,8 +333,10 @@ class CompileQueue:
             if job.overran or job.done.done():
                 return
             job.overran = True
+            if job.slow:  # its thread is replaced: the lane may start another slow job
+                self._slow_running -= 1
             self._stats["compile_timeouts"] += 1
-            if self._threads < 2 * self.workers and not self._closed:
+            if self._threads < 2 * self.workers + 1 and not self._closed:
                 self._stats["spare_threads_started"] += 1
                 self._spawn()
         log.warning("grammar compile still running after its %gs timeout (%s)", self.timeout_s, job.spec.kind)
