@@ -57,7 +57,7 @@ def test_classifies_answers():
     unsupported = {"error": {"message": "invalid JSON schema: unsupported JSON Schema keyword 'dependentSchemas' "
                                         "at the schema root", "code": "unsupported_schema"}}
     assert stress.classify_refusal(400, unsupported)[:2] == ("refused", "dependentSchemas")
-    assert stress.classify_refusal(400, {"error": {"message": "invalid JSON schema: compile exceeded 30s"}})[0] \
+    assert stress.classify_refusal(400, {"error": {"message": "compile exceeded 30s: this grammar is too large or complex to compile in time"}})[0] \
         == "refused_load"
     assert stress.classify_refusal(503, {"error": {"message": "the server is at its limit"}})[0] == "refused_load"
     assert stress.classify_refusal(500, {"error": {"message": "generation failed"}})[0] == "error"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..cpus import name_os_thread
-from .errors import GrammarBusy, GrammarError
+from .errors import GrammarBusy, GrammarError, GrammarTooComplex
 from .spec import GrammarSpec
 
 log = logging.getLogger("constrained_spec.grammar")
@@ -363,8 +363,8 @@ class CompileQueue:
             for job, out, timeout_s in expired:
                 self._overran(job)
                 try:
-                    out.set_exception(GrammarError(f"compile exceeded {timeout_s:g}s: this grammar is too "
-                                                   "large or complex to compile in time"))
+                    out.set_exception(GrammarTooComplex(f"compile exceeded {timeout_s:g}s: this grammar is too "
+                                                        "large or complex to compile in time"))
                 except InvalidStateError:  # the compile ended meanwhile
                     pass
 

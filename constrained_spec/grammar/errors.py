@@ -22,6 +22,11 @@ class GrammarError(ValueError):
         return {"message": self.message, "keyword": self.keyword, "path": self.path}
 
 
+class GrammarTooComplex(GrammarError):
+    """A grammar whose compile ran past the compile timeout: valid, but too large or complex to
+    compile in time (the server answers 400 `grammar_too_complex`, not "invalid")."""
+
+
 def at(path: str) -> str:
     return f"at {path}" if path else "at the schema root"
 

@@ -339,6 +339,9 @@ class _Normalizer:
                         # xgrammar bounds numbers as doubles: minimum 2**53 + 1 let 2**53 through
                         raise unsupported(k, path, "a number bound past 2**53 that a double cannot hold "
                                                    "is not enforced exactly")
+                    if "integer" in tset and not -2 ** 63 <= node[k] < 2 ** 63:
+                        # xgrammar bounds integers in 64 bits (a bound of 1e23 failed its own check)
+                        raise unsupported(k, path, "an integer bound outside the 64-bit range is not enforced")
                     out[k] = node[k]
             if "multipleOf" in node:
                 m = node["multipleOf"]

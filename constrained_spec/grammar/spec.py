@@ -14,7 +14,8 @@ KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 # far deeper documents hit Python's recursion limit, in a place that answered 500 (measured: 1,000
 # levels). The deepest schema under schemas/ nests 18.
 MAX_SCHEMA_DEPTH = 256
-_TOO_DEEP = f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays"
+_TOO_DEEP = (f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays in its own "
+             "text (each level of an answer's nesting takes two or more there)")
 # schemas up to this size are checked once (`_check_document`; at most ~1,024 x 32K characters held)
 MAX_REMEMBERED_SCHEMA_CHARS = 32768
 # grammar backends a request may name (grammar/backend.py): "auto" picks one per grammar

@@ -162,7 +162,10 @@ def grammar_error(err: Exception, param: str | None) -> APIError:
         extra.append(f"at path '{path or '/'}'")
     if extra:
         message = f"{message} ({', '.join(extra)})"
-    if param and param.startswith("response_format") or param in ("guided_json", "tools"):
+    from ..grammar.errors import GrammarTooComplex  # deferred, as above
+    if isinstance(err, GrammarTooComplex):  # valid, but not compiled in time: not "invalid"
+        prefix, code = "", "grammar_too_complex"
+    elif param and param.startswith("response_format") or param in ("guided_json", "tools"):
         prefix, code = "invalid JSON schema: ", "invalid_schema"
         if keyword and ("unsupported" in message.lower() or "not supported" in message.lower()):
             code = "unsupported_schema"
