@@ -260,6 +260,33 @@ def test_a_grammar_too_large_to_save_is_not_serialized(tok, tmp_path, monkeypatc
         b.close()
 
 
+def test_saves_run_on_a_low_priority_thread_of_their_own(tok, tmp_path, monkeypatch):
+    """A save (seconds of serializing and compressing for a large grammar) holds no compile worker,
+    and runs at the lowest CPU priority, behind the engine's threads."""
+    saving = threading.Event()
+    save = xgrammar_backend.XGrammarCompiler._persist
+
+    def slow_save(self, key, compiled):
+        saving.set()
+        time.sleep(1.0)
+        save(self, key, compiled)
+    monkeypatch.setattr(xgrammar_backend.XGrammarCompiler, "_persist", slow_save)
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_dir=str(tmp_path), persist_min_s=0,
+                       compile_workers=1)
+    try:
+        b.compile(regex("first"))
+        assert saving.wait(5)
+        t0 = time.monotonic()
+        b.compile(regex("second"))  # the worker is free while the first is saved
+        assert time.monotonic() - t0 < 0.5
+        (saver,) = [t for t in threading.enumerate() if t.name == "grammar-save"]
+        if sys.platform.startswith("linux"):
+            assert os.getpriority(os.PRIO_PROCESS, saver.native_id) == 19
+        _wait_writes(b, 2)
+    finally:
+        b.close()
+
+
 def test_damaged_cache_files_are_recompiled(tok, tmp_path):
     import zlib
     spec_a, spec_b = GrammarSpec.json_schema(PERSON), regex("disk")
