@@ -35,6 +35,8 @@ from .spec import GrammarSpec
 
 log = logging.getLogger("constrained_spec.grammar")
 
+MAX_PENDING_SAVES = 64  # compiled grammars waiting for the saver thread (`_save_later`)
+
 
 @dataclass
 class CompiledGrammar:
@@ -310,9 +312,11 @@ class CompileQueue:
 
     # -- saving to disk ----------------------------------------------------------------------------
     def _save_later(self, persist: Callable[[CompiledGrammar], None], value: CompiledGrammar) -> None:
-        """Hands a compiled grammar to the saver thread, started on first use."""
+        """Hands a compiled grammar to the saver thread, started on first use; dropped when
+        MAX_PENDING_SAVES wait already (a save only spares a later compile, and each waiting one
+        holds its grammar in memory)."""
         with self._lock:
-            if self._closed:
+            if self._closed or len(self._saves) >= MAX_PENDING_SAVES:
                 return
             self._saving += 1
             self._saves.append((persist, value))
