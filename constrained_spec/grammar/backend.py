@@ -222,7 +222,7 @@ class GrammarBackend:
                 while len(self._front) > self._front_size:
                     self._front.popitem(last=False)
         if isinstance(hit, GrammarError):
-            if count:
+            if count and spec.kind == "json_schema":  # /metrics counts schema refusals by keyword
                 self._count_refusal(hit)
             raise hit
         return hit
