@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import jsonschema
@@ -198,6 +199,27 @@ def test_busy_503_with_retry_after(busy_server):
         wait_kv_full(busy_server)
         ok = c.post("/v1/chat/completions", json=chat_body(max_tokens=4))
         assert ok.status_code == 200, ok.text
+
+
+def test_a_client_gone_before_its_body_is_no_server_error(server, http, caplog):
+    """A client that closes its connection halfway through sending its body is not an error of the
+    server's: no 'unhandled error' traceback (there was one, twice, per such client), and the
+    server goes on serving."""
+    import logging
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(server.url)
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 5000\r\n\r\n" + b'{"model": "smollm2", "messages": [')
+        time.sleep(0.5)
+        r = http.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert not errors, [rec.getMessage() for rec in errors]
 
 
 def test_still_serving_after_errors(http):

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from .chat_routes import add_chat_routes
 from .completions_routes import add_completions_routes
@@ -116,6 +118,12 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(EngineUnavailable)
     async def _engine_unavailable(request: Request, exc: EngineUnavailable):
         return service.unavailable().response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        # the client left before its body arrived: nobody to answer, nothing the server did wrong
+        log.debug("client disconnected while sending %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
