@@ -275,10 +275,9 @@ def test_saves_run_on_a_low_priority_thread_of_their_own(tok, tmp_path, monkeypa
     try:
         b.compile(regex("first"))
         assert saving.wait(5)
-        t0 = time.monotonic()
         b.compile(regex("second"))  # the worker is free while the first is saved
-        assert time.monotonic() - t0 < 0.5
-        (saver,) = [t for t in threading.enumerate() if t.name == "grammar-save"]
+        assert b.stats["disk_saving"] >= 1  # the first save still sleeps
+        saver = b.queue._saver_thread
         if sys.platform.startswith("linux"):
             assert os.getpriority(os.PRIO_PROCESS, saver.native_id) == 19
         _wait_writes(b, 2)

@@ -126,7 +126,7 @@ class CompileQueue:
         self._saving = 0  # compiled grammars waiting for the saver thread or being saved
         self._saves: deque = deque()  # (persist, compiled grammar) for the saver thread
         self._save_ready = threading.Condition(self._lock)
-        self._saver_started = False
+        self._saver_thread: Optional[threading.Thread] = None  # started on the first save
         self._stats = {"compile_count": 0, "cache_hits": 0, "cache_misses": 0,
                        "compile_seconds_total": 0.0, "compile_seconds_max": 0.0,
                        "compile_errors": 0, "compile_timeouts": 0, "spare_threads_started": 0}
@@ -320,9 +320,9 @@ class CompileQueue:
                 return
             self._saving += 1
             self._saves.append((persist, value))
-            if not self._saver_started:
-                self._saver_started = True
-                threading.Thread(target=self._saver, name="grammar-save", daemon=True).start()
+            if self._saver_thread is None:
+                self._saver_thread = threading.Thread(target=self._saver, name="grammar-save", daemon=True)
+                self._saver_thread.start()
             self._save_ready.notify()
 
     def _saver(self) -> None:
