@@ -307,3 +307,22 @@ def test_a_grammar_backend_failure_fails_its_request_with_its_cause(tiny_llama_d
         assert ok.finish_reason is not FinishReason.ERROR
     finally:
         eng.shutdown()
+
+
+def test_the_queue_limit_counts_waiting_requests_only(tiny_llama_dir):
+    """max_queued_requests bounds the requests waiting for a batch slot, beside the running ones: with
+    none queued, an idle engine refused every request (it counted running ones too)."""
+    eng = Engine(model=tiny_llama_dir, device="cpu", max_running_requests=2, max_queued_requests=0)
+    try:
+        assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
+        held = [eng.add_request([5, 6, 7 + i], SamplingParams(max_tokens=4000, ignore_eos=True)) for i in range(2)]
+        deadline = time.monotonic() + 10
+        while eng.num_queued() < 2:  # taken in by the engine thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(RequestError, match="queue is full"):
+            eng.add_request([5, 6, 9], SamplingParams(max_tokens=2))
+        for r in held:
+            eng.abort(r.request_id)
+    finally:
+        eng.shutdown()

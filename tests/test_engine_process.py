@@ -25,8 +25,8 @@ MODEL = "tiny"
 
 
 def _config(model_dir: str, **kw) -> EngineConfig:
-    return EngineConfig(model=model_dir, device="cpu", dtype="float32", max_running_requests=8,
-                        grammar_cache_dir="none", **kw)
+    kw.setdefault("max_running_requests", 8)
+    return EngineConfig(model=model_dir, device="cpu", dtype="float32", grammar_cache_dir="none", **kw)
 
 
 def _front_end(process: EngineProcess, owns: bool = False):
@@ -100,8 +100,16 @@ def _stream_then_post(stream_url: str, post_url: str, post_tokens: int):
 
 @pytest.fixture(scope="module")
 def shared_process(tiny_llama_dir):
-    """One engine process for two front-ends; its queue holds 2 requests (the refusal test)."""
+    """One engine process for two front-ends."""
     process = EngineProcess(_config(tiny_llama_dir, max_queued_requests=2))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def full_process(tiny_llama_dir):
+    """An engine process that takes 2 requests at once and queues none (the refusal test)."""
+    process = EngineProcess(_config(tiny_llama_dir, max_running_requests=2, max_queued_requests=0))
     yield process
     process.stop()
 
@@ -208,11 +216,11 @@ def test_an_aborted_request_reaches_the_metrics(shared_process):
         client.shutdown()
 
 
-def test_a_request_the_engine_refuses_fails_alone(shared_process):
-    """Two front-ends share the engine's queue of 2: A fills it, B's request is refused by the engine
-    itself; that request alone fails, A's finish, and B keeps serving."""
-    client_a, server_a = _front_end(shared_process)
-    client_b, server_b = _front_end(shared_process)
+def test_a_request_the_engine_refuses_fails_alone(full_process):
+    """Two front-ends share the engine's room for 2 (running + queued): A fills it, B's request is
+    refused by the engine itself; that request alone fails, A's finish, and B keeps serving."""
+    client_a, server_a = _front_end(full_process)
+    client_b, server_b = _front_end(full_process)
     try:
         # long enough that both are still running when B asks, on a loaded CI machine too (64 tokens
         # sometimes finished first under the full suite)

@@ -125,7 +125,8 @@ class EngineClient:
         ids = list(prompt)
         self._check_length(ids)
         with self._lock:
-            if len(self._by_key) >= self.config.max_queued_requests:
+            # running and waiting: what the engine holds at most (one front-end's share of it)
+            if len(self._by_key) >= self.config.max_running_requests + self.config.max_queued_requests:
                 raise RequestError("the engine's queue is full; retry later", code="queue_full")
             key = next(self._keys)
             p = _Pending(key, request_id or f"req-{key}", ids, on_output or (lambda out: None),
