@@ -172,9 +172,33 @@ def test_n_and_logprobs(openai_client):
         content = c.logprobs.content
         assert content and all(len(t.top_logprobs) == 3 for t in content)
         assert all(t.logprob <= 0.0 for t in content)
-        assert "".join(t.token for t in content if t.token not in ("<|im_end|>",)).startswith(
-            c.message.content[:3])
-    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+        assert "".join(t.token for t in content) == c.message.content
+    # the EOS that ends a "stop" answer counts as generated but is no token of its content
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) + (c.finish_reason == "stop") for c in r.choices)
+
+
+def test_logprobs_leave_out_the_stop_token(openai_client):
+    """The tokens listed in logprobs join to the answer (OpenAI lists no end token), streamed or not,
+    with a grammar or without; usage still counts the EOS the model generated."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    for fmt in (None, {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}):
+        kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": "What is 2+2? One word."}], max_tokens=48,
+                  temperature=0, logprobs=True, **({"response_format": fmt} if fmt else {}))
+        r = openai_client.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert c.finish_reason == "stop"
+        assert "".join(t.token for t in c.logprobs.content) == c.message.content
+        assert r.usage.completion_tokens == len(c.logprobs.content) + 1
+        tokens, text = [], ""
+        for ev in openai_client.chat.completions.create(stream=True, **kw):
+            if ev.choices:
+                text += ev.choices[0].delta.content or ""
+                tokens += [t.token for t in (ev.choices[0].logprobs.content if ev.choices[0].logprobs else [])]
+        assert text == c.message.content and "".join(tokens) == text
+    done = openai_client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=40,
+                                            temperature=0, logprobs=1)
+    assert done.choices[0].finish_reason == "stop"
+    assert "".join(done.choices[0].logprobs.tokens) == done.choices[0].text
 
 
 def test_logit_bias(openai_client, engine_info):

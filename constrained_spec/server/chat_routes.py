@@ -11,6 +11,7 @@ from .generation import Generation, SSEResponse, finish_str, sse_body, sse_event
 from .json_io import json_response, parse, read_json
 from .protocol import ChatCompletionRequest, new_id
 from .service import ClientGone, Service, answer_message, collect, now, once, usage
+from .tokens import logprob_chunk
 from .tools import ToolCallPlan, grammar_complete
 
 
@@ -68,11 +69,12 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
                 delta = calls[i].update(out.new_text, reason, complete)
                 if delta:
                     ev.append(chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": None}]))
-            elif out.new_text or (req.logprobs and out.logprobs):
-                c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
-                     "logprobs": texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n)
-                     if req.logprobs else None}
-                ev.append(chunk([c]))
+            else:
+                tokens = logprob_chunk(out) if req.logprobs else None
+                if out.new_text or (tokens and tokens[0]):
+                    c = {"index": i, "delta": {"content": out.new_text}, "finish_reason": None,
+                         "logprobs": texts.chat_logprobs([tokens], top_n) if tokens else None}
+                    ev.append(chunk([c]))
             if out.finished:
                 finals[i] = out
                 if calls is not None:

@@ -12,6 +12,7 @@ from .generation import Generation, SSEResponse, finish_str, sse_body, sse_event
 from .json_io import json_response, parse, read_json
 from .protocol import CompletionRequest, new_id
 from .service import ClientGone, Service, collect, now, once, usage
+from .tokens import logprob_chunk
 
 
 def add_completions_routes(app: FastAPI, service: Service) -> None:
@@ -90,7 +91,7 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
                 return []
             lp = None
             if req.logprobs is not None:
-                lp = texts.completion_logprobs([(list(out.new_token_ids), out.logprobs or [])], top_n, offsets[i])
+                lp = texts.completion_logprobs([logprob_chunk(out)], top_n, offsets[i])
             offsets[i] += len(out.new_text)
             return [chunk([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])]
 

@@ -15,6 +15,7 @@ from .generation import Generation, SSEResponse, finish_str
 from .json_io import json_response, read_json
 from .protocol import ChatCompletionRequest, new_id
 from .service import ChatRun, ClientGone, Service, answer_message, collect, once, usage
+from .tokens import logprob_chunk
 from .tools import grammar_complete
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                     delta = call.update(out.new_text, reason, complete) if call is not None else (
                         {"content": out.new_text} if out.new_text or (req.logprobs and out.new_token_ids) else None)
                     if delta:
-                        logprobs = (texts.chat_logprobs([(list(out.new_token_ids), out.logprobs or [])],
+                        logprobs = (texts.chat_logprobs([logprob_chunk(out)],
                                                         run.top_n)["content"] if req.logprobs else None)
                         out_events += events.delta(delta, logprobs)
                     if not out.finished:

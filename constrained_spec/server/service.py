@@ -23,7 +23,7 @@ from .metrics import ServerMetrics, engine_snapshot
 from .protocol import ChatCompletionRequest, _GenerationRequest
 from .request_params import RequestParams
 from .response_store import ResponseStore
-from .tokens import TokenTexts
+from .tokens import TokenTexts, logprob_chunk
 from .tools import ToolCallPlan, grammar_complete, history_text, tool_call_plan
 
 INLINE_PROMPT_CHARS = 8000  # chat prompts up to this many characters are encoded on the event loop
@@ -235,8 +235,8 @@ async def collect(gen: Generation, request: Request, n: int):
         async for i, out in gen:
             texts_out[i].append(out.new_text)
             ids[i].extend(out.new_token_ids)
-            if out.logprobs:
-                lps[i].append((list(out.new_token_ids), out.logprobs))
+            if out.logprobs is not None:
+                lps[i].append(logprob_chunk(out))
             if out.finished:
                 finals[i] = out
 

@@ -21,6 +21,17 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def logprob_chunk(out) -> tuple[list[int], list[dict]]:
+    """An update's (token ids, logprob entries) for a response's `logprobs`. The stop token that
+    ended the answer (EOS, a `stop_token_ids` entry) is no part of its text, and OpenAI lists none:
+    it is left out, so that the listed tokens join to the answer's content."""
+    ids, entries = list(out.new_token_ids), out.logprobs or []
+    if out.finished and isinstance(out.matched_stop, int) and ids and ids[-1] == out.matched_stop:
+        ids.pop()
+        entries = entries[:len(ids)]
+    return ids, entries
+
+
 class TokenTexts:
     """Maps token ids to (text, bytes); cached, safe to share between requests."""
 
