@@ -152,6 +152,9 @@ def test_rewrites_are_exact(backend, tokenizer):
         ({"type": "string", "pattern": "^/(([a-z.]|%[0-9a-fA-F]{2})+(/([a-z.]|%[0-9a-fA-F]{2})*)*)?$"},
          ['"/a/b"', '"/"', '"/a//b"'], ['"//a"', '"//thelist/x"']),
         ({"type": "string", "pattern": "^x(ab*)?$"}, ['"x"', '"xabb"'], ['"xb"', '"xbb"']),
+        # an escaped backslash before the final `$`: the `$` is an anchor (it was taken for a literal
+        # dollar, and the pattern refused for an anchor inside it)
+        ({"type": "string", "pattern": "^a\\\\$"}, ['"a\\\\"'], ['"a\\\\b"', '"a$"']),
         # a literal non-ASCII character let `.` match a bare quote: the key never had to end
         ({"type": "object", "patternProperties": {"^á": {}}, "additionalProperties": False},
          ['{"á1": 1}', '{"áb": {"c": [1]}}'], ['{"á1":{"X "schemaVersion": 2021}}', '{"b": 1}']),

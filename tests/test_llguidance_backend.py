@@ -273,7 +273,7 @@ def test_a_regex_anchor_inside_is_refused(backend, pattern):
 
 
 def test_regex_anchors_at_the_edges_and_literal_ones_are_kept(backend, tokenizer):
-    for pattern, text in ((r"^ab$", "ab"), (r"[$^]+", "$^"), (r"a\$", "a$"), (r"\^b", "^b")):
+    for pattern, text in ((r"^ab$", "ab"), (r"[$^]+", "$^"), (r"a\$", "a$"), (r"\^b", "^b"), (r"a\\$", "a\\")):
         for name in ("llguidance", "xgrammar"):
             m = backend.matcher(backend.compile(GrammarSpec.regex(pattern).with_backend(name)))
             t = ids(tokenizer, text)

@@ -68,6 +68,16 @@ FORMAT_PATTERNS = {
 }
 
 
+def edge_anchors(p: str) -> tuple[bool, str, bool]:
+    """(whether `p` starts with `^`, the pattern between its edge anchors, whether it ends with `$`).
+    A `$` after an odd number of backslashes is a literal dollar (`a\\$` is one; `a\\\\$` ends
+    with a backslash and an anchor)."""
+    start = p.startswith("^")
+    head = p[:-1]
+    end = len(p) > start and p.endswith("$") and (len(head) - len(head.rstrip("\\"))) % 2 == 0
+    return start, p[int(start):len(p) - int(end)], end
+
+
 def scan_regex(p: str):
     """Return (has_top_level_alternation, has_inner_anchor) for pattern body p."""
     depth, in_class, i, alt, anchor = 0, False, 0, False, False
@@ -108,9 +118,7 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
         # xgrammar 0.2.8 compiles a long repetition of `.` with a class that takes raw control
         # characters (not JSON)
         raise unsupported(keyword, path, f"repetition counts over {MAX_LENGTH_BOUND}")
-    start = p.startswith("^")
-    end = p.endswith("$") and not p.endswith("\\$")
-    body = p[1 if start else 0: len(p) - 1 if end else len(p)]
+    start, body, end = edge_anchors(p)
     alt, anchor = scan_regex(body)
     if anchor:
         raise unsupported(keyword, path, "anchors inside the regex are not supported")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import llguidance as llg
 
 from .errors import GrammarError
-from .json_regex import scan_regex
+from .json_regex import edge_anchors, scan_regex
 
 __all__ = ["for_llguidance", "for_xgrammar"]
 
@@ -37,10 +37,7 @@ def _edge_anchors_only(pattern: str) -> str:
     """The pattern, or GrammarError for a `^` or `$` inside it: xgrammar dropped one silently (`a^b`,
     which matches nothing, answered "ab") and llguidance refused it as a lookaround. A regex
     constraint is a full match, so anchors at its edges change nothing."""
-    body = pattern[pattern.startswith("^"):]
-    if body.endswith("$") and not body.endswith("\\$"):
-        body = body[:-1]
-    if scan_regex(body)[1]:
+    if scan_regex(edge_anchors(pattern)[1])[1]:
         raise GrammarError("regex anchors (^, $) are supported only at the start and end of the regex")
     return pattern
 
