@@ -54,6 +54,11 @@ class EngineConfig:
     ngram_capacity: int = 1 << 17  # shared trie nodes (eviction past this)
     seed: int = 0  # base for requests that do not give their own seed
 
+    @property
+    def max_held_requests(self) -> int:
+        """Requests the engine holds at most, running and waiting: past it, a new one is refused."""
+        return self.max_running_requests + self.max_queued_requests
+
 
 def default_mask_threads(reserved: int = 0) -> int:
     """All the cores but two (the fill runs beside the step's own Python work: engine/mask_filler.py)

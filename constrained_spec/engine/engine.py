@@ -165,7 +165,7 @@ class Engine:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self._check_request(ids, params)
-        if self.num_queued() >= self.config.max_running_requests + self.config.max_queued_requests:
+        if self.num_queued() >= self.config.max_held_requests:
             raise RequestError("the engine's queue is full; retry later", code="queue_full")
         if step_tokens is not None and (detokenize or not each_step):
             raise ValueError("step_tokens is for streamed requests without detokenization")

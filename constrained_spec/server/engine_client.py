@@ -57,6 +57,10 @@ class _Limits:
     max_running_requests: int
     max_queued_requests: int
 
+    @property
+    def max_held_requests(self) -> int:
+        return self.max_running_requests + self.max_queued_requests
+
 
 class _Listeners:
     """`engine.stats.listeners` of an in-process engine: /metrics hooks its TTFT and latency here."""
@@ -126,7 +130,7 @@ class EngineClient:
         self._check_length(ids)
         with self._lock:
             # running and waiting: what the engine holds at most (one front-end's share of it)
-            if len(self._by_key) >= self.config.max_running_requests + self.config.max_queued_requests:
+            if len(self._by_key) >= self.config.max_held_requests:
                 raise RequestError("the engine's queue is full; retry later", code="queue_full")
             key = next(self._keys)
             p = _Pending(key, request_id or f"req-{key}", ids, on_output or (lambda out: None),

@@ -50,8 +50,7 @@ def _pending_limit(engine, config) -> int:
     requests, shared out among the front-ends."""
     limit = config.max_pending_requests
     if limit is None:
-        ecfg = getattr(engine, "config", None)
-        limit = (getattr(ecfg, "max_running_requests", 128) or 128) + (getattr(ecfg, "max_queued_requests", 1024) or 0)
+        limit = engine.config.max_held_requests
         limit = -(-limit // max(1, config.frontends))
     return limit
 
