@@ -135,7 +135,7 @@ def test_autos_fallback_compiles_in_the_slow_lane(tok):
         assert not f.done()  # passed the fallback's 1.5 s compile
         got = f.result(timeout=30)
         assert got.backend == "xgrammar" and got.spec == refused
-        assert b.stats["llguidance_fallbacks"] == 1 and b.queue._slow_running == 0
+        assert b.stats["llguidance_fallbacks"] == 1 and b.queue._slow_lane_busy() == 0
     finally:
         b.close()
 

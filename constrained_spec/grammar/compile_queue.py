@@ -114,7 +114,6 @@ class CompileQueue:
         self._jobs: dict = {}  # key -> _Job, queued or compiling
         self._queue: deque = deque()  # fast jobs
         self._slow: deque = deque()  # slow jobs
-        self._slow_running = 0  # slow jobs on a thread of their own (not counting overruns)
         self._max_queue = max_queue
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # workers wait here for a job
@@ -258,10 +257,13 @@ class CompileQueue:
     def _next_job(self) -> Optional[_Job]:  # under the lock
         if self._queue:
             return self._queue.popleft()
-        if self._slow and self._slow_running < self.workers:
-            self._slow_running += 1
+        if self._slow and self._slow_lane_busy() < self.workers:
             return self._slow.popleft()
         return None
+
+    def _slow_lane_busy(self) -> int:  # under the lock
+        """Slow jobs holding a thread of the lane's (an overrun's thread was replaced by a spare)."""
+        return sum(1 for job in self._running if job.slow and not job.overran)
 
     def _worker(self) -> None:
         name_os_thread("cs-compile")
@@ -293,8 +295,7 @@ class CompileQueue:
                 self._store(job.key, value)
                 del self._jobs[job.key]
                 self._running.discard(job)
-                if job.slow and not job.overran:
-                    self._slow_running -= 1
+                if job.slow and not job.overran:  # the lane may start another slow job
                     self._work.notify()
                 # the thread of an overrun was replaced by a spare: one of them goes
                 retire = job.overran and self._threads > self.workers + 1
@@ -375,9 +376,7 @@ class CompileQueue:
         with self._lock:
             if job.overran or job.done.done():
                 return
-            job.overran = True
-            if job.slow:  # its thread is replaced: the lane may start another slow job
-                self._slow_running -= 1
+            job.overran = True  # its thread is replaced: the lane may start another slow job
             self._stats["compile_timeouts"] += 1
             if self._threads < 2 * self.workers + 1 and not self._closed:
                 self._stats["spare_threads_started"] += 1
