@@ -701,10 +701,12 @@ def report(payload: dict) -> str:
     if pairs:
         lines += ["", "## Prefix cache on / off", "",
                   "Each server against itself with `--disable-prefix-cache` (`+nocache`), same requests: TTFT p50 "
-                  "off / on (how many times lower with the cache), output tok/s on / off, and the share of prompt "
-                  "tokens the cache served.", "",
+                  "off / on (how many times lower with the cache), output tok/s on / off, the share of prompt "
+                  "tokens the cache served, and the engine loop thread's CPU time per step (decode or prefill) on / "
+                  "off: host work the cache adds to a step shows there.", "",
                   "| server | workload | stream | clients | TTFT p50 on | TTFT p50 off | TTFT off / on | tok/s on "
-                  "| tok/s off | tok/s on / off | cached share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| tok/s off | tok/s on / off | cached share | loop CPU us/step on | loop CPU us/step off |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for on, off in pairs:
             for w in payload["workloads"]:
                 for stream in payload["streams"]:
@@ -719,7 +721,8 @@ def report(payload: dict) -> str:
                         lines.append(f"| {on} | {w} | {'yes' if stream else 'no'} | {c} | {_ms(a['ttft']['p50'])} "
                                      f"| {_ms(b['ttft']['p50'])} | {_ratio(b['ttft']['p50'], a['ttft']['p50'])} "
                                      f"| {_tok(a['out_tok_s'])} | {_tok(b['out_tok_s'])} | {ratio} "
-                                     f"| {'-' if share is None else f'{share:.2f}'} |")
+                                     f"| {'-' if share is None else f'{share:.2f}'} "
+                                     f"| {_us(_loop_cpu_per_step(a))} | {_us(_loop_cpu_per_step(b))} |")
     if payload["rates"]:
         lines += ["", f"## Request rate (Poisson arrivals; {payload['rate_workload']}, not streamed)", "",
                   "| server | rate req/s | served req/s | tok/s | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | errors / invalid |",
@@ -732,6 +735,20 @@ def report(payload: dict) -> str:
                                  f"| {_ms(r['ttft']['p99'])} | {_ms(r['e2e']['p50'])} | {_ms(r['e2e']['p99'])} "
                                  f"| {r['errors']} / {r['invalid']} |")
     return "\n".join(lines) + "\n"
+
+
+def _loop_cpu_per_step(run: dict) -> float | None:
+    """The engine loop thread's CPU seconds per engine step (decode or extend) over a run: its CPU
+    seconds per second of the clients' time over the steps it ran per second of that time."""
+    side, busy = run.get("engine_side"), run.get("cores_busy")
+    if not side or not busy or "engine loop" not in busy:
+        return None
+    steps_s = (side["busy_decode_steps_s"] + side["busy_extend_steps_s"]) * (1.0 - side["idle_share"])
+    return busy["engine loop"] / steps_s if steps_s > 0 else None
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:,.0f}"
 
 
 def _paired_ratios(on: list[dict], off: list[dict]) -> list[float]:

@@ -157,7 +157,11 @@ def test_report_takes_the_median_of_paired_rounds():
                    "machine": {}, "max_tokens": 8, "rounds": 1, "command": "x", "workloads": ["distinct"],
                    "streams": [False], "clients": [4], "rates": []})
     # median runs: 90 on, 100 off; paired ratios 0.90, 1.20, 1.00 -> 1.00
-    assert "| 90 | 100 | 1.00 (rounds: 0.90, 1.20, 1.00) |" in md
+    assert "| 90 | 100 | 1.00 (rounds: 0.90, 1.20, 1.00) | - | - | - |" in md
+    # the loop's CPU per step: 0.8 CPU s/s over (400 + 100) busy steps/s, busy 80% of the time -> 2,000 us
+    side = {"busy_decode_steps_s": 400.0, "busy_extend_steps_s": 100.0, "idle_share": 0.2, "mean_decode_batch": 1.0}
+    assert b._loop_cpu_per_step({"engine_side": side, "cores_busy": {"engine loop": 0.8}}) == pytest.approx(2e-3)
+    assert b._loop_cpu_per_step({"engine_side": side}) is None
 
 
 def test_plot_without_rates(tmp_path):
