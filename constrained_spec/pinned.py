@@ -16,7 +16,8 @@ import torch
 
 class PinnedStaging:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
-        self._host = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+        pin = torch.cuda.is_available()  # off CUDA (tests of the layouts staged here) plain memory
+        self._host = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self._host_np = [t.numpy() for t in self._host]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
@@ -34,9 +35,10 @@ class PinnedStaging:
         k = self._turn
         src = self._host[k] if rows is None else self._host[k][:rows]
         dst.copy_(src, non_blocking=True)
-        if self._copied[k] is None:
-            self._copied[k] = torch.cuda.Event()
-        record_on_current_stream(self._copied[k], dst.device.index)
+        if dst.device.type == "cuda":
+            if self._copied[k] is None:
+                self._copied[k] = torch.cuda.Event()
+            record_on_current_stream(self._copied[k], dst.device.index)
         self._turn = 1 - k
 
 

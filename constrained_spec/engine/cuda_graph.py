@@ -313,7 +313,7 @@ class CudaGraphRunner:
         requests at `sample_index` (their logits [k, V] and table rows [k] on the device; its
         sample tail replays where a graph of k's padded size is captured), or None when no bucket
         is large enough (`table_writes` then untouched). Table writes more than the bucket carries
-        go through `upload_writes` first."""
+        (`PrefillIO.writes`) go through `upload_writes` first."""
         io = next((io for io in self.prefill_io if io.fits(len(ids), len(rows))), None)
         if io is None:
             return None
