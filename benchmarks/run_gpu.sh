@@ -17,6 +17,9 @@
 #              that share nothing, a 1,500-token shared system prompt, multi-turn -> bench_serving_prefix.*
 #   prefix_engine  prefix_cache_ab.py: the cache on / off in the engine alone (JSON, answers of 64-128
 #              tokens), with the engine thread's time in the cache's functions -> prefix_cache_ab.*
+#   prefix_profile  profile_serving.py --gil, prefix cache on then off, the json workload streamed at 64
+#              clients: where each arm's engine process spends its GIL (needs py-spy: pip install py-spy)
+#              -> $OUT/prefix_profile_{on,off}/profile.md
 #   attention  bench_attention.py: Triton vs torch attention, one layer -> attention.*
 #   kernels    bench_kernels.py: decode forward by kernel set, mask kernel (prints only)
 #   mask       bench_mask_latency.py on CUDA -> mask_latency_cuda.*; bench_mask_fill.py -> mask_fill.*
@@ -29,7 +32,7 @@
 #              ms per step by phase (EAGLE_HEAD: the head folder; default the shipped one)
 #   all        tests stress gpu spec attention
 #
-# PYTHON selects the interpreter (default: python3); OUT, where the eagle stages write (default
+# PYTHON selects the interpreter (default: python3); OUT, where the eagle and prefix_profile stages write (default
 # benchmarks/results/eagle); DEVICE=cpu with MODEL, TRAIN_ARGS and BENCH_ARGS runs the
 # eagle stages at toy sizes on a CPU (tests/test_run_gpu.py). MODEL (a folder or GGUF) also
 # serves the prefix stages; random weights answer to max_tokens, so give them
@@ -52,6 +55,14 @@ stage_prefix() {
     --interleave 3 --name bench_serving_prefix ${BENCH_ARGS:-}
 }
 stage_prefix_engine() { "$PYTHON" benchmarks/prefix_cache_ab.py "${MODEL_ARGS[@]}" --workload json --max-tokens-spread 0.5; }
+stage_prefix_profile() {
+  local arm
+  for arm in on off; do
+    "$PYTHON" benchmarks/profile_serving.py "${MODEL_ARGS[@]}" --device cuda --workload json --stream --clients 64 \
+      --max-tokens 128 --gil --out "$OUT/prefix_profile_$arm" \
+      --server-args="$([ $arm = off ] && echo --disable-prefix-cache)"
+  done
+}
 stage_attention() { "$PYTHON" benchmarks/bench_attention.py; }
 stage_kernels() { "$PYTHON" benchmarks/bench_kernels.py 1 8 32 64 128; }
 stage_mask() {
