@@ -40,6 +40,20 @@ def test_carried_prefixes_reach_the_table_past_the_bucket_tokens():
     assert table.device_table[0, 48:50].tolist() == [900, 901] and table.device_table[1, :3].tolist() == [7, 8, 902]
 
 
+def test_every_field_lands_in_its_device_view():
+    """The copy of the staged part fills the views the captured graph reads (an offset off by one
+    would feed attention another request's lengths)."""
+    io, _ = _io()
+    _stage(io, (np.arange(3), np.array([5, 6, 7])))
+    assert io._ids[:3].tolist() == [11, 12, 13] and io._positions[:3].tolist() == [48, 49, 2]
+    assert io._slots[:3].tolist() == [900, 901, 902] and io._table_rows[:3].tolist() == [0, 0, 1]
+    assert io._ids[3:].eq(0).all() and io._table_rows[3:].eq(io.r.pad_row).all()
+    assert io._rows.tolist() == [0, 1] and io._q_starts.tolist() == [0, 2, 3]
+    assert io._q_lens.tolist() == [2, 1] and io._kv_lens.tolist() == [50, 3]
+    assert io._sample_tokens.tolist() == [1, 2] and io._sample_rows.tolist() == [0, 1]
+    assert io._num_writes.tolist() == [3] and io._writes[:3].tolist() == [[0, 5], [1, 6], [2, 7]]
+
+
 def test_entries_of_an_earlier_step_are_not_written_again():
     io, table = _io()
     _stage(io, (np.arange(48), 100 + np.arange(48)))
