@@ -254,6 +254,9 @@ def test_request_ids_array_is_all_ids():
     assert req.ids_array(2).tolist() == [5, 6] and req.ids_array(3).tolist() == [5, 6, 7]
     req.output_ids.extend([8, 9])
     assert req.ids_array(5).tolist() == req.all_ids and req.ids_array(4).tolist() == [5, 6, 7, 8]
+    for start in range(6):
+        for stop in range(start, 7):
+            assert req.ids_range(start, stop) == req.all_ids[start:stop], (start, stop)
     assert req.ids_array(3).dtype == np.int64
 
 

@@ -150,7 +150,7 @@ class ModelRunner:
             rows[i] = req.row
             self.table.append(req.row, self.pool.alloc(n))
             if batch.mode is ForwardMode.EXTEND:
-                host_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
+                host_ids.extend(req.ids_range(req.num_cached, req.num_cached + n))
             req.num_cached += n
             kv_lens[i] = req.num_cached
         q_starts = np.zeros(B + 1, dtype=np.int64)

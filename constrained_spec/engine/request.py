@@ -105,6 +105,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_range(self, start: int, stop: int) -> list[int]:
+        """`all_ids[start:stop]` without building `all_ids` (a prefill step takes a few tokens past
+        a cached prefix: copying a 1,500-token prompt for them cost ~3.5 us a request)."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n]
+
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
