@@ -122,7 +122,7 @@ class CompileQueue:
         self._running: set = set()  # jobs a worker is compiling
         self._closed = False
         self._threads = 0
-        self._saving = 0  # compiled grammars waiting for the saver thread or being saved
+        self._save_running = False  # the saver thread is saving one (not in `_saves` any more)
         self._saves: deque = deque()  # (persist, compiled grammar) for the saver thread
         self._save_ready = threading.Condition(self._lock)
         self._saver_thread: Optional[threading.Thread] = None  # started on the first save
@@ -144,7 +144,7 @@ class CompileQueue:
             d["inflight"] = len(self._jobs)
             d["queue_depth"] = len(self._queue) + len(self._slow)
             d["compiling"] = len(self._running)
-            d["disk_saving"] = self._saving
+            d["disk_saving"] = len(self._saves) + self._save_running
             d["compile_workers"] = self.workers
             d["compile_latency"] = self._compile_latency.snapshot()
             d["queue_wait"] = self._queue_wait.snapshot()
@@ -232,8 +232,7 @@ class CompileQueue:
             queued, self._queue, self._slow = list(self._queue) + list(self._slow), deque(), deque()
             for job in queued:
                 del self._jobs[job.key]
-            self._saving -= len(self._saves)  # saves not begun are dropped; one under way ends first
-            self._saves.clear()
+            self._saves.clear()  # saves not begun are dropped; one under way ends first
             self._work.notify_all()
             self._tick.notify_all()
             self._save_ready.notify_all()
@@ -241,7 +240,7 @@ class CompileQueue:
             job.done.set_exception(GrammarError("the grammar backend was closed"))
         deadline = time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
         with self._lock:
-            while self._threads > 0 or self._saving > 0:
+            while self._threads > 0 or self._save_running:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("closing with %d grammar compiles still running", len(self._running))
@@ -319,7 +318,6 @@ class CompileQueue:
         with self._lock:
             if self._closed or len(self._saves) >= MAX_PENDING_SAVES:
                 return
-            self._saving += 1
             self._saves.append((persist, value))
             if self._saver_thread is None:
                 self._saver_thread = threading.Thread(target=self._saver, name="grammar-save", daemon=True)
@@ -343,13 +341,14 @@ class CompileQueue:
                 if not self._saves:
                     return
                 persist, value = self._saves.popleft()
+                self._save_running = True
             try:
                 persist(value)
             except Exception:  # noqa: BLE001 (a save can only fail to save)
                 log.exception("grammar cache: saving a compiled grammar failed")
             finally:
                 with self._lock:
-                    self._saving -= 1
+                    self._save_running = False
                     self._ended.notify_all()
 
     def _to_slow_lane(self, job: _Job, build: Callable[[], CompiledGrammar]) -> bool:
