@@ -390,24 +390,31 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
           "matchers[i] accepts tokens[i], with up to `helpers` pool threads beside the caller; accepted[i] "
           "(int8): 1, or 0 where the grammar refused it (that matcher is unchanged).")
       .def(
-          "fill_chains",
+          "walk",
           [](MaskFillPool& pool, uintptr_t fill_method, uintptr_t accept_method, uintptr_t rollback_method,
-             int32_t type_index, I64Arr matchers, I64Arr offsets, IntArr tokens,
-             py::array_t<int8_t, py::array::c_style | py::array::forcecast> skip_last_fill, I64Arr first_rows,
+             int32_t type_index, I64Arr matchers, I64Arr offsets, IntArr back, IntArr tokens, I64Arr rows,
              uintptr_t bitmask, int64_t num_rows, int64_t width, py::array_t<int8_t, py::array::c_style> ok,
              int helpers) {
-            const int64_t n = matchers.size();
-            if (offsets.size() != n + 1 || skip_last_fill.size() != n || first_rows.size() != n || ok.size() != n)
-              throw py::value_error("chain arrays differ in length");
+            const int64_t n = matchers.size(), steps = tokens.size();
+            if (offsets.size() != n + 1 || ok.size() != n || back.size() != steps || rows.size() != steps)
+              throw py::value_error("walk arrays differ in length");
             if (!ok.writeable()) throw py::value_error("ok must be writeable");
             const int64_t* off = offsets.data();
-            const int64_t* r = first_rows.data();
-            if (n > 0 && (off[0] != 0 || off[n] != tokens.size())) throw py::value_error("bad chain offsets");
+            const int32_t* bk = back.data();
+            const int32_t* tk = tokens.data();
+            const int64_t* r = rows.data();
+            if (n > 0 && (off[0] != 0 || off[n] != steps)) throw py::value_error("bad walk offsets");
             for (int64_t i = 0; i < n; ++i) {
-              if (off[i + 1] <= off[i]) throw py::value_error("every chain holds its root");
-              if (r[i] < 0 || r[i] + (off[i + 1] - off[i]) > num_rows) throw py::index_error("bitmask row out of range");
+              if (off[i + 1] < off[i]) throw py::value_error("bad walk offsets");
+              int64_t depth = 0;  // a walk never rolls back more than its path holds
+              for (int64_t k = off[i]; k < off[i + 1]; ++k) {
+                depth -= bk[k];
+                if (bk[k] < 0 || depth < 0) throw py::value_error("a walk step rolls back past its start");
+                depth += tk[k] != -1;
+                if (r[k] >= num_rows) throw py::index_error("bitmask row out of range");
+              }
             }
-            if (pool.pending()) throw std::runtime_error("fill_chains while a started fill is pending");
+            if (pool.pending()) throw std::runtime_error("walk while a started fill is pending");
             cspec::FillJob job;
             job.fill_method = reinterpret_cast<void*>(fill_method);
             job.accept_method = reinterpret_cast<void*>(accept_method);
@@ -415,23 +422,24 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
             job.matcher_type_index = type_index;
             job.matchers = reinterpret_cast<const uintptr_t*>(matchers.data());
             job.n = n;
-            job.chain_offsets = off;
-            job.chain_tokens = tokens.data();
-            job.skip_last_fill = skip_last_fill.data();
-            job.rows = r;
+            job.walk_offsets = off;
+            job.walk_back = bk;
+            job.walk_tokens = tk;
+            job.walk_rows = r;
             job.accepted = ok.mutable_data();
             job.bitmask = reinterpret_cast<int32_t*>(bitmask);
             job.num_rows = num_rows;
             job.width = width;
+            if (helpers <= 0) return pool.Run(job, 0);  // a short walk: a GIL hand-off would cost more
             py::gil_scoped_release nogil;
-            pool.Run(job, helpers);
+            return pool.Run(job, helpers);
           },
           py::arg("fill_method"), py::arg("accept_method"), py::arg("rollback_method"), py::arg("type_index"),
-          py::arg("matchers"), py::arg("offsets"), py::arg("tokens"), py::arg("skip_last_fill"),
-          py::arg("first_rows"), py::arg("bitmask"), py::arg("num_rows"), py::arg("width"), py::arg("ok"),
-          py::arg("helpers"),
-          "Draft chains (native/mask_fill_pool.h, FillJob): chain i is tokens[offsets[i]:offsets[i+1]], its "
-          "root taken already; rows first_rows[i] + d; ok[i] = 0 where a chain token was refused.");
+          py::arg("matchers"), py::arg("offsets"), py::arg("back"), py::arg("tokens"), py::arg("rows"),
+          py::arg("bitmask"), py::arg("num_rows"), py::arg("width"), py::arg("ok"), py::arg("helpers"),
+          "Walks through token trees (native/mask_fill_pool.h, FillJob): walk i is steps offsets[i] .. "
+          "offsets[i+1] of (back, tokens, rows); ok[i] = 0 where a token was refused. Returns -1, or a "
+          "walk whose fill failed.");
 
   py::class_<NgramTrie>(m, "NgramTrie", R"doc(
 Shared n-gram trie with per-request tries; drafts trees in xgrammar's layout.

@@ -97,30 +97,49 @@ bool MaskFillPool::Rollback(int64_t i, int64_t num_tokens) {
   return Call(job_.rollback_method, args, 2, &result);
 }
 
-bool MaskFillPool::WalkChain(int64_t i) {
-  const int64_t begin = job_.chain_offsets[i], length = job_.chain_offsets[i + 1] - begin;
-  int64_t taken = 0;
-  bool ok = true;
-  for (int64_t d = 0; d < length && ok; ++d) {
-    if (d > 0) {
-      ok = AcceptToken(i, job_.chain_tokens[begin + d]);
-      if (!ok) break;
-      ++taken;
+void MaskFillPool::ZeroRow(int64_t row) {
+  std::memset(job_.bitmask + row * job_.width, 0, sizeof(int32_t) * job_.width);
+}
+
+bool MaskFillPool::Walk(int64_t i) {
+  // depth: tokens on the walk's path; accepted: of those, in the matcher (all of them, or those
+  // before the refused one at depth `dead`, while the walk is below it)
+  int64_t depth = 0, accepted = 0, dead = -1;
+  bool legal = true, filled = true;
+  for (int64_t k = job_.walk_offsets[i]; k < job_.walk_offsets[i + 1] && filled; ++k) {
+    depth -= job_.walk_back[k];
+    if (dead >= 0 && depth < dead) dead = -1;  // back above the refused token
+    const int64_t keep = dead >= 0 ? dead - 1 : depth;
+    if (!Rollback(i, accepted - keep)) return false;
+    accepted = keep;
+    const int32_t token = job_.walk_tokens[k];
+    if (token != -1) {  // -1: no token; below -1: one to refuse without asking the grammar
+      ++depth;
+      if (dead < 0) {
+        if (token >= 0 && AcceptToken(i, token)) {
+          ++accepted;
+        } else {
+          dead = depth;
+          legal = false;
+        }
+      }
     }
-    if (!(d == length - 1 && job_.skip_last_fill[i]))
-      ok = FillRow(job_.fill_method, job_.matcher_type_index, job_.matchers[i], job_.bitmask, shape_,
-                   job_.rows[i] + d);
+    const int64_t row = job_.walk_rows[k];
+    if (row < 0) continue;
+    if (dead >= 0) ZeroRow(row);
+    else filled = FillRow(job_.fill_method, job_.matcher_type_index, job_.matchers[i], job_.bitmask, shape_, row);
   }
-  return Rollback(i, taken) && ok;
+  const bool rolled_back = Rollback(i, accepted);
+  job_.accepted[i] = static_cast<int8_t>(legal);
+  return rolled_back && filled;
 }
 
 void MaskFillPool::Work() {
   for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < job_.n;
        i = next_.fetch_add(1, std::memory_order_relaxed)) {
     bool ok = true;
-    if (job_.chain_offsets != nullptr) {
-      ok = WalkChain(i);
-      job_.accepted[i] = static_cast<int8_t>(ok);
+    if (job_.walk_offsets != nullptr) {
+      ok = Walk(i);
     } else {
       // accept-and-fill jobs mark "no token" and "no row" with -1
       if (job_.accept_method != nullptr)

@@ -53,18 +53,21 @@ struct FfiApi {
 // * accept and fill (the overlapped decode step: the last step's tokens, then the next step's rows):
 //   matchers[i] accepts tokens[i] unless it is -1, then fills row rows[i] unless it is -1 (a matcher
 //   that refused its token fills from where it was);
-// * chains (a speculative step's draft chains): matchers[i] has taken the chain's root,
-//   chain_tokens[chain_offsets[i]]; for each depth d of the chain it accepts the chain's token d
-//   (d >= 1) and fills row rows[i] + d, except the row after a last token that ends the grammar
-//   (skip_last_fill[i]); then it is rolled back to where it was. accepted[i] = 0 where a chain
-//   token was refused (the walk stops there and is rolled back too).
+// * walks (a speculative step's draft trees and chains, an EAGLE frontier): matchers[i] walks the
+//   steps walk_offsets[i] .. walk_offsets[i + 1] of a depth-first path through a token tree; a step
+//   rolls back walk_back tokens of the path, accepts walk_tokens (none where -1; below -1, a token
+//   refused without asking the grammar) and fills row
+//   walk_rows (none where -1) for the path so far. A refused token and every step below it (until a
+//   step rolls back above it) fill nothing: their rows are zeroed (no token follows an illegal
+//   path), and accepted[i] = 0. The matcher ends where it started.
 struct FillJob {
   void* accept_method = nullptr;    // GrammarMatcher.accept_token (an FFI function), or none
   void* fill_method = nullptr;      // GrammarMatcher.fill_next_token_bitmask (an FFI function), or none
-  void* rollback_method = nullptr;  // GrammarMatcher.rollback (an FFI function): chains
-  const int64_t* chain_offsets = nullptr;  // [n + 1]: chains
-  const int32_t* chain_tokens = nullptr;   // chains
-  const int8_t* skip_last_fill = nullptr;  // [n]: chains
+  void* rollback_method = nullptr;  // GrammarMatcher.rollback (an FFI function): walks
+  const int64_t* walk_offsets = nullptr;  // [n + 1]: walks
+  const int32_t* walk_back = nullptr;     // walks: tokens rolled back before the step
+  const int32_t* walk_tokens = nullptr;   // walks: the token accepted, -1 (none) or -2 (refused)
+  const int64_t* walk_rows = nullptr;     // walks: the row filled after it, or -1
   int32_t matcher_type_index = 0;   // the FFI type index of the matchers
   const uintptr_t* matchers = nullptr;
   int64_t n = 0;
@@ -117,7 +120,8 @@ class MaskFillPool {
   bool FillRow(void* method, int32_t type_index, uintptr_t matcher, int32_t* bitmask, int64_t* shape,
                int64_t row);
   bool Rollback(int64_t i, int64_t num_tokens);
-  bool WalkChain(int64_t i);
+  bool Walk(int64_t i);
+  void ZeroRow(int64_t row);
   void FillQueued(uintptr_t matcher, int64_t row);  // mu_ not held
 
   FfiApi api_;

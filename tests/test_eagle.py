@@ -145,13 +145,29 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
             seen.append(n)
         return out
 
-    def spy_mask(reqs, trees, io):
-        out = mask_trees(reqs, trees, io)
+    def row_after(m, path):
+        row = torch.zeros((1, io_width[0]), dtype=torch.int32)
+        took = m.accept_tokens(path)
+        if took == len(path) and not m.is_terminated():
+            m.fill_bitmask(row, 0)
+        m.rollback(took)
+        return row[0]
+
+    def spy_mask(reqs, trees, io, filled=None):
+        if filled is not None:
+            reused.append(int((filled[2] >= 0).sum()))
+        out = mask_trees(reqs, trees, io, filled)
+        io_width[0] = io.bitmask_rows.shape[1]
+        N = trees.shape[1]
         for b, r in enumerate(reqs):
             live = np.nonzero(out.live[b])[0]
             bad.extend(("verified", j) for j in live[1:] if not legal(r.matcher, path_to(out, b, j)))
             pruned.append(int(trees.live[b].sum() - len(live)))
+            # every verified node's row is the grammar's after its path, copied from the drafting or not
+            bad.extend(("row", j) for j in live
+                       if not torch.equal(io.bitmask_rows[b * N + j], row_after(r.matcher, path_to(out, b, j) if j else [])))
         return out
+    reused, io_width = [], [0]
     drafter.propose_arrays, worker._mask_trees = spy_propose, spy_mask
     try:
         outs = spec.generate(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0), GrammarSpec.json_schema(SCHEMA))
@@ -161,6 +177,7 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
     assert not bad, bad[:5]
     assert seen and max(seen) > 1
     assert (sum(pruned) > 0) == (masked < 4)  # every depth masked: nothing left to prune
+    assert sum(reused) > 0  # rows filled while drafting served the verify trees
 
 
 def test_train_eagle_end_to_end(tiny_llama_dir, tmp_path):
@@ -367,7 +384,7 @@ def test_select_trees_matches_the_path_by_path_layout():
     cand = _candidates(tok, score, best, K)
     cand[1][0, :] = -np.inf  # a request with nothing to draft
     cand[1][1, 1:] = -np.inf  # and one with a single node
-    got = _select_trees(*cand, W)
+    *got, node_cand = _select_trees(*cand, W)
     for b in range(B):
         want = _select_one(*(x[b] for x in cand), W)
         for g, w in zip(got, want):
@@ -393,16 +410,18 @@ def _select_one(tok, score, parent, depth, width):
     return tokens, nxt, sib, 1 + len(picked)
 
 
-def test_frontier_rows_share_prefixes_and_match_path_by_path_fills(tokenizer):
-    """`_fill_rows` walks the frontier's paths in sorted order, accepting a shared stem once; every
-    row equals a fill after accepting that path alone, dead or illegal paths get empty rows, and
-    the matcher ends where it started."""
+@pytest.mark.parametrize("backend_name,threads", [("xgrammar", 1), ("xgrammar", 3), ("llguidance", 2)])
+def test_frontier_rows_match_path_by_path_fills(tokenizer, backend_name, threads):
+    """A masked depth's rows (`MaskFiller.fill_paths`, the frontier's paths walked depth first, on
+    forks of the matcher when the pool has threads): every row equals a fill after accepting that
+    path alone; a path through a refused token, or ending on a stop token, gets an empty row; the
+    matcher ends where it started."""
+    from constrained_spec.engine.mask_filler import MaskFiller
     from constrained_spec.grammar import GrammarBackend
-    from constrained_spec.speculative.eagle import _fill_rows
-    backend = GrammarBackend(tokenizer, 49152)  # no disk cache (cache_dir None)
+    backend = GrammarBackend(tokenizer, 49152, default_backend=backend_name)  # no disk cache (cache_dir None)
     try:
         matcher = backend.matcher(backend.compile(GrammarSpec.json_schema(SCHEMA)))
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(threads)
         legal = lambda m: np.nonzero(_allowed(m))[0]
         stem = []
         for _ in range(3):
@@ -423,19 +442,36 @@ def test_frontier_rows_share_prefixes_and_match_path_by_path_fills(tokenizer):
             paths.append(path)
         matcher.rollback(len(stem))
         paths.append([0, 0])  # illegal at once
-        live = np.array([True] * 6 + [True])
-        live[2] = False
-        got = torch.full((len(paths), 1536), -1, dtype=torch.int32)
-        _fill_rows(matcher, paths, live, got, 0)
+        paths.append([1] + stem)  # a special token first
+        # a second request, where the grammar may end: paths ending on, and going past, a stop token
+        ended = backend.matcher(backend.compile(GrammarSpec.json_schema({"type": "integer"})))
+        digit = tokenizer.encode("4", add_special_tokens=False)[0]
+        assert ended.accept_token(digit) and ended.can_terminate()
+        stop = min(backend.stop_token_ids)
+        ended_paths = [[stop], [digit], [stop, digit], [digit, stop]]
+        ms, all_paths = [matcher, ended], [paths, ended_paths]
+        before = torch.zeros((2, 1536), dtype=torch.int32)
+        for i, m in enumerate(ms):
+            m.fill_bitmask(before, i)
+        filler = MaskFiller(torch.zeros((1, 1536), dtype=torch.int32), threads=threads, budget_ms=None,
+                            max_requests=2, stop_ids=backend.stop_token_ids)
+        got = torch.full((len(paths) + len(ended_paths) + 2, 1536), -1, dtype=torch.int32)
+        rows = [list(range(2, len(paths) + 2)), list(range(len(paths) + 2, len(got)))]
+        filler.fill_paths(ms, all_paths, rows, got)
         want = torch.zeros_like(got)
-        for j, path in enumerate(paths):
-            took = matcher.accept_tokens(path)
-            if live[j] and took == len(path):
-                matcher.fill_bitmask(want, j)
-            matcher.rollback(took)
-        assert torch.equal(got, want)
-        assert [int(t) for t in legal(matcher)] == [int(t) for t in np.nonzero(_allowed(backend.matcher(
-            backend.compile(GrammarSpec.json_schema(SCHEMA)))))[0]]
+        for m, node_paths, node_rows in zip(ms, all_paths, rows):
+            for path, row in zip(node_paths, node_rows):
+                took = m.accept_tokens(path)
+                if took == len(path) and not m.is_terminated():
+                    m.fill_bitmask(want, row)
+                m.rollback(took)
+        assert torch.equal(got[2:], want[2:]) and (got[:2] == -1).all()
+        live = (want[2:] != 0).any(1).tolist()
+        assert live == [True] * 6 + [False] * 2 + [False, True, False, False]
+        after = torch.zeros_like(before)
+        for i, m in enumerate(ms):
+            m.fill_bitmask(after, i)
+        assert torch.equal(after, before)
     finally:
         backend.close()
 

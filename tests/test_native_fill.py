@@ -150,14 +150,14 @@ def test_refused_chain_token_raises_and_rolls_back(backend, native):
     assert torch.equal(_rows_of(ms), before)
 
 
-def test_partial_chain_walk_stops_before_a_refused_token(backend, native):
+def test_partial_chain_walk_zeroes_rows_from_a_refused_token(backend, native):
     """Unguided drafts (a top-1 EAGLE chain): with `partial` a refused token ends its chain's walk,
-    with no error; the rows up to it are the grammar's, the rows after are untouched, and every
-    matcher is back where it was."""
+    with no error; the rows up to it are the grammar's, the rows from it on allow nothing, and
+    every matcher is back where it was."""
     ms, chains, before = chains_with_a_refusal(backend, 1)  # refused after '{'
     out = torch.full((3 * len(ms), WIDTH), 7, dtype=torch.int32)
     native.chains_call(ms, chains, out, [3 * i for i in range(len(ms))], frozenset(), 2, partial=True)()
-    assert torch.equal(out[0], before[0]) and (out[1:3] == 7).all()  # the root's row, then nothing
+    assert torch.equal(out[0], before[0]) and (out[1:3] == 0).all()  # the root's row, then nothing
     for i in range(1, len(ms)):
         assert torch.equal(out[3 * i], before[i]) and not (out[3 * i + 1:3 * i + 3] == 7).all()
     assert torch.equal(_rows_of(ms), before)
@@ -210,3 +210,81 @@ def test_accepts_ride_along_with_the_fill(backend, native, helpers):
         native.prepare(ms[:1], out, [-2], [0]).run(0)
     with pytest.raises(IndexError):  # -1 means "no row" only beside tokens
         native.prepare(ms[:1], out, [-1]).run(0)
+
+
+def _draft_tree(backend, ms_root, ids, rng: random.Random):
+    """Paths (tokens after the matcher's state) of a random tree of draft nodes from where the
+    matcher stands: children are legal tokens mostly, sometimes an illegal one (whose subtree the
+    walk must zero) or the text's own next token, up to depth 5."""
+    probe = torch.empty((1, WIDTH), dtype=torch.int32)
+    paths = [[]]
+    frontier = [[]]
+    zebra = backend.tokenizer.encode("zebra", add_special_tokens=False)[0]
+    for _ in range(5):
+        nxt = []
+        for path in frontier:
+            fork = ms_root.fork()
+            if fork.accept_tokens(path) < len(path) or fork.is_terminated():
+                kids = [zebra]  # below an illegal node: anything
+            else:
+                fork.fill_bitmask(probe, 0)
+                legal = [t for t in range(WIDTH * 32) if probe[0, t >> 5] >> (t & 31) & 1][:400]
+                kids = rng.sample(legal, min(2, len(legal))) + ([zebra] if rng.random() < 0.3 else [])
+            for t in kids:
+                nxt.append(path + [t])
+        paths += nxt
+        frontier = rng.sample(nxt, min(3, len(nxt)))
+    return paths
+
+
+def _reference_rows(m, paths):
+    """Each path's row by the plain way: a fork accepts the path and fills; zero if it is refused."""
+    out = torch.empty((len(paths), WIDTH), dtype=torch.int32)
+    for j, path in enumerate(paths):
+        fork = m.fork()
+        if fork.accept_tokens(path) < len(path) or fork.is_terminated():
+            out[j] = 0
+        else:
+            fork.fill_bitmask(out, j)
+    return out
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_walks_fill_each_paths_row_as_a_fork_would(backend, native, parts):
+    """Draft nodes given as paths, walked depth first (`walks.path_steps`, cut into `parts` walks on
+    forks of the matcher): every node's row is the one a fork that accepted its path fills, zero
+    below a refused token; the pool and the Python walk (`walk_here`) agree, `ok` says which walks
+    met a refused token, and the matchers end where they were."""
+    from constrained_spec.grammar.walks import Walks, path_steps, sorted_paths, split_paths, walk_here
+    n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
+    ms, ids = matchers_along(backend, SCHEMA, TEXT, n)
+    rng = random.Random(parts)
+    refusals = 0
+    for k in (1, 5, n // 2):
+        m = ms[k]
+        before = _rows_of([m])
+        paths = _draft_tree(backend, m, ids, rng)
+        ref = _reference_rows(m, paths)
+        runs = split_paths(sorted_paths(paths), parts)
+        walkers = [m] + [m.fork() for _ in runs[1:]]
+        steps = [path_steps(paths, range(len(paths)), order) for order in runs]
+        out = torch.full((len(paths), WIDTH), 7, dtype=torch.int32)
+        ok = native.walk_call(walkers, Walks.of_steps(steps), out, 2)()
+        assert torch.equal(out, ref)
+        here = torch.full_like(out, 7)
+        legal = [walk_here(w, *s, here) for w, s in zip(walkers, steps)]
+        assert torch.equal(here, ref) and legal == ok.astype(bool).tolist()
+        refusals += legal.count(False)
+        assert torch.equal(_rows_of([m]), before)
+    assert refusals  # the trees held refused tokens
+
+
+def test_a_walk_that_rolls_back_past_its_start_is_refused(native, states):
+    from constrained_spec.grammar.walks import Walks
+    ms, _ = states
+    out = torch.zeros((2, WIDTH), dtype=torch.int32)
+    bad = Walks.of_steps([([0, 2], [5, -1], [0, 1])])
+    with pytest.raises(ValueError, match="rolls back past its start"):
+        native.walk_call(ms[:1], bad, out, 0)()
+    with pytest.raises(IndexError):
+        native.walk_call(ms[:1], Walks.of_steps([([0], [-1], [2])]), out, 0)()

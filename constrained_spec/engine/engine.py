@@ -115,7 +115,8 @@ class Engine:
         mask_threads = config.grammar_mask_threads or default_mask_threads()
         self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=mask_threads,
                                               budget_ms=config.grammar_mask_budget_ms,
-                                              max_requests=config.max_running_requests))
+                                              max_requests=config.max_running_requests,
+                                              stop_ids=self.grammar.stop_token_ids))
         drafter = setup(lambda: make_drafter(config, self.runner))
         self.spec = setup(lambda: SpeculativeWorker(self, drafter)) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:

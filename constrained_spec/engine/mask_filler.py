@@ -32,6 +32,7 @@ import torch
 
 from ..grammar.llguidance_backend import NAME as LLGUIDANCE, LLGuidanceFill
 from ..grammar.native_fill import NativeFill
+from ..grammar.walks import WalkSteps, path_steps, sorted_paths, split_paths, walk_here
 from .request import Status
 
 _FINISHED = Status.FINISHED
@@ -43,6 +44,9 @@ NATIVE_ROWS_PER_THREAD = 2
 ACCEPT_ROWS_PER_THREAD = 8
 # Draft chains per pool thread (`fill_chains`; a chain is up to ~8 fills and accepts).
 CHAINS_PER_THREAD = 2
+# Draft paths per walk at least (`fill_paths`): a request's paths are cut into walks of this many or
+# more, each on its own fork of the matcher, while the pool has threads for them.
+PATHS_PER_WALK = 4
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that the rows that can still make it are not stuck behind it.
 SLOW_SHARE = 0.5
@@ -100,8 +104,10 @@ class MaskFiller:
     Requests carry `mask_job` (a budgeted fill still queued or running) and `mask_fill_seconds`
     (how long their last budgeted fill took)."""
 
-    def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int):
+    def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int,
+                 stop_ids: frozenset = frozenset()):
         self._bitmask = bitmask
+        self.stop_ids = stop_ids  # the grammars' stop tokens: no row is filled after one (`fill_paths`)
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         helpers = max(0, threads - 1)  # the caller's thread fills too
         workers = helpers if self.budget_s is None else max(2, threads) + EXTRA_BUDGET_THREADS
@@ -274,6 +280,44 @@ class MaskFiller:
             return
         helpers = self._native.helpers_for(len(chains), CHAINS_PER_THREAD)
         self._native.chains_call(matchers, chains, bitmask, first_rows, stop_ids, helpers, partial)()
+
+    def fill_paths(self, matchers: Sequence, paths: Sequence[Sequence[Sequence[int]]],
+                   rows: Sequence[Sequence[int]], bitmask: torch.Tensor) -> None:
+        """Draft nodes' rows (`grammar/walks.py`): row rows[i][j] holds the tokens legal after
+        matchers[i] accepts paths[i][j] (the tokens from where it stands to the node), none where
+        the path is illegal or ends on a stop token; every matcher ends where it was. A request's
+        paths are cut into walks on forks of its matcher while the pool has threads to spare (an
+        EAGLE frontier at batch 1: 8 paths of one matcher); llguidance's are walked here."""
+        threads = self._native.max_helpers + 1
+        per_request = threads // max(1, len(matchers))
+        walkers, steps = [], WalkSteps()
+        for m, node_paths, node_rows in zip(matchers, paths, rows):
+            node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
+            parts = min(per_request, len(node_paths) // PATHS_PER_WALK)
+            if m.backend == LLGUIDANCE or (parts < 2 and per_request < 2):
+                # one walk after another on this thread: with no threads to spare the pool's only
+                # gain is the Python around xgrammar's calls, less than its own set-up (CPU, 1 thread)
+                walk_here(m, *path_steps(node_paths, node_rows, refused=m.never_accepts), bitmask)
+                continue
+            runs = split_paths(sorted_paths(node_paths), parts)
+            for k, order in enumerate(runs):
+                walkers.append(m if k == 0 else m.fork())
+                steps.add_paths(node_paths, node_rows, order, m.never_accepts)
+                steps.end_walk()
+        if walkers:
+            self._native.walk_call(walkers, steps.walks(), bitmask, self._native.helpers_for(len(walkers), 1))()
+
+    def _rows_past_stops(self, paths, rows, bitmask: torch.Tensor) -> Sequence[int]:
+        """`rows`, but -1 (no fill: a matcher that took a stop token has ended) for paths that end on
+        a stop token, whose rows are zeroed here."""
+        ends = [j for j, p in enumerate(paths) if len(p) and p[-1] in self.stop_ids]
+        if not ends:
+            return rows
+        rows = list(rows)
+        for j in ends:
+            bitmask[rows[j]] = 0
+            rows[j] = -1
+        return rows
 
     # -- without a budget -------------------------------------------------------------------------
     def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> None:

@@ -37,6 +37,11 @@ class RequestMatcher(ABC):
             n += 1
         return n
 
+    def never_accepts(self, tok: int) -> bool:
+        """True for a token refused in every state (a special, an id past the vocabulary), which a
+        draft walk (`walks.py`) passes as refused without asking the grammar."""
+        return False
+
     @abstractmethod
     def rollback(self, n: int) -> None:
         """Undo the last n accepted tokens."""

@@ -5,8 +5,8 @@ the engine's one parallel fill.
 `accept_token`, `rollback`, through the TVM FFI C ABI that xgrammar's Python bindings use) from
 threads that live as long as the engine, never taking the GIL: a step's token accepts (`accept`),
 its bitmask rows (`prepare`, then `PoolFill.run`, or `start` and `finish` around other work), a
-speculative step's draft chains (`chains_call`) and the budgeted fill's rows (`StagedRows`), each
-filled on its own into a staging row. Persistent threads won over xgrammar's `BatchGrammarMatcher`,
+speculative step's draft rows (`walk_call`: chains, trees, EAGLE frontiers) and the budgeted fill's
+rows (`StagedRows`), each filled on its own into a staging row. Persistent threads won over xgrammar's `BatchGrammarMatcher`,
 which starts and joins its threads in every call: 128 rows of real JSON states fill in 0.11 ms here
 against 0.52-0.96 ms there (H100 host, `benchmarks/bench_mask_fill.py`).
 """
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .matcher import REFUSED_DRAFT
+from .walks import Walks
 
 _METHODS = frozenset({"fill_next_token_bitmask", "accept_token", "rollback"})
 
@@ -115,32 +116,39 @@ class NativeFill:
             return []
         return np.flatnonzero(accepted == 0).tolist()
 
-    def chains_call(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
-                    first_rows: Sequence[int], stop_ids: frozenset, helpers: int,
-                    partial: bool = False) -> Callable[[], None]:
-        """A speculative step's rows for draft chains, prepared for later (what
-        `backend.chain_fill_call` does, a chain per thread at a time): matchers[i], which has taken
-        chains[i][0], fills row first_rows[i] + d after accepting chains[i][1:d + 1], for every
-        d < len(chains[i]), and is rolled back at the end; a chain whose last token is one of
-        `stop_ids` (it ends the grammar) leaves the row after it alone. The call raises
-        RuntimeError(REFUSED_DRAFT) if a chain token was refused (those matchers are rolled back),
-        unless `partial`: then the walk of a chain ends before its first refused token."""
+    def walk_call(self, matchers: Sequence, walks: Walks, bitmask: torch.Tensor, helpers: int) -> Callable[[], np.ndarray]:
+        """Matchers[i] walks walks' walk i (`grammar/walks.py`), prepared for later, a walk per pool
+        thread at a time; the call returns `ok`, 0 where a walk met a token its grammar refused.
+        Raises RuntimeError if a row's fill failed."""
         _check_bitmask(bitmask)
-        n = len(matchers)
         handles = _handles(matchers)
-        lengths = np.fromiter((len(c) for c in chains), dtype=np.int64, count=n)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.concatenate([np.asarray(c, dtype=np.int32) for c in chains]) if n else np.zeros(0, np.int32)
-        skip_last = np.fromiter((len(c) > 1 and int(c[-1]) in stop_ids for c in chains), dtype=np.int8, count=n)
-        rows = np.asarray(first_rows, dtype=np.int64)
-        ok = np.empty(n, dtype=np.int8)
+        ok = np.empty(len(matchers), dtype=np.int8)
         pool, ptr, num_rows, width = self._pool, bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1]
         methods = (self._fill_handle, self._accept_handle, self._rollback_handle, self._type_index)
 
+        def run() -> np.ndarray:
+            # (the closure holds `matchers` and `walks`: the handles and arrays live through the call)
+            failed = pool.walk(*methods, handles, walks.offsets, walks.back, walks.tokens, walks.rows, ptr,
+                               num_rows, width, ok, helpers)
+            if failed >= 0:
+                raise RuntimeError(f"a grammar bitmask fill failed in a draft walk ({matchers[failed].backend})")
+            return ok
+        return run
+
+    def chains_call(self, matchers: Sequence, chains: Sequence[Sequence[int]], bitmask: torch.Tensor,
+                    first_rows: Sequence[int], stop_ids: frozenset, helpers: int,
+                    partial: bool = False) -> Callable[[], None]:
+        """A speculative step's rows for draft chains (`Walks.of_chains`): matchers[i], which has taken
+        chains[i][0], fills row first_rows[i] + d after accepting chains[i][1:d + 1], for every
+        d < len(chains[i]), and is rolled back at the end; a chain whose last token is one of
+        `stop_ids` (it ends the grammar) leaves the row after it alone. The call raises
+        RuntimeError(REFUSED_DRAFT) if a chain token was refused, unless `partial`: then the rows
+        from the refused token on are zeroed. Every matcher ends where it was."""
+        walk = self.walk_call(matchers, Walks.of_chains(chains, first_rows, stop_ids), bitmask, helpers)
+
         def run() -> None:
-            pool.fill_chains(*methods, handles, offsets, tokens, skip_last, rows, ptr, num_rows, width, ok, helpers)
-            if not (partial or ok.all()):  # (the closure holds `matchers`: the FFI handles stay alive through the call)
+            ok = walk()
+            if not (partial or ok.all()):
                 raise RuntimeError(f"{REFUSED_DRAFT} ({len(matchers) - int(ok.sum())} of {len(matchers)} chains)")
         return run
 

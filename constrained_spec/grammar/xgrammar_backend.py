@@ -50,9 +50,12 @@ class XGrammarMatcher(RequestMatcher):
         return self._m
 
     def accept_token(self, tok: int) -> bool:
-        if tok < 0 or tok >= self.vocab_size or tok in self._specials:
+        if self.never_accepts(tok):
             return False
         return self._m.accept_token(int(tok))
+
+    def never_accepts(self, tok: int) -> bool:
+        return tok < 0 or tok >= self.vocab_size or tok in self._specials
 
     def rollback(self, n: int) -> None:
         if n > 0:

@@ -86,6 +86,12 @@ class Drafter(ABC):
         for rid, toks in zip(request_ids, token_lists):
             self.observe(rid, toks)
 
+    def filled_rows(self):
+        """Grammar rows the last `propose_arrays` filled for its trees' nodes while drafting (the
+        verify tree needs the same rows): (rows [R, W] int32 host tensor, [B, N] int64 each node's
+        row in it or -1), or None. Taken once: the next call returns None."""
+        return None
+
     def use_mask_filler(self, filler) -> None:
         """The engine's grammar pool (`MaskFiller`), for drafters that fill bitmask rows while they
         draft; the others ignore it."""

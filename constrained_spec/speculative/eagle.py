@@ -118,6 +118,12 @@ class EagleDrafter(Drafter):
         self._seen: dict[Hashable, tuple[int, int, int, int]] = {}
         self.profile = DraftProfile()
         self._filler = None  # `use_mask_filler`
+        # the masked depths' grammar rows of a step, kept for its verify tree (`filled_rows`): the
+        # roots' at depth 0, the frontier's of depth t at t; and each tree node's row in them
+        self._kept = torch.empty((self.masked_depths, capacity * topk, self.io.bitmask_host.shape[1]), dtype=torch.int32)
+        self._node_rows: np.ndarray | None = None
+        # numpy views: a loaded engine thread spent ~7x longer in torch's copies and indexing here
+        self._kept_np, self._masks_np = self._kept.numpy(), self.io.bitmask_host.numpy()
 
     # -- the Drafter interface -------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> DraftTrees:
@@ -144,6 +150,9 @@ class EagleDrafter(Drafter):
         ids, pos, slots = self._packed(reqs, rows, start, n)
         prof.lap("inputs")
         masked = self._fill_root_masks(reqs, bs)
+        kept = 0  # depths whose grammar rows are kept for the verify tree (`filled_rows`)
+        if masked:
+            kept = self._keep_rows(0, B)
         prof.lap("root_mask")
         eager = io.set_inputs(bs, rows, n, ids, pos, slots, q_lens, graphed)
         if graphed:
@@ -159,6 +168,7 @@ class EagleDrafter(Drafter):
                 prof.syncs += 1
                 paths = _extend_paths(paths, front, chosen, K)
                 self._fill_frontier_masks(reqs, paths, front_score, bs)
+                kept = self._keep_rows(t, B * K)
                 prof.lap("depth_masks")
             if graphed:
                 graphs.replay_draft("step", bs, masked)
@@ -168,9 +178,20 @@ class EagleDrafter(Drafter):
         tok, score, best = io.outputs_host(B, D)  # the one read of the drafting
         prof.syncs += 1
         prof.lap("read")
-        trees = _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
+        *trees, node_cand = _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)
+        self._node_rows = _kept_rows_of_nodes(node_cand, best, K, kept, self._kept.shape[1]) if kept else None
         prof.lap("select")
-        return trees
+        return tuple(trees)
+
+    def filled_rows(self):
+        rows, self._node_rows = self._node_rows, None
+        return None if rows is None else (self._kept.view(-1, self._kept.shape[-1]), rows)
+
+    def _keep_rows(self, depth: int, n: int) -> int:
+        """Keeps the first n grammar rows just filled (depth 0: the roots'; t: the frontier of
+        depth t), which the verify tree's nodes on those paths need again. Returns the depths kept."""
+        self._kept_np[depth, :n] = self._masks_np[:n]
+        return depth + 1
 
     def finish(self, request_id: Hashable) -> None:
         self._seen.pop(request_id, None)
@@ -229,12 +250,23 @@ class EagleDrafter(Drafter):
 
     def _fill_frontier_masks(self, reqs, paths, score: np.ndarray, bs: int) -> None:
         """A masked depth past the first: row b * K + j holds the tokens request b's grammar allows
-        after frontier node j's path (`_fill_rows`); requests without a grammar allow all."""
+        after frontier node j's path, none for a dead node (no candidate); requests without a
+        grammar allow all. The engine's grammar pool walks the paths (`MaskFiller.fill_paths`:
+        the frontier of one request on several forks of its matcher at once)."""
         masks, K = self.io.bitmask_host, self.topk
-        masks[:bs * K] = -1
-        for b, r in enumerate(reqs):
-            if r.matcher is not None:
-                _fill_rows(r.matcher, paths[b], np.isfinite(score[b]), masks, b * K)
+        self._masks_np[:bs * K] = -1
+        grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
+        if not grammar:
+            return
+        live = np.isfinite(score[grammar])
+        if not live.all():
+            g, j = np.nonzero(~live)
+            self._masks_np[np.asarray(grammar)[g] * K + j] = 0
+        node_paths = [[paths[b][j] for j in np.flatnonzero(ok)] for b, ok in zip(grammar, live)]
+        node_rows = [(b * K + np.flatnonzero(ok)).tolist() for b, ok in zip(grammar, live)]
+        if self._filler is None:
+            raise RuntimeError("masked EAGLE depths need the engine's grammar pool (`use_mask_filler`)")
+        self._filler.fill_paths([reqs[b].matcher for b in grammar], node_paths, node_rows, masks)
 
     def use_mask_filler(self, filler) -> None:
         """Fill the roots' rows on the engine's grammar pool (`MaskFiller.fill_chains`, a chain of
@@ -281,30 +313,6 @@ def _extend_paths(paths, front: np.ndarray, chosen: np.ndarray, K: int) -> list:
     return [[paths[b][p] + [x] for p, x in zip(parent[b], row)] for b, row in enumerate(front.tolist())]
 
 
-def _fill_rows(matcher, paths, live, bitmask: torch.Tensor, first_row: int) -> None:
-    """Row first_row + j: the tokens the grammar allows after frontier node j's path (none for a
-    dead node, or a path the grammar ended). The paths are walked in sorted order, rolling back only
-    to the prefix the next one shares, so a common stem is accepted once."""
-    on: list[int] = []  # the tokens the matcher has accepted beyond where it started
-    for j in sorted(range(len(paths)), key=lambda j: paths[j]):
-        row, path = first_row + j, paths[j]
-        if not live[j]:
-            bitmask[row] = 0
-            continue
-        keep = 0
-        while keep < min(len(on), len(path)) and on[keep] == path[keep]:
-            keep += 1
-        matcher.rollback(len(on) - keep)
-        del on[keep:]
-        took = matcher.accept_tokens(path[keep:])
-        on += path[keep:keep + took]
-        if len(on) == len(path) and not matcher.is_terminated():
-            matcher.fill_bitmask(bitmask, row)
-        else:
-            bitmask[row] = 0
-    matcher.rollback(len(on))
-
-
 def _candidates(tok: np.ndarray, score: np.ndarray, best: np.ndarray, K: int):
     """The draft steps' records ([B, D, K*K] children per depth, [B, D, K] chosen) as flat candidate
     arrays [B, C]: token, path score, parent candidate (-1: the root), depth."""
@@ -334,8 +342,9 @@ def _select_trees(tok: np.ndarray, score: np.ndarray, parent: np.ndarray, depth:
     tokens = np.zeros((B, width), np.int64)
     next_token = np.full((B, width), -1, np.int64)
     next_sibling = np.full((B, width), -1, np.int64)
+    node_cand = np.full((B, width), -1, np.int64)
     if B == 0:
-        return tokens, next_token, next_sibling, np.ones(0, np.int64)
+        return tokens, next_token, next_sibling, np.ones(0, np.int64), node_cand
     take = lambda a, i: np.take_along_axis(a, i, 1)
     best = np.lexsort((depth, -score), axis=1)[:, :width - 1]  # best first; a parent before its child
     picked = np.isfinite(take(score, best))
@@ -349,6 +358,7 @@ def _select_trees(tok: np.ndarray, score: np.ndarray, parent: np.ndarray, depth:
     par = parent[b, cand[b, i]]
     pnode = node_of[b, np.where(par < 0, C, par)]  # -1: its parent was not picked (cannot happen: left unlinked)
     tokens[b, i + 1] = tok[b, cand[b, i]]
+    node_cand[b, i + 1] = cand[b, i]
     linked = pnode >= 0
     b, i, pnode = b[linked], i[linked], pnode[linked]
     first_child = np.full((B, width), width, np.int64)
@@ -358,5 +368,22 @@ def _select_trees(tok: np.ndarray, score: np.ndarray, parent: np.ndarray, depth:
     bo, io, po = b[order], i[order], pnode[order]
     same = (bo[1:] == bo[:-1]) & (po[1:] == po[:-1])
     next_sibling[bo[:-1][same], io[:-1][same] + 1] = io[1:][same] + 1
-    return tokens, next_token, next_sibling, 1 + picked.sum(1)
+    return tokens, next_token, next_sibling, 1 + picked.sum(1), node_cand
+
+
+def _kept_rows_of_nodes(node_cand: np.ndarray, best: np.ndarray, K: int, kept: int, per_depth: int) -> np.ndarray:
+    """[B, width] each tree node's row among the kept rows (`EagleDrafter._keep_rows`, flattened:
+    depth * per_depth + row), -1 for nodes whose row was not filled while drafting: the root's is
+    row b of depth 0; frontier node j of depth t (candidate j at depth 1, K + (t - 2) K^2 + its
+    choice at depth t past it; `_candidates`) is row b * K + j of depth t, for t < kept."""
+    B, width = node_cand.shape
+    C = K + (best.shape[1] - 1) * K * K
+    lookup = np.full((B, C + 1), -1, np.int64)  # column C: no candidate (node_cand -1)
+    b = np.arange(B)[:, None]
+    for t in range(1, kept):
+        cand = np.arange(K)[None, :].repeat(B, 0) if t == 1 else K + (t - 2) * K * K + best[:, t - 1]
+        lookup[b, cand] = t * per_depth + b * K + np.arange(K)
+    rows = lookup[b, np.where(node_cand >= 0, node_cand, C)]
+    rows[:, 0] = np.arange(B)  # the root's
+    return rows
 

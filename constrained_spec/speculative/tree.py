@@ -103,13 +103,6 @@ class DraftTrees:
         return DraftTrees(*(x.to(device, non_blocking=non_blocking) for x in
                             (self.tokens, self.next_token, self.next_sibling, self.num_nodes)))
 
-    def layout(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Request b's unpadded (next_token, next_sibling, tokens) as 1-D int64 CPU tensors, in
-        the argument order of ``GrammarMatcher.traverse_draft_tree`` (host side; syncs)."""
-        n = int(self.num_nodes[b])
-        return (self.next_token[b, :n].cpu(), self.next_sibling[b, :n].cpu(),
-                self.tokens[b, :n].cpu())
-
     # ------------------------------------------------------------------ derived structure
     @property
     def valid(self) -> torch.Tensor:
@@ -283,12 +276,17 @@ class HostTrees:
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
-    def layout(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Request b's (next_token, next_sibling, tokens) as 1-D int64 CPU tensors sharing this
-        object's memory, in the argument order of ``GrammarMatcher.traverse_draft_tree``."""
-        n = int(self.num_nodes[b])
-        return (torch.from_numpy(self.next_token[b, :n]), torch.from_numpy(self.next_sibling[b, :n]),
-                torch.from_numpy(self.tokens[b, :n]))
+    def node_paths(self, b: int, skip: np.ndarray | None = None) -> tuple[list[list[int]], list[int]]:
+        """Tree b's nodes reachable from the root but those in `skip` ([N] bool), as (the tokens from
+        the root to each node, root excluded; the node's index), parents before children."""
+        tokens, parents = self.tokens[b].tolist(), self.parents[b].tolist()
+        live = np.flatnonzero(self.live[b]).tolist()
+        paths: dict[int, list[int]] = {0: []}
+        for i in live[1:]:
+            paths[i] = paths[parents[i]] + [tokens[i]]
+        if skip is not None:
+            live = [i for i in live if not skip[i]]
+        return [paths[i] for i in live], live
 
     def is_chain(self) -> np.ndarray:
         """[B] bool: tree b is a chain in layout order (node i's only child is i + 1)."""
@@ -298,7 +296,7 @@ class HostTrees:
         """[B, N] bool: node j's token is allowed by the bitmask row of its parent (the root always is).
 
         bitmask: [B, N, ceil(V/32)] int32, row i = the tokens legal after node i (as filled by
-        ``traverse_draft_tree``). Rows of nodes the traversal did not reach may hold anything: a node
+        ``MaskFiller.fill_paths``). Rows of nodes the fill did not reach may hold anything: a node
         is only kept when its whole path is allowed, so such rows are never trusted."""
         b, n = self.shape
         parent = np.maximum(self.parents, 0)

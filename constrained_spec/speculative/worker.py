@@ -114,7 +114,7 @@ class EngineSide(Protocol):
     config: EngineConfig
     runner: Any  # the model runner: KV pool and table, graphs, `sample_ahead`
     tokenizer: Any
-    masks: Any  # the grammar mask filler (`MaskFiller.fill_chains`)
+    masks: Any  # the grammar mask filler (`MaskFiller.fill_chains`, `fill_paths`)
     stats: Any  # `steps`: the engine's step count
     grammar_stop_ids: frozenset
 
@@ -233,7 +233,7 @@ class SpeculativeWorker:
         launch = VerifyLaunch(io, self.runner.graphs, len(reqs))
         st = self.stats
         t0 = time.perf_counter()
-        trees = self._draft(reqs)
+        trees, filled = self._draft(reqs)
         rows, base, slots = self._take_slots(reqs)
         io.set_inputs(launch.size, rows, base, trees, slots)
         t1 = time.perf_counter()
@@ -242,7 +242,7 @@ class SpeculativeWorker:
         masked = any(r.matcher is not None for r in reqs)
         greedy = all(r.params.greedy for r in reqs)
         if masked:  # on CUDA this CPU work overlaps the forward
-            trees = self._mask_trees(reqs, trees, io)
+            trees = self._mask_trees(reqs, trees, io, filled)
             if not greedy:  # sampled rows are softmaxed whole: give pruned nodes finite rows
                 io.bitmask[:len(reqs)][~trees.live] = -1
         t3 = time.perf_counter()
@@ -360,20 +360,26 @@ class SpeculativeWorker:
             self._event.synchronize()
 
     # -- drafting and grammar masking ------------------------------------------------------------
-    def _draft(self, reqs) -> HostTrees:
+    def _draft(self, reqs) -> tuple[HostTrees, tuple | None]:
         """The drafter's trees, except grammar-guided chains for requests with a grammar where the
-        drafter can rank next tokens for a context (`Drafter.has_next_tokens`)."""
+        drafter can rank next tokens for a context (`Drafter.has_next_tokens`); and the rows the
+        drafter filled for their nodes (`Drafter.filled_rows`, with the drafted requests' positions),
+        or None."""
         self._observe(reqs)
         B, N = len(reqs), self.width
         tokens, next_token, next_sibling, num_nodes = _root_only_trees(B, N)
         guided = self._guided_rows(reqs)
         free = sorted(set(range(B)).difference(guided))
+        filled = None
         if free:
             drafted = self.drafter.propose_arrays(DraftBatch(
                 [reqs[b].request_id for b in free],
                 requests=[reqs[b] for b in free] if self.drafter.needs_requests else None))
             for dst, src in zip((tokens, next_token, next_sibling, num_nodes), drafted):
                 dst[free] = src
+            known = self.drafter.filled_rows()
+            if known is not None:
+                filled = (free, *known)
         # node 0 is the model's input for the last sampled token: never take it from a drafter
         tokens[:, 0] = [r.output_ids[-1] for r in reqs]
         k = self.drafter.context_tokens
@@ -385,7 +391,7 @@ class SpeculativeWorker:
                                          tail, N - 1)
             write_chain(tokens, next_token, next_sibling, num_nodes, b, chain)
             self.stats.forced_draft_tokens += forced
-        return HostTrees.build(tokens, next_token, next_sibling, num_nodes)
+        return HostTrees.build(tokens, next_token, next_sibling, num_nodes), filled
 
     def _guided_rows(self, reqs) -> list[int]:
         """The rows drafted as grammar-guided chains: requests with a grammar, where the drafter
@@ -411,16 +417,19 @@ class SpeculativeWorker:
         if ids:
             self.drafter.observe_batch(ids, new_tokens)
 
-    def _mask_trees(self, reqs, trees: HostTrees, io: VerifyIO) -> HostTrees:
+    def _mask_trees(self, reqs, trees: HostTrees, io: VerifyIO, filled: tuple | None = None) -> HostTrees:
         """Fills one bitmask row per node into the pinned rows the tail copies, and prunes the nodes
         whose path the grammar forbids. Grammar-guided chains (every token legal) are filled chain
         by chain on the native pool's threads (`MaskFiller.fill_chains`); other trees of requests
-        with a grammar (a drafter without ranked next tokens) by xgrammar's walk of the tree."""
+        with a grammar (an EAGLE or n-gram tree) node by node, walked depth first on the pool, a
+        request's tree on several forks of its matcher when the pool has threads to spare
+        (`MaskFiller.fill_paths`), but for the rows the drafter filled already (`filled`: an
+        EAGLE tree's root and masked frontiers), which are copied."""
         N = self.width
         rows = self._guided_rows(reqs)
         guided = set(rows)
         chains = trees.is_chain()  # unguided chains (a top-1 drafter's) are walked on the pool too
-        unguided = []
+        unguided, branched = [], []
         for b, r in enumerate(reqs):
             if r.matcher is None:
                 io.bitmask[b] = -1  # all tokens allowed (the tail masks the whole batch)
@@ -429,8 +438,13 @@ class SpeculativeWorker:
             elif chains[b]:
                 unguided.append(b)
             else:
-                layout = trees.layout(b)
-                r.matcher.traverse_draft_tree(*layout, io.bitmask_rows[b * N:b * N + len(layout[0])])
+                branched.append(b)
+        if branched:
+            known = self._copy_filled_rows(branched, trees, io, filled)
+            nodes = [trees.node_paths(b, skip=known.get(b)) for b in branched]
+            self.engine.masks.fill_paths([reqs[b].matcher for b in branched], [paths for paths, _ in nodes],
+                                         [[b * N + i for i in index] for b, (_, index) in zip(branched, nodes)],
+                                         io.bitmask_rows)
         for walked, partial in ((rows, False), (unguided, True)):
             if walked:
                 self.engine.masks.fill_chains([reqs[b].matcher for b in walked],
@@ -438,6 +452,23 @@ class SpeculativeWorker:
                                               io.bitmask_rows, [b * N for b in walked], self.engine.grammar_stop_ids,
                                               partial)
         return trees.pruned(trees.allowed_by(io.bitmask[:len(reqs)]))
+
+    def _copy_filled_rows(self, branched: list[int], trees: HostTrees, io: VerifyIO, filled) -> dict:
+        """Copies the drafter's rows of the branched trees' live nodes into the verify rows (one
+        gather); returns {b: [N] bool, the nodes copied}."""
+        if filled is None:
+            return {}
+        free, rows, node_rows = filled
+        at = {b: k for k, b in enumerate(free)}
+        drafted = [b for b in branched if b in at]
+        if not drafted:
+            return {}
+        src = node_rows[[at[b] for b in drafted]]
+        known = (src >= 0) & trees.live[drafted]
+        k, node = np.nonzero(known)
+        dst = np.asarray(drafted)[k] * self.width + node
+        io.bitmask_rows.numpy()[dst] = rows.numpy()[src[k, node]]  # numpy: torch's indexing took ~7x longer
+        return dict(zip(drafted, known))
 
     # -- verification ----------------------------------------------------------------------------
     def _sampled_accept(self, reqs, trees: HostTrees, logits: torch.Tensor) -> HostAcceptance:

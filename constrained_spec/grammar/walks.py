@@ -1,0 +1,159 @@
+"""Depth-first walks of a grammar matcher through token trees: the bitmask rows of a speculative
+step's draft nodes (a chain, a tree, an EAGLE frontier), filled on the native pool
+(`NativeFill.walk`) or one after another here (`walk_here`, for matchers the pool cannot call).
+
+A walk is a list of steps. A step rolls back `back` tokens of the walk's path, accepts `token`
+(NO_TOKEN: none; REFUSED: one the matcher refuses without being asked, a special or
+out-of-vocabulary id) and fills `row` (-1: none) for the path so far. A refused token and every
+step below it, until a step rolls back above it, fill nothing: their rows are zeroed, as no token
+follows an illegal path. The matcher ends where it started.
+
+Draft nodes as paths (the tokens from the matcher's state to the node) make a walk by sorting:
+sorted paths are a depth-first order, and each path rolls back only to the stem it shares with the
+one before, so a common stem is accepted once (`WalkSteps.add_paths`). A request's paths may be
+split into several walks (`split_paths`), each on a fork of its matcher, for the pool's threads to
+share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+NO_TOKEN = -1
+REFUSED = -2
+
+
+@dataclass
+class Walks:
+    """Walk i is steps offsets[i]:offsets[i + 1] of (back, tokens, rows)."""
+    offsets: np.ndarray  # int64 [n + 1]
+    back: np.ndarray  # int32
+    tokens: np.ndarray  # int32
+    rows: np.ndarray  # int64
+
+    @classmethod
+    def of_steps(cls, walks: Sequence[tuple[list, list, list]]) -> "Walks":
+        """From (back, tokens, rows) lists per walk."""
+        steps = WalkSteps()
+        for back, tokens, rows in walks:
+            steps.back += back
+            steps.tokens += tokens
+            steps.rows += rows
+            steps.end_walk()
+        return steps.walks()
+
+    @classmethod
+    def of_chains(cls, chains: Sequence[Sequence[int]], first_rows: Sequence[int], stop_ids: frozenset) -> "Walks":
+        """Draft chains whose root (chains[i][0]) the matcher has taken: row first_rows[i] + d after
+        the chain's tokens 1..d, but none after a last token that ends the grammar (a stop token)."""
+        lengths = np.fromiter((len(c) for c in chains), np.int64, len(chains))
+        offsets = np.zeros(len(chains) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        tokens = (np.concatenate([np.asarray(c, np.int32) for c in chains]) if chains
+                  else np.zeros(0, np.int32))
+        tokens[offsets[:-1]] = NO_TOKEN  # the root: taken already
+        rows = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], lengths) + np.repeat(
+            np.asarray(first_rows, np.int64), lengths)
+        if stop_ids:
+            last = offsets[1:] - 1
+            ends = (lengths > 1) & np.isin(tokens[last], list(stop_ids))
+            rows[last[ends]] = -1
+        return cls(offsets, np.zeros(total, np.int32), tokens, rows)
+
+
+class WalkSteps:
+    """Walks built step by step (`add_paths`, `end_walk`), then as arrays (`walks`)."""
+
+    def __init__(self):
+        self.offsets, self.back, self.tokens, self.rows = [0], [], [], []
+
+    def add_paths(self, paths: Sequence[Sequence[int]], rows: Sequence[int], order: Sequence[int],
+                  refused=None) -> None:
+        """Steps filling rows[j] after paths[j], for j in `order` (sorted paths: a depth-first
+        order). `refused(token)`: True for a token to pass as REFUSED."""
+        back, tokens, out_rows = self.back, self.tokens, self.rows
+        on: Sequence[int] = ()
+        for j in order:
+            path = paths[j]
+            keep, top = 0, min(len(on), len(path))
+            while keep < top and on[keep] == path[keep]:
+                keep += 1
+            drop = len(on) - keep
+            if keep == len(path):
+                back.append(drop)
+                tokens.append(NO_TOKEN)
+            else:
+                for t in path[keep:]:
+                    back.append(drop)
+                    tokens.append(REFUSED if refused is not None and refused(t) else t)
+                    out_rows.append(-1)
+                    drop = 0
+                out_rows.pop()
+            out_rows.append(rows[j])
+            on = path
+
+    def end_walk(self) -> None:
+        self.offsets.append(len(self.tokens))
+
+    def walks(self) -> Walks:
+        return Walks(np.array(self.offsets, np.int64), np.array(self.back, np.int32),
+                     np.array(self.tokens, np.int32), np.array(self.rows, np.int64))
+
+
+def path_steps(paths: Sequence[Sequence[int]], rows: Sequence[int], order: Sequence[int] | None = None,
+               refused=None) -> tuple[list, list, list]:
+    """One walk filling rows[j] after paths[j], for j in `order` (default: every path, sorted), as
+    (back, tokens, rows) lists."""
+    steps = WalkSteps()
+    steps.add_paths(paths, rows, sorted_paths(paths) if order is None else order, refused)
+    return steps.back, steps.tokens, steps.rows
+
+
+def sorted_paths(paths: Sequence[Sequence[int]]) -> list[int]:
+    return sorted(range(len(paths)), key=paths.__getitem__)
+
+
+def split_paths(order: list[int], parts: int) -> list[list[int]]:
+    """`order` (sorted paths' indices) cut into up to `parts` runs of near-equal length
+    (neighbours in sorted order share the longest stems)."""
+    n = len(order)
+    parts = max(1, min(parts, n))
+    if parts == 1:
+        return [order]
+    cuts = [(k * n + parts // 2) // parts for k in range(parts + 1)]
+    return [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def walk_here(matcher, back: Sequence[int], tokens: Sequence[int], rows: Sequence[int],
+              bitmask: torch.Tensor) -> bool:
+    """One walk, on this thread, through the matcher's Python methods; returns whether every token
+    was accepted. The same steps as the pool's (native/mask_fill_pool.cpp, `Walk`)."""
+    depth = accepted = 0
+    dead = -1
+    legal = True
+    for b, token, row in zip(back, tokens, rows):
+        depth -= b
+        if dead >= 0 and depth < dead:
+            dead = -1
+        keep = dead - 1 if dead >= 0 else depth
+        matcher.rollback(accepted - keep)
+        accepted = keep
+        if token != NO_TOKEN:
+            depth += 1
+            if dead < 0:
+                if token != REFUSED and matcher.accept_token(int(token)):
+                    accepted += 1
+                else:
+                    dead, legal = depth, False
+        if row < 0:
+            continue
+        if dead >= 0:
+            bitmask[row] = 0
+        else:
+            matcher.fill_bitmask(bitmask, row)
+    matcher.rollback(accepted)
+    return legal
