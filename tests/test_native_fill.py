@@ -255,7 +255,7 @@ def test_walks_fill_each_paths_row_as_a_fork_would(backend, native, parts):
     forks of the matcher): every node's row is the one a fork that accepted its path fills, zero
     below a refused token; the pool and the Python walk (`walk_here`) agree, `ok` says which walks
     met a refused token, and the matchers end where they were."""
-    from constrained_spec.grammar.walks import Walks, path_steps, sorted_paths, split_paths, walk_here
+    from constrained_spec.grammar.walks import path_steps, sorted_paths, split_paths, walk_here
     n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
     ms, ids = matchers_along(backend, SCHEMA, TEXT, n)
     rng = random.Random(parts)
@@ -269,7 +269,7 @@ def test_walks_fill_each_paths_row_as_a_fork_would(backend, native, parts):
         walkers = [m] + [m.fork() for _ in runs[1:]]
         steps = [path_steps(paths, range(len(paths)), order) for order in runs]
         out = torch.full((len(paths), WIDTH), 7, dtype=torch.int32)
-        ok = native.walk_call(walkers, Walks.of_steps(steps), out, 2)()
+        ok = native.walk_call(walkers, _walks(steps), out, 2)()
         assert torch.equal(out, ref)
         here = torch.full_like(out, 7)
         legal = [walk_here(w, *s, here) for w, s in zip(walkers, steps)]
@@ -280,11 +280,21 @@ def test_walks_fill_each_paths_row_as_a_fork_would(backend, native, parts):
 
 
 def test_a_walk_that_rolls_back_past_its_start_is_refused(native, states):
-    from constrained_spec.grammar.walks import Walks
     ms, _ = states
     out = torch.zeros((2, WIDTH), dtype=torch.int32)
-    bad = Walks.of_steps([([0, 2], [5, -1], [0, 1])])
     with pytest.raises(ValueError, match="rolls back past its start"):
-        native.walk_call(ms[:1], bad, out, 0)()
+        native.walk_call(ms[:1], _walks([([0, 2], [5, -1], [0, 1])]), out, 0)()
     with pytest.raises(IndexError):
-        native.walk_call(ms[:1], Walks.of_steps([([0], [-1], [2])]), out, 0)()
+        native.walk_call(ms[:1], _walks([([0], [-1], [2])]), out, 0)()
+
+
+def _walks(steps):
+    """Walks from (back, tokens, rows) lists per walk."""
+    from constrained_spec.grammar.walks import WalkSteps
+    built = WalkSteps()
+    for back, tokens, rows in steps:
+        built.back += back
+        built.tokens += tokens
+        built.rows += rows
+        built.end_walk()
+    return built.walks()

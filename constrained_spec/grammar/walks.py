@@ -35,17 +35,6 @@ class Walks:
     rows: np.ndarray  # int64
 
     @classmethod
-    def of_steps(cls, walks: Sequence[tuple[list, list, list]]) -> "Walks":
-        """From (back, tokens, rows) lists per walk."""
-        steps = WalkSteps()
-        for back, tokens, rows in walks:
-            steps.back += back
-            steps.tokens += tokens
-            steps.rows += rows
-            steps.end_walk()
-        return steps.walks()
-
-    @classmethod
     def of_chains(cls, chains: Sequence[Sequence[int]], first_rows: Sequence[int], stop_ids: frozenset) -> "Walks":
         """Draft chains whose root (chains[i][0]) the matcher has taken: row first_rows[i] + d after
         the chain's tokens 1..d, but none after a last token that ends the grammar (a stop token)."""
