@@ -238,24 +238,27 @@ def _draft_tree(backend, ms_root, ids, rng: random.Random):
 
 
 def _reference_rows(m, paths):
-    """Each path's row by the plain way: a fork accepts the path and fills; zero if it is refused."""
+    """Each path's row by the plain way: a fork accepts the path and fills; zero if it is refused.
+    And whether each was refused."""
     out = torch.empty((len(paths), WIDTH), dtype=torch.int32)
+    refused = []
     for j, path in enumerate(paths):
         fork = m.fork()
-        if fork.accept_tokens(path) < len(path) or fork.is_terminated():
+        refused.append(fork.accept_tokens(path) < len(path))
+        if refused[-1] or fork.is_terminated():
             out[j] = 0
         else:
             fork.fill_bitmask(out, j)
-    return out
+    return out, refused
 
 
 @pytest.mark.parametrize("parts", [1, 3])
 def test_walks_fill_each_paths_row_as_a_fork_would(backend, native, parts):
-    """Draft nodes given as paths, walked depth first (`walks.path_steps`, cut into `parts` walks on
-    forks of the matcher): every node's row is the one a fork that accepted its path fills, zero
-    below a refused token; the pool and the Python walk (`walk_here`) agree, `ok` says which walks
-    met a refused token, and the matchers end where they were."""
-    from constrained_spec.grammar.walks import path_steps, sorted_paths, split_paths, walk_here
+    """Draft nodes given as paths, walked depth first (`WalkSteps.add_paths`, cut into `parts` walks
+    on forks of the matcher): every node's row is the one a fork that accepted its path fills, zero
+    below a refused token; the pool and the walk on this thread (`walk_paths_here`) agree, `ok` says
+    which walks met a refused token, and the matchers end where they were."""
+    from constrained_spec.grammar.walks import WalkSteps, sorted_paths, split_paths, walk_paths_here
     n = len(backend.tokenizer.encode(TEXT, add_special_tokens=False))
     ms, ids = matchers_along(backend, SCHEMA, TEXT, n)
     rng = random.Random(parts)
@@ -264,17 +267,21 @@ def test_walks_fill_each_paths_row_as_a_fork_would(backend, native, parts):
         m = ms[k]
         before = _rows_of([m])
         paths = _draft_tree(backend, m, ids, rng)
-        ref = _reference_rows(m, paths)
+        ref, refused = _reference_rows(m, paths)
         runs = split_paths(sorted_paths(paths), parts)
         walkers = [m] + [m.fork() for _ in runs[1:]]
-        steps = [path_steps(paths, range(len(paths)), order) for order in runs]
+        steps = WalkSteps()
+        for order in runs:
+            steps.add_paths(paths, range(len(paths)), order, m.never_accepts)
+            steps.end_walk()
         out = torch.full((len(paths), WIDTH), 7, dtype=torch.int32)
-        ok = native.walk_call(walkers, _walks(steps), out, 2)()
+        ok = native.walk_call(walkers, steps.walks(), out, 2)()
         assert torch.equal(out, ref)
+        assert ok.astype(bool).tolist() == [not any(refused[j] for j in order) for order in runs]
         here = torch.full_like(out, 7)
-        legal = [walk_here(w, *s, here) for w, s in zip(walkers, steps)]
-        assert torch.equal(here, ref) and legal == ok.astype(bool).tolist()
-        refusals += legal.count(False)
+        walk_paths_here(m, paths, range(len(paths)), here)
+        assert torch.equal(here, ref)
+        refusals += sum(refused)
         assert torch.equal(_rows_of([m]), before)
     assert refusals  # the trees held refused tokens
 

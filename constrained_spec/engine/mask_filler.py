@@ -32,7 +32,7 @@ import torch
 
 from ..grammar.llguidance_backend import NAME as LLGUIDANCE, LLGuidanceFill
 from ..grammar.native_fill import NativeFill
-from ..grammar.walks import WalkSteps, path_steps, sorted_paths, split_paths, walk_here
+from ..grammar.walks import WalkSteps, sorted_paths, split_paths, walk_paths_here
 from .request import Status
 
 _FINISHED = Status.FINISHED
@@ -292,13 +292,13 @@ class MaskFiller:
         per_request = threads // max(1, len(matchers))
         walkers, steps = [], WalkSteps()
         for m, node_paths, node_rows in zip(matchers, paths, rows):
-            node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
             parts = min(per_request, len(node_paths) // PATHS_PER_WALK)
             if m.backend == LLGUIDANCE or (parts < 2 and per_request < 2):
-                # one walk after another on this thread: with no threads to spare the pool's only
-                # gain is the Python around xgrammar's calls, less than its own set-up (CPU, 1 thread)
-                walk_here(m, *path_steps(node_paths, node_rows, refused=m.never_accepts), bitmask)
+                # on this thread: with no threads to spare the pool's only gain is the Python around
+                # xgrammar's calls, less than building its steps (CPU, 1 thread)
+                walk_paths_here(m, node_paths, node_rows, bitmask, self.stop_ids)
                 continue
+            node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
             runs = split_paths(sorted_paths(node_paths), parts)
             for k, order in enumerate(runs):
                 walkers.append(m if k == 0 else m.fork())

@@ -1,6 +1,7 @@
 """Depth-first walks of a grammar matcher through token trees: the bitmask rows of a speculative
 step's draft nodes (a chain, a tree, an EAGLE frontier), filled on the native pool
-(`NativeFill.walk`) or one after another here (`walk_here`, for matchers the pool cannot call).
+(`NativeFill.walk`), or on the calling thread (`walk_paths_here`: llguidance's matchers, and a
+pool without threads to spare).
 
 A walk is a list of steps. A step rolls back `back` tokens of the walk's path, accepts `token`
 (NO_TOKEN: none; REFUSED: one the matcher refuses without being asked, a special or
@@ -93,15 +94,6 @@ class WalkSteps:
                      np.array(self.tokens, np.int32), np.array(self.rows, np.int64))
 
 
-def path_steps(paths: Sequence[Sequence[int]], rows: Sequence[int], order: Sequence[int] | None = None,
-               refused=None) -> tuple[list, list, list]:
-    """One walk filling rows[j] after paths[j], for j in `order` (default: every path, sorted), as
-    (back, tokens, rows) lists."""
-    steps = WalkSteps()
-    steps.add_paths(paths, rows, sorted_paths(paths) if order is None else order, refused)
-    return steps.back, steps.tokens, steps.rows
-
-
 def sorted_paths(paths: Sequence[Sequence[int]]) -> list[int]:
     return sorted(range(len(paths)), key=paths.__getitem__)
 
@@ -117,32 +109,27 @@ def split_paths(order: list[int], parts: int) -> list[list[int]]:
     return [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def walk_here(matcher, back: Sequence[int], tokens: Sequence[int], rows: Sequence[int],
-              bitmask: torch.Tensor) -> bool:
-    """One walk, on this thread, through the matcher's Python methods; returns whether every token
-    was accepted. The same steps as the pool's (native/mask_fill_pool.cpp, `Walk`)."""
-    depth = accepted = 0
-    dead = -1
-    legal = True
-    for b, token, row in zip(back, tokens, rows):
-        depth -= b
-        if dead >= 0 and depth < dead:
-            dead = -1
-        keep = dead - 1 if dead >= 0 else depth
-        matcher.rollback(accepted - keep)
-        accepted = keep
-        if token != NO_TOKEN:
-            depth += 1
-            if dead < 0:
-                if token != REFUSED and matcher.accept_token(int(token)):
-                    accepted += 1
-                else:
-                    dead, legal = depth, False
-        if row < 0:
-            continue
-        if dead >= 0:
-            bitmask[row] = 0
-        else:
+def walk_paths_here(matcher, paths: Sequence[Sequence[int]], rows: Sequence[int], bitmask: torch.Tensor,
+                    stop_ids: frozenset = frozenset()) -> None:
+    """The rows of `paths` as the pool's walks fill them (sorted, a shared stem accepted once; a
+    refused token's row and its subtree's zeroed), walked on this thread through the matcher's
+    Python methods without building steps; a path ending on a stop token gets a zero row (a matcher
+    that took one has ended). For one walk on one thread this is the cheaper form."""
+    on: list = []  # the tokens the matcher has taken beyond where it started
+    for j in sorted_paths(paths):
+        path, row = paths[j], rows[j]
+        keep, top = 0, min(len(on), len(path))
+        while keep < top and on[keep] == path[keep]:
+            keep += 1
+        if keep < len(on):
+            matcher.rollback(len(on) - keep)
+            del on[keep:]
+        for t in path[keep:]:
+            if matcher.never_accepts(t) or not matcher.accept_token(t):
+                break
+            on.append(t)
+        if len(on) == len(path) and not (path and path[-1] in stop_ids):
             matcher.fill_bitmask(bitmask, row)
-    matcher.rollback(accepted)
-    return legal
+        else:
+            bitmask[row] = 0
+    matcher.rollback(len(on))

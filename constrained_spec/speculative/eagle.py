@@ -253,20 +253,23 @@ class EagleDrafter(Drafter):
         after frontier node j's path, none for a dead node (no candidate); requests without a
         grammar allow all. The engine's grammar pool walks the paths (`MaskFiller.fill_paths`:
         the frontier of one request on several forks of its matcher at once)."""
-        masks, K = self.io.bitmask_host, self.topk
-        self._masks_np[:bs * K] = -1
-        grammar = [b for b, r in enumerate(reqs) if r.matcher is not None]
-        if not grammar:
-            return
-        live = np.isfinite(score[grammar])
-        if not live.all():
-            g, j = np.nonzero(~live)
-            self._masks_np[np.asarray(grammar)[g] * K + j] = 0
-        node_paths = [[paths[b][j] for j in np.flatnonzero(ok)] for b, ok in zip(grammar, live)]
-        node_rows = [(b * K + np.flatnonzero(ok)).tolist() for b, ok in zip(grammar, live)]
+        masks, K = self._masks_np, self.topk
+        masks[:bs * K] = -1
         if self._filler is None:
             raise RuntimeError("masked EAGLE depths need the engine's grammar pool (`use_mask_filler`)")
-        self._filler.fill_paths([reqs[b].matcher for b in grammar], node_paths, node_rows, masks)
+        live = np.isfinite(score).tolist()
+        matchers, node_paths, node_rows = [], [], []
+        for b, r in enumerate(reqs):  # plain lists: a few small numpy calls a depth cost more (batch 1)
+            if r.matcher is None:
+                continue
+            matchers.append(r.matcher)
+            node_paths.append([p for p, ok in zip(paths[b], live[b]) if ok])
+            node_rows.append([b * K + j for j, ok in enumerate(live[b]) if ok])
+            for j, ok in enumerate(live[b]):
+                if not ok:
+                    masks[b * K + j] = 0
+        if matchers:
+            self._filler.fill_paths(matchers, node_paths, node_rows, self.io.bitmask_host)
 
     def use_mask_filler(self, filler) -> None:
         """Fill the roots' rows on the engine's grammar pool (`MaskFiller.fill_chains`, a chain of
