@@ -105,16 +105,29 @@ def test_eagle_seeded_sampling_equals_plain(engines, tiny_head_dir):
 
 
 @pytest.mark.parametrize("masked", [1, 2, 4])
-def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir, masked):
+def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir, masked, monkeypatch):
     """The drafter masks depths 1..M by the grammar (`eagle_masked_depths`) and drafts deeper
     unmasked; every tree is well formed (parents before children, within the width, every node
     linked), its nodes at masked depths are legal, and what the worker verifies after its grammar
-    traversal holds only legal paths: the illegal deeper nodes (a random head drafts some) are pruned."""
+    traversal holds only legal paths: the illegal deeper nodes (a random head drafts some) are pruned.
+    Every verified node's row is the grammar's after its path, whether copied from the drafting
+    (`Drafter.filled_rows`) or walked on forks of the matcher."""
     from constrained_spec.speculative.tree import HostTrees
-    spec = engines("eagle34" + (f"m{masked}" if masked > 1 else ""), speculative_algorithm="eagle",
+    from constrained_spec.engine import mask_filler
+    # four grammar threads and walks of one path: the rows walk on forks of each matcher
+    # (`MaskFiller.fill_paths`), as on a many-core host
+    monkeypatch.setattr(mask_filler, "PATHS_PER_WALK", 1)
+    spec = engines(f"eagle34m{masked}t4", speculative_algorithm="eagle", grammar_mask_threads=4,
                    eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4, eagle_masked_depths=masked,
                    speculative_policy="always", speculative_min_accept=0.0)
     worker, drafter = spec.spec, spec.spec.drafter
+    native, forked, owners = spec.masks._native, [], set()  # owners: the requests' own matchers
+    walk_call = native.walk_call
+
+    def spy_walk(matchers, *a, **k):
+        forked.append(sum(id(m) not in owners for m in matchers))
+        return walk_call(matchers, *a, **k)
+    monkeypatch.setattr(native, "walk_call", spy_walk)
     seen, bad, pruned = [], [], []  # recorded on the engine thread, asserted here
     propose, mask_trees = drafter.propose_arrays, worker._mask_trees
 
@@ -130,6 +143,7 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
         return took == len(path)
 
     def spy_propose(batch):
+        owners.update(id(r.matcher) for r in batch.requests)
         out = propose(batch)
         tokens, nxt, sib, count = out
         for b, r in enumerate(batch.requests):
@@ -178,6 +192,7 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
     assert seen and max(seen) > 1
     assert (sum(pruned) > 0) == (masked < 4)  # every depth masked: nothing left to prune
     assert sum(reused) > 0  # rows filled while drafting served the verify trees
+    assert sum(forked) > 0  # and rows were walked on forks
 
 
 def test_train_eagle_end_to_end(tiny_llama_dir, tmp_path):
