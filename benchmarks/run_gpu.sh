@@ -30,6 +30,9 @@
 #              speculating at every step; JSON at batch 1/8/32/64, chat at batch 1 ->
 #              $OUT/spec_<device>_eagle_json.*, $OUT/spec_<device>_eagle_chat.*, each with EAGLE's host
 #              ms per step by phase (EAGLE_HEAD: the head folder; default the shipped one)
+#   eagle_masked  bench_spec.py: plain and EAGLE speculating at every step with the widest tree, every
+#              depth masked (64 draft tokens, top-8, depth 8: ~4 tokens a step), JSON at batch 1 and 8,
+#              with EAGLE's host ms per step by phase -> $OUT/spec_<device>_eagle_masked.*
 #   all        tests stress gpu spec attention
 #
 # PYTHON selects the interpreter (default: python3); OUT, where the eagle and prefix_profile stages write (default
@@ -89,10 +92,18 @@ stage_eagle_bench() {
   BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py "${common[@]}" --workloads chat --batches 1 \
     --name "spec_${DEVICE}_eagle_chat" ${BENCH_ARGS:-}
 }
+stage_eagle_masked() {
+  mkdir -p "$OUT"
+  BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
+    ${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"} --engines "plain,eagle always" --workloads json \
+    --grammar-backends xgrammar --batches 1,8 --max-tokens 128 --min-prompts 8 --repeats 2 --draft-tokens 64 \
+    --opt eagle_topk=8 --opt eagle_depth=8 --opt eagle_masked_depths=8 --name "spec_${DEVICE}_eagle_masked" \
+    ${BENCH_ARGS:-}
+}
 stage_all() { stage_tests; stage_stress; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 [ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"

@@ -54,3 +54,23 @@ def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
             if r["engine"] != "plain":  # float32 on the CPU: speculation is lossless
                 assert r["identical_to_plain"] == r["requests"], r
         assert (out / f"spec_cpu_eagle_{workload}.md").is_file()
+
+
+def test_eagle_masked_stage_benches_the_widest_masked_tree(tiny_llama_dir, tiny_head_dir, tmp_path):
+    """`run_gpu.sh eagle_masked`: plain and EAGLE with every depth masked, its host phases per step
+    (a masked depth past the first is a sync each), lossless in float32."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "MODEL": tiny_llama_dir, "OUT": str(out),
+           "EAGLE_HEAD": tiny_head_dir,
+           "BENCH_ARGS": "--dtype float32 --max-tokens 6 --min-prompts 2 --repeats 1 --batches 1 "
+                         "--draft-tokens 16 --opt eagle_topk=3 --opt eagle_depth=4 --opt eagle_masked_depths=4"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "eagle_masked"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "spec_cpu_eagle_masked.json").read_text())["results"]
+    assert {r["engine"] for r in results} == {"plain", "eagle always"}
+    for r in results:
+        if r["engine"] != "plain":
+            assert r["identical_to_plain"] == r["requests"], r
+            if r.get("spec_steps"):
+                assert r["draft_syncs_per_step"] == 4.0  # three masked depths past the first, then the one read
