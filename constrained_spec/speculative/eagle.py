@@ -22,9 +22,9 @@ Per speculative step, for the requests of the batch:
           device, and the host reads the records once, at the end: one sync per step at M = 1.
   select  the N - 1 best candidates by path score (a child never outscores its parent, so the
           choice is a tree), laid out parents first in xgrammar's layout, vectorized over the batch.
-The worker then checks every tree with the grammar's traversal (which fills the verify rows anyway)
-and prunes the nodes the grammar forbids with their subtrees, so only legal tokens are verified and
-the bonus token is legal too. Drafts are deterministic (top-k), so the worker's path-matching
+The worker then fills every tree node's verify row (copying the rows drafting filled for the same
+paths: the roots' and the masked frontiers', `filled_rows`) and prunes the nodes the grammar forbids
+with their subtrees, so only legal tokens are verified and the bonus token is legal too. Drafts are deterministic (top-k), so the worker's path-matching
 verification stays lossless at any temperature.
 
 Why most depths are unmasked (measured, issue 23): masking depth t needs the frontier of depth
