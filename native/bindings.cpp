@@ -430,7 +430,6 @@ MaskFillPool(workers, function_call, error_move_from_raised, object_dec_ref)
             job.bitmask = reinterpret_cast<int32_t*>(bitmask);
             job.num_rows = num_rows;
             job.width = width;
-            if (helpers <= 0) return pool.Run(job, 0);  // a short walk: a GIL hand-off would cost more
             py::gil_scoped_release nogil;
             return pool.Run(job, helpers);
           },
