@@ -5,7 +5,10 @@ xgrammar without the GIL. Without a budget a step's rows are one job on the pool
 NATIVE_ROWS_PER_THREAD rows beside the calling thread; in the overlapped loop the job also carries
 the step before's token accepts and runs while the engine thread streams (`start`, then
 `StartedFill.finish`). From `start` until `finish` returns, the rows' matchers and bitmask rows
-belong to the job; no other thread may call them (not even `is_terminated`).
+belong to the job; no other thread may call them (not even `is_terminated`). A speculative step's
+draft rows are walks (`grammar/walks.py`: draft chains, and `fill_paths` for trees and EAGLE
+frontiers, on forks of a request's matcher when the pool has threads to spare; without, a request's
+paths are walked on the calling thread, cheaper than the pool's set-up for one walk).
 
 Rows of llguidance matchers (`grammar/llguidance_backend.py`) are llguidance's: its own GIL-free
 parallel fill (`LLGuidanceFill`, one call per step, started from its own thread beside the pool's job
