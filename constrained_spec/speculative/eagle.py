@@ -383,9 +383,10 @@ def _kept_rows_of_nodes(node_cand: np.ndarray, best: np.ndarray, K: int, kept: i
     C = K + (best.shape[1] - 1) * K * K
     lookup = np.full((B, C + 1), -1, np.int64)  # column C: no candidate (node_cand -1)
     b = np.arange(B)[:, None]
-    for t in range(1, kept):
-        cand = np.arange(K)[None, :].repeat(B, 0) if t == 1 else K + (t - 2) * K * K + best[:, t - 1]
-        lookup[b, cand] = t * per_depth + b * K + np.arange(K)
+    if kept > 1:  # every kept depth's frontier at once: [B, kept - 1, K] candidates and their rows
+        deeper = K + np.arange(kept - 2)[None, :, None] * K * K + best[:, 1:kept - 1]
+        cand = np.concatenate([np.broadcast_to(np.arange(K), (B, 1, K)), deeper], 1)
+        lookup[b[:, :, None], cand] = np.arange(1, kept)[None, :, None] * per_depth + b[:, :, None] * K + np.arange(K)
     rows = lookup[b, np.where(node_cand >= 0, node_cand, C)]
     rows[:, 0] = np.arange(B)  # the root's
     return rows
