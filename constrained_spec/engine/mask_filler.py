@@ -295,13 +295,13 @@ class MaskFiller:
         per_request = threads // max(1, len(matchers))
         walkers, steps = [], WalkSteps()
         for m, node_paths, node_rows in zip(matchers, paths, rows):
+            node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
             parts = min(per_request, len(node_paths) // PATHS_PER_WALK)
             if m.backend == LLGUIDANCE or (parts < 2 and per_request < 2):
                 # on this thread: with no threads to spare the pool's only gain is the Python around
                 # xgrammar's calls, less than building its steps (CPU, 1 thread)
-                walk_paths_here(m, node_paths, node_rows, bitmask, self.stop_ids)
+                walk_paths_here(m, node_paths, node_rows, bitmask)
                 continue
-            node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
             runs = split_paths(sorted_paths(node_paths), parts)
             for k, order in enumerate(runs):
                 walkers.append(m if k == 0 else m.fork())

@@ -108,12 +108,11 @@ def split_paths(order: list[int], parts: int) -> list[list[int]]:
     return [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def walk_paths_here(matcher, paths: Sequence[Sequence[int]], rows: Sequence[int], bitmask: torch.Tensor,
-                    stop_ids: frozenset = frozenset()) -> None:
+def walk_paths_here(matcher, paths: Sequence[Sequence[int]], rows: Sequence[int], bitmask: torch.Tensor) -> None:
     """The rows of `paths` as the pool's walks fill them (sorted, a shared stem accepted once; a
-    refused token's row and its subtree's zeroed), walked on this thread through the matcher's
-    Python methods without building steps; a path ending on a stop token gets a zero row (a matcher
-    that took one has ended). For one walk on one thread this is the cheaper form."""
+    refused token's row and its subtree's zeroed; row -1: none), walked on this thread through the
+    matcher's Python methods without building steps. For one walk on one thread this is the cheaper
+    form."""
     on: list = []  # the tokens the matcher has taken beyond where it started
     for j in sorted_paths(paths):
         path, row = paths[j], rows[j]
@@ -127,7 +126,9 @@ def walk_paths_here(matcher, paths: Sequence[Sequence[int]], rows: Sequence[int]
             if matcher.never_accepts(t) or not matcher.accept_token(t):
                 break
             on.append(t)
-        if len(on) == len(path) and not (path and path[-1] in stop_ids):
+        if row < 0:
+            continue
+        if len(on) == len(path):
             matcher.fill_bitmask(bitmask, row)
         else:
             bitmask[row] = 0

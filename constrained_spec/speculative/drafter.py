@@ -88,7 +88,7 @@ class Drafter(ABC):
 
     def filled_rows(self):
         """Grammar rows the last `propose_arrays` filled for its trees' nodes while drafting (the
-        verify tree needs the same rows): (rows [R, W] int32 host tensor, [B, N] int64 each node's
+        verify tree needs the same rows): (rows [R, W] int32 numpy array, [B, N] int64 each node's
         row in it or -1), or None. Taken once: the next call returns None."""
         return None
 

@@ -120,10 +120,10 @@ class EagleDrafter(Drafter):
         self._filler = None  # `use_mask_filler`
         # the masked depths' grammar rows of a step, kept for its verify tree (`filled_rows`): the
         # roots' at depth 0, the frontier's of depth t at t; and each tree node's row in them
-        self._kept = torch.empty((self.masked_depths, capacity * topk, self.io.bitmask_host.shape[1]), dtype=torch.int32)
+        # (numpy: a loaded engine thread spent ~7x longer in torch's copies and indexing here)
+        self._kept = np.empty((self.masked_depths, capacity * topk, self.io.bitmask_host.shape[1]), np.int32)
         self._node_rows: np.ndarray | None = None
-        # numpy views: a loaded engine thread spent ~7x longer in torch's copies and indexing here
-        self._kept_np, self._masks_np = self._kept.numpy(), self.io.bitmask_host.numpy()
+        self._masks_np = self.io.bitmask_host.numpy()
 
     # -- the Drafter interface -------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> DraftTrees:
@@ -185,12 +185,12 @@ class EagleDrafter(Drafter):
 
     def filled_rows(self):
         rows, self._node_rows = self._node_rows, None
-        return None if rows is None else (self._kept.view(-1, self._kept.shape[-1]), rows)
+        return None if rows is None else (self._kept.reshape(-1, self._kept.shape[-1]), rows)
 
     def _keep_rows(self, depth: int, n: int) -> int:
         """Keeps the first n grammar rows just filled (depth 0: the roots'; t: the frontier of
         depth t), which the verify tree's nodes on those paths need again. Returns the depths kept."""
-        self._kept_np[depth, :n] = self._masks_np[:n]
+        self._kept[depth, :n] = self._masks_np[:n]
         return depth + 1
 
     def finish(self, request_id: Hashable) -> None:
