@@ -38,7 +38,7 @@ TIMED = [(Scheduler, "remove", "finished request (its KV released: the tree inse
          (PrefixCache, "admit", "admitted request (match and lock)"),
          (PrefixCache, "take_writes", "step (the table entries of its admitted prefixes and repointed rows)"),
          (PrefixCache, "upload", "upload of its own (entries a prefill graph does not carry, eager steps)"),
-         (PrefixCache, "cache_prompts", "step (prompts cached after their prefill)"),
+         (PrefixCache, "cache_prompts", "step (prompts filed after their prefill, for admissions to cache)"),
          (Scheduler, "schedule", "step (scheduling)"),
          (ModelRunner, "plan", "step (inputs and KV slots)")]
 

@@ -182,10 +182,12 @@ def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
 
 
 def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
-    """A prompt another request cached first: `cache_prompts` points the row at the tree's slots
-    and frees its own. The device table has the new row before anything launches, whether the
-    next step decodes (the scheduler writes it) or extends (the step writes it with the
-    admissions' prefixes, in one upload: `ModelRunner.forward`)."""
+    """Two prompts prefilled in one step share their first 40 tokens; a third request continuing
+    the first's prompt is admitted: its admission caches both (`PrefixCache.admit`), the second's
+    shared positions are duplicates, and its row is pointed at the tree's slots, its own freed. The
+    device table has the new row before anything launches, whether the step extends (the third
+    request fits: the row goes with its prefix in one upload, `ModelRunner.forward`) or decodes
+    (the pool has no room left for it: the scheduler writes the row)."""
     from constrained_spec.attention import ForwardMode
     from constrained_spec.engine.config import EngineConfig
     from constrained_spec.engine.model_runner import ModelRunner
@@ -193,33 +195,39 @@ def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
     from constrained_spec.engine.scheduler import Scheduler
     from constrained_spec.models import load_model
     loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
-    config = EngineConfig(device="cpu", kv_cache_slots=4000, max_running_requests=8, max_prefill_tokens=512)
-    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
-    sched, table = Scheduler(runner, config), runner.table
     new = lambda ids: Request(list(ids), SamplingParams(max_tokens=8), lambda out: None)
+    shared = list(range(1000, 1040))
+    for next_mode, pool_slots in ((ForwardMode.EXTEND, 4000), (ForwardMode.DECODE, 602)):
+        config = EngineConfig(device="cpu", kv_cache_slots=pool_slots, max_running_requests=8,
+                              max_prefill_tokens=1024)
+        runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+        sched, table = Scheduler(runner, config), runner.table
 
-    def mirrored(req) -> bool:
-        n = int(table.lengths[req.row])
-        return np.array_equal(table.device_table[req.row, :n].numpy(), table.host[req.row, :n])
+        def mirrored(req) -> bool:
+            n = int(table.lengths[req.row])
+            return np.array_equal(table.device_table[req.row, :n].numpy(), table.host[req.row, :n])
 
-    for k, next_mode in enumerate((ForwardMode.DECODE, ForwardMode.EXTEND)):
-        prompt = np.arange(1000 + 500 * k, 1300 + 500 * k, dtype=np.int64)
-        req = new(prompt.tolist())
-        sched.add(req)
-        runner.forward(sched.schedule(can_retract=True))  # the prefill: its prompt is cached next step
-        first_copy = runner.pool.alloc(len(prompt))
-        runner.prefix_cache.tree.insert(prompt, first_copy, None)  # another request's, first
-        own = table.host[req.row, :len(prompt)].copy()
-        if next_mode is ForwardMode.EXTEND:
-            sched.add(new(range(5000, 5040)))
+        first, second = new(shared + list(range(2000, 2260))), new(shared + list(range(3000, 3260)))
+        sched.add(first)
+        sched.add(second)
+        batch = sched.schedule(can_retract=True)
+        assert batch.requests == [first, second]
+        runner.forward(batch)  # both prompts computed; neither is in the tree yet
+        assert runner.prefix_cache.tree.size == 0
+        own = table.host[second.row, :40].copy()
+        third = new(first.prompt_ids + list(range(4000, 4010)))
+        sched.add(third)
         batch = sched.schedule(can_retract=True)
         assert batch.mode is next_mode
-        assert np.array_equal(table.host[req.row, :len(prompt)], first_copy)
-        assert not np.array_equal(own, first_copy)
+        tree_slots = runner.prefix_cache.tree.match(shared)[0]
+        assert np.array_equal(table.host[second.row, :40], tree_slots)
+        assert np.array_equal(table.host[first.row, :40], tree_slots) and not np.array_equal(own, tree_slots)
         if next_mode is ForwardMode.EXTEND:
-            assert req not in batch.requests
+            assert batch.requests == [third] and third.cache_len == len(first.prompt_ids)
             runner.forward(batch)
-        assert mirrored(req)
+        else:
+            assert third not in batch.requests
+        assert mirrored(second) and mirrored(first)
 
 
 def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir):
@@ -281,3 +289,18 @@ def test_prompts_in_step_find_exactly_the_requests_sharing_uncached_tokens():
     assert not step.shares(req([1] + base[1:], 20))  # same window, another cached prefix
     step.add(req(range(5000, 5000 + IN_STEP_SHARE - 1), 0))  # too little uncached to be indexed
     assert not step.shares(req(range(5000, 5000 + IN_STEP_SHARE - 1), 0))
+
+
+def test_host_cost_replay_runs_both_arms(tiny_llama_dir, capsys, monkeypatch):
+    """benchmarks/prefix_cache_host.py at toy sizes: both arms finish their requests, and the
+    cache-on arm's timed calls include the releases into the tree."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import prefix_cache_host
+    monkeypatch.setattr(sys, "argv", ["prefix_cache_host.py", "--model", tiny_llama_dir, "--requests", "40",
+                                      "--rounds", "1", "--clients", "8", "--prompt", "48", "--shared", "4",
+                                      "--max-tokens", "8", "--pool", "600"])
+    prefix_cache_host.main()
+    out = capsys.readouterr().out
+    assert "cache on" in out and "| PrefixCache.release |" in out and "| PrefixCache.admit |" in out

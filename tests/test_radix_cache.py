@@ -207,8 +207,8 @@ def test_eviction_cost_does_not_grow_with_the_tree():
 
 
 def test_insert_below_a_locked_node_equals_insert_from_the_root():
-    """Caching a request's prompt and answer from its matched node (`insert(..., below=...)`, which
-    spares the walk over the cached prefix) leaves the tree and the duplicates as a walk from the
+    """Caching a request's prompt and answer from its matched node (`insert(tail, ..., below=node)`,
+    which spares the walk over the cached prefix) leaves the tree and the duplicates as a walk from the
     root does, also when the node was split since it was locked and when others cached past it."""
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -230,7 +230,8 @@ def test_insert_below_a_locked_node_equals_insert_from_the_root():
         full = prompt + rng.integers(0, 4, 10).tolist()
         ids = np.array([next(slot) for _ in full])
         dup_root = trees[0].insert(full, ids)
-        dup_below = trees[1].insert(full, ids, below=nodes[1])
+        node, n = nodes[1]  # what follows the locked node, from it
+        dup_below = n + trees[1].insert(full[n:], ids[n:], below=node)
         assert dup_below == dup_root
         assert sorted(trees[0].all_slots().tolist()) == sorted(trees[1].all_slots().tolist())
         for probe in [full, prompt, *others, base]:

@@ -7,10 +7,12 @@ reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Thre
   (never all of them: the last token is computed, for its logits) is locked and becomes the row's
   start; `num_cached` starts there, so the prefill covers only the rest.
 - **prompt prefilled** (`cache_prompts`, at the scheduler's next step): a prompt with at least
-  CACHE_AFTER_PREFILL uncached tokens goes into the tree, so requests that share it and arrive
-  while this one decodes (n > 1 siblings, the same system prompt under load) reuse it at once.
-  Positions another request cached meanwhile are duplicates: the row is pointed at the tree's
-  slots and its own are freed.
+  CACHE_AFTER_PREFILL uncached tokens is filed under (its locked node, its first uncached token).
+  An admission whose match ends at that node and goes on with that token (n > 1 siblings, the same
+  system prompt under load) puts the prompt into the tree first and matches again, so it reuses
+  the prompt while its request still decodes. Positions another request cached meanwhile are
+  duplicates: the row is pointed at the tree's slots and its own are freed. A prompt nobody
+  shares goes into the tree once, with its answer, at release.
 - **release** (`release`: finish, abort, retraction): the verified context (prompt and output
   tokens whose K/V were computed) goes into the tree; duplicates and slots past it go back to the
   pool; the reference is dropped. A request that failed (an engine error) caches nothing.
@@ -38,6 +40,8 @@ class PrefixCache:
         self.tree = RadixCache(self.pool.free)
         self.pool.cache = self.tree
         self._prefilled: list = []  # requests whose prompt's last chunk was scheduled
+        # computed prompts not in the tree yet, by (locked node, first uncached token) (`cache_prompts`)
+        self._uncached: dict[tuple, list] = {}
         self._writes: list[tuple[int, int, np.ndarray]] = []  # table rows to mirror on the device
         self.lookup_tokens = 0  # prompt tokens of first admissions
         self.hit_tokens = 0  # of those, found in the cache
@@ -48,7 +52,16 @@ class PrefixCache:
     def admit(self, req) -> int:
         """Matches and locks the request's cached prefix; returns how many slots that took out of
         the evictable ones (the scheduler's free count shrinks by as much)."""
-        slots, node = self.tree.match(req.ids_array(req.total_len - 1))
+        ids = req.ids_array(req.total_len - 1)
+        slots, node = self.tree.match(ids)
+        if self._uncached and len(slots) < len(ids):
+            sharing = self._uncached.pop((node, int(ids[len(slots)])), None)
+            if sharing:  # running requests' prompts go on where this match stops: cache them first
+                for other in sharing:
+                    other.uncached_key = None
+                    if other.row >= 0:
+                        self._cache_running(other, len(other.prompt_ids))
+                slots, node = self.tree.match(ids)
         req.cache_node, req.cache_len, req.prefix_slots = node, len(slots), slots
         req.num_cached = len(slots)
         return self.tree.lock(node)
@@ -85,27 +98,38 @@ class PrefixCache:
 
     # -- caching ---------------------------------------------------------------------------------
     def cache_prompts(self) -> None:
-        """Inserts the prompts whose prefill was launched by an earlier step (on the device, in
-        stream order, before anything this step launches reads them). The rows it repoints are
-        mirrored on the device before the next launch: by the scheduler's `write_device`, or with
-        an extend step's admissions' prefixes (`take_writes`)."""
+        """Files the prompts whose prefill was launched by an earlier step (on the device, in
+        stream order, before anything an admission launches reads them) for `admit` to cache on
+        demand. Inserting each at once was ~4 of the ~32 us the cache added to a host step where
+        prompts share nothing (`benchmarks/prefix_cache_host.py`; their contexts go in again at
+        release). The rows an on-demand insert
+        repoints are mirrored on the device before the next launch: with the extend step's
+        admissions' prefixes (`take_writes`), or by the scheduler's `write_device`."""
         if not self._prefilled:
             return
         reqs, self._prefilled = self._prefilled, []
         for req in reqs:
-            if req.row >= 0 and req.num_cached >= len(req.prompt_ids):
-                self._cache_running(req, len(req.prompt_ids))
+            if req.row >= 0 and req.num_cached >= len(req.prompt_ids) and req.uncached_key is None:
+                req.uncached_key = key = (req.cache_node, req.prompt_ids[req.cache_len])
+                self._uncached.setdefault(key, []).append(req)
+
+    def _forget_uncached(self, req) -> None:
+        key, req.uncached_key = req.uncached_key, None
+        if key is not None:
+            rest = [r for r in self._uncached.pop(key, ()) if r is not req]
+            if rest:
+                self._uncached[key] = rest
 
     def _cache_running(self, req, n: int) -> None:
         row, start = req.row, req.cache_len
-        slots = self.table.host[row, :n].copy()
-        tokens = req.ids_array(n)
-        dup, node = self.tree.insert_path(tokens, slots, (req.cache_node, start))
-        if dup > start:  # another request cached these positions first: use its slots, free ours
-            tree_slots = self.tree.match(tokens)[0]
-            self.pool.free(slots[start:dup])
-            self.table.host[row, start:dup] = tree_slots[start:dup]
-            self._writes.append((row, start, tree_slots[start:dup]))
+        slots = self.table.host[row, start:n].copy()
+        # only the part past the locked node is walked (its path spells the first `start` tokens)
+        dup, node = self.tree.insert_path(req.ids_array(n, start), slots, req.cache_node)
+        if dup:  # another request cached these positions first: use its slots, free ours
+            tree_slots = self.tree.match(req.ids_array(start + dup))[0][start:]
+            self.pool.free(slots[:dup])
+            self.table.host[row, start:start + dup] = tree_slots
+            self._writes.append((row, start, tree_slots))
         self.tree.lock(node)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
@@ -114,6 +138,7 @@ class PrefixCache:
     def release(self, req, keep: bool) -> None:
         """Frees the request's row: its computed context into the tree (`keep`), the rest to the
         pool, its reference dropped."""
+        self._forget_uncached(req)
         if req.row < 0:  # admitted, but removed before its first step placed the prefix
             self._drop_reference(req)
             return
@@ -125,8 +150,9 @@ class PrefixCache:
         start = req.cache_len
         if keep:
             n = min(req.num_cached, req.total_len, held)
-            dup = self.tree.insert(req.ids_array(n), slots[:n], (req.cache_node, start) if n >= start else None)
-            self.pool.free(slots[start:max(dup, start)])
+            if n > start:  # the context past the locked node (whose path spells the first `start`)
+                dup = self.tree.insert(req.ids_array(n, start), slots[start:n], req.cache_node)
+                self.pool.free(slots[start:start + dup])
             self.pool.free(slots[max(n, start):])
         else:
             self.pool.free(slots[start:])

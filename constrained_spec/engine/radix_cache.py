@@ -127,21 +127,21 @@ class RadixCache:
             node = child
         return pos
 
-    def insert(self, tokens, slots: np.ndarray, below: tuple[Node, int] | None = None) -> int:
+    def insert(self, tokens, slots: np.ndarray, below: Node | None = None) -> int:
         """Caches `slots` as the K/V of `tokens`. Returns how many leading tokens were cached
         already: the caller's slots for those positions are duplicates (the tree keeps its own) and
-        are the caller's to free; the slots past them now belong to the tree. `below`: (a node
-        whose path spells the first `length` of `tokens`, length), where the walk starts; the node
-        must be locked (so it is still in the tree: a split keeps it the deeper part).
+        are the caller's to free; the slots past them now belong to the tree. `below`: a node whose
+        path `tokens` continue (the root's when None), where the walk starts; it must be locked (so
+        it is still in the tree: a split keeps it the deeper part). A request passes only what
+        follows its matched node: its cached prefix is neither walked nor copied again.
         Tokens that end inside an edge add nothing and leave the edge whole: cutting it there, as
         identical greedy answers of varied lengths would at every length, splits a path into
         one-token nodes that every later walk goes through."""
         return self._insert(tokens, slots, below)[0]
 
-    def insert_path(self, tokens, slots: np.ndarray, below: tuple[Node, int] | None = None) -> tuple[int, Node]:
-        """`insert`, and the node whose path spells all of `tokens` (to lock, sparing a `match`).
-        Starting `below` a request's matched node spares the walk over its cached prefix: a
-        request's prompt and answer are cached past a prefix that is mostly cached already."""
+    def insert_path(self, tokens, slots: np.ndarray, below: Node | None = None) -> tuple[int, Node]:
+        """`insert`, and the node whose path spells `below`'s and then all of `tokens` (to lock,
+        sparing a `match`)."""
         pos, node, inside = self._insert(tokens, slots, below)
         if inside:  # the tokens end inside this edge: cut it, so that one node spells exactly them
             node = self._split(node, inside)
@@ -155,7 +155,7 @@ class RadixCache:
         if len(key) != len(slots):
             raise ValueError(f"{len(key)} tokens but {len(slots)} slots")
         key_bytes = key.tobytes()
-        node, pos = below if below is not None and below[0] is not None else (self.root, 0)
+        node, pos = below if below is not None else self.root, 0
         stamp = next(self._clock)
         inside = 0
         while pos < len(key):

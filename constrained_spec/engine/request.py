@@ -78,6 +78,7 @@ class Request:
     cache_node: Any = None
     cache_len: int = 0
     prefix_slots: Any = None
+    uncached_key: Any = None  # where its computed prompt waits to be cached (`PrefixCache.cache_prompts`)
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     skips: int = 0  # times a request with a longer cached prefix was admitted before this one
     # a request its caller takes whole (`add_request(each_step=False)`): after its first update, its
@@ -91,15 +92,18 @@ class Request:
     stream_key: Any = None
     _prompt_array: np.ndarray | None = field(default=None, repr=False)
 
-    def ids_array(self, n: int) -> np.ndarray:
-        """The first `n` of `all_ids` as int64. The prompt's array is made once: the prefix cache
-        walks a request's ids several times, and converting a 1,500-token list costs ~60 us."""
-        if self._prompt_array is None:
-            self._prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
-        if n <= len(self.prompt_ids):
-            return self._prompt_array[:n]
-        return np.concatenate([self._prompt_array,
-                               np.asarray(self.output_ids[:n - len(self.prompt_ids)], dtype=np.int64)])
+    def __post_init__(self):
+        # made once, by the thread that queues the request: the prefix cache walks a request's ids
+        # several times on the engine's thread, where converting a 1,500-token list costs ~60 us
+        self._prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
+
+    def ids_array(self, stop: int, start: int = 0) -> np.ndarray:
+        """`all_ids[start:stop]` as int64."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self._prompt_array[start:stop]
+        answer = np.asarray(self.output_ids[max(start - p, 0):stop - p], dtype=np.int64)
+        return answer if start >= p else np.concatenate([self._prompt_array[start:], answer])
 
     @property
     def all_ids(self) -> list[int]:

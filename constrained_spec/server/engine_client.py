@@ -22,6 +22,7 @@ from typing import Callable
 
 from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.chat_prompt import ChatPromptEncoder
+from ..engine.config import EngineConfig
 from ..engine.engine import RequestError
 from ..engine.request import FinishReason, RequestOutput
 from . import ipc
@@ -57,9 +58,7 @@ class _Limits:
     max_running_requests: int
     max_queued_requests: int
 
-    @property
-    def max_held_requests(self) -> int:
-        return self.max_running_requests + self.max_queued_requests
+    max_held_requests = EngineConfig.max_held_requests  # the engine's own rule, on these two fields
 
 
 class _Listeners:
