@@ -237,6 +237,25 @@ def test_exhaustion_64_requests_small_pool(smollm2_dir, engine):
     _wait_pool_full(engine)
 
 
+def test_an_engine_freezes_what_it_built(tiny_llama_dir):
+    """The objects that live as long as the engine are out of the collector's way once it is built
+    (`gc.freeze`): a full collection then walks only what requests created. Shut down, the engine
+    is collectable again (a process building engines one after another does not keep them all)."""
+    import gc
+    import weakref
+    gc.unfreeze()  # another engine of this test process froze its own
+    eng = Engine(model=tiny_llama_dir, device="cpu")
+    try:
+        assert gc.get_freeze_count() > 10_000
+        assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
+    finally:
+        eng.shutdown()
+    model = weakref.ref(eng.runner.model)
+    del eng
+    gc.collect()
+    assert model() is None
+
+
 def test_idle_engine_wakes_when_a_grammar_compiles(tiny_llama_dir):
     """An idle engine thread sleeps (50 ms at a time while a grammar compiles); the compile's
     completion wakes it, so a new schema's first token is not held back by that sleep."""
