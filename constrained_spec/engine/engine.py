@@ -24,8 +24,6 @@ step at the same position, so its output is exactly what it would have been.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import gc
 import logging
 import queue
 import threading
@@ -35,6 +33,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
+from .. import long_lived
 from ..grammar import GrammarBackend, GrammarError, GrammarSpec
 from ..grammar.disk_cache import resolve_dir as resolve_cache_dir
 from ..models import load_model
@@ -85,22 +84,6 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
-
-def _freeze_long_lived() -> None:
-    """Everything built with an engine (model, tokenizer, graphs, torch's and the grammar
-    libraries' own objects: ~300k) lives as long as the process; frozen, a full collection no
-    longer walks it. The first full collection under load stalled a CPU engine's thread ~150 ms,
-    ~11 ms frozen. Unfrozen by `shutdown` (a process that builds engines one after another frees
-    each) and at exit (else nanobind-bound libraries report what is still frozen as leaked)."""
-    global _unfreeze_at_exit
-    gc.collect()
-    gc.freeze()
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
-
-
-_unfreeze_at_exit = False
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded=None, **overrides):
@@ -157,7 +140,7 @@ class Engine:
         self.grammar_stop_ids = self.grammar.stop_token_ids
         # tokens that may end a request whatever its parameters (EOS, or the end of its grammar)
         self._stop_ids = self.grammar_stop_ids | frozenset(self.eos_token_ids)
-        _freeze_long_lived()
+        long_lived.freeze()  # the engine's objects, for the process's life (`long_lived.py`)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
         self._thread.start()
         log.info("engine ready: model %s on %s (%s), %d KV slots, max context %d", self.model_name, self.device,
@@ -277,7 +260,7 @@ class Engine:
         self._thread.join(timeout=10)
         self.masks.close()
         self.grammar.close()
-        gc.unfreeze()  # this engine's cycles (its model among them) become collectable again
+        long_lived.unfreeze()
 
     def __enter__(self):
         return self

@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 
+from .. import long_lived
 from ..cpus import available_cores, name_os_thread
 from ..log_setup import setup_logging
 
@@ -124,6 +125,7 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
         server.should_exit = True
     threading.Thread(target=watch_lifeline, name="frontend-lifeline", daemon=True).start()
     log.info("front-end %d serving (pid %d)", number, os.getpid())
+    long_lived.freeze()  # the app, its routes and tokenizer: for the process's life
     server.run(sockets=[sock])
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from .. import long_lived
+
 
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
@@ -17,6 +19,7 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", sock=None) -> None:
     """Serves `app` in the foreground until Ctrl-C / SIGTERM (on `sock`, a bound socket, if given)."""
+    long_lived.freeze()  # the app (and an in-process engine): for the process's life
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run(sockets=None if sock is None else [sock])
 
 
