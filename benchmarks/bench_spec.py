@@ -71,6 +71,10 @@ ENGINES = {  # name -> engine options on top of the common ones
     "eagle chain apart always": dict(speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7,
                                      eagle_fused_chain=False, speculative_policy="always"),
     "eagle always": dict(speculative_algorithm="eagle", speculative_policy="always"),
+    # A/B of the draft rows' walks (`MaskFiller.fill_paths`): one path a fork of the matcher (as many
+    # threads as a frontier has nodes), and every row walked on the engine thread
+    "eagle always walk1": dict(speculative_algorithm="eagle", speculative_policy="always", grammar_paths_per_walk=1),
+    "eagle always serial": dict(speculative_algorithm="eagle", speculative_policy="always", grammar_mask_threads=1),
     # A/B of grammar masking while drafting: depths 1-2 masked (one more host sync a step), and every depth
     "eagle mask2": dict(speculative_algorithm="eagle", eagle_masked_depths=2),
     "eagle mask all": dict(speculative_algorithm="eagle", eagle_masked_depths=6),

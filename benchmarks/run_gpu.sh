@@ -32,7 +32,8 @@
 #              ms per step by phase (EAGLE_HEAD: the head folder; default the shipped one)
 #   eagle_masked  bench_spec.py: plain and EAGLE speculating at every step with the widest tree, every
 #              depth masked (64 draft tokens, top-8, depth 8: ~4 tokens a step), JSON at batch 1 and 8,
-#              with EAGLE's host ms per step by phase -> $OUT/spec_<device>_eagle_masked.*
+#              with EAGLE's host ms per step by phase; the draft rows walked on forks of 4 paths (the
+#              default), of 1 path, and on the engine thread alone -> $OUT/spec_<device>_eagle_masked.*
 #   all        tests stress gpu spec attention
 #
 # PYTHON selects the interpreter (default: python3); OUT, where the eagle and prefix_profile stages write (default
@@ -95,7 +96,7 @@ stage_eagle_bench() {
 stage_eagle_masked() {
   mkdir -p "$OUT"
   BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
-    ${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"} --engines "plain,eagle always" --workloads json \
+    ${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"} --engines "plain,eagle always,eagle always walk1,eagle always serial" --workloads json \
     --grammar-backends xgrammar --batches 1,8 --max-tokens 128 --min-prompts 8 --repeats 2 --draft-tokens 64 \
     --opt eagle_topk=8 --opt eagle_depth=8 --opt eagle_masked_depths=8 --name "spec_${DEVICE}_eagle_masked" \
     ${BENCH_ARGS:-}

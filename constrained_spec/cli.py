@@ -155,6 +155,11 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                                "(the step's thread and N - 1 workers); default: "
                                                                "the cores available but two, and but one per "
                                                                "front-end process in a split server, at most 16")),
+    "grammar_paths_per_walk": ("grammar", dict(metavar="N", help="draft paths a grammar walk at least: an EAGLE "
+                                                                 "frontier's or verify tree's rows are cut into walks "
+                                                                 "of N paths or more, each on its own fork of the "
+                                                                 "request's matcher, while mask threads are free "
+                                                                 "(default: %(default)s)")),
     "grammar_mask_budget_ms": ("grammar", dict(metavar="MS",
                                                help="per-step time limit for filling grammar masks: a request whose "
                                                     "mask is not ready by then skips the step (its output does not "

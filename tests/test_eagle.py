@@ -113,11 +113,10 @@ def test_drafted_trees_are_well_formed_and_verified_legal(engines, tiny_head_dir
     Every verified node's row is the grammar's after its path, whether copied from the drafting
     (`Drafter.filled_rows`) or walked on forks of the matcher."""
     from constrained_spec.speculative.tree import HostTrees
-    from constrained_spec.engine import mask_filler
     # four grammar threads and walks of one path: the rows walk on forks of each matcher
     # (`MaskFiller.fill_paths`), as on a many-core host
-    monkeypatch.setattr(mask_filler, "PATHS_PER_WALK", 1)
     spec = engines(f"eagle34m{masked}t4", speculative_algorithm="eagle", grammar_mask_threads=4,
+                   grammar_paths_per_walk=1,
                    eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4, eagle_masked_depths=masked,
                    speculative_policy="always", speculative_min_accept=0.0)
     worker, drafter = spec.spec, spec.spec.drafter

@@ -58,7 +58,8 @@ def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
 
 def test_eagle_masked_stage_benches_the_widest_masked_tree(tiny_llama_dir, tiny_head_dir, tmp_path):
     """`run_gpu.sh eagle_masked`: plain and EAGLE with every depth masked, its host phases per step
-    (a masked depth past the first is a sync each), lossless in float32."""
+    (a masked depth past the first is a sync each), its draft rows walked three ways, lossless in
+    float32."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "MODEL": tiny_llama_dir, "OUT": str(out),
            "EAGLE_HEAD": tiny_head_dir,
@@ -68,7 +69,7 @@ def test_eagle_masked_stage_benches_the_widest_masked_tree(tiny_llama_dir, tiny_
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "spec_cpu_eagle_masked.json").read_text())["results"]
-    assert {r["engine"] for r in results} == {"plain", "eagle always"}
+    assert {r["engine"] for r in results} == {"plain", "eagle always", "eagle always walk1", "eagle always serial"}
     for r in results:
         if r["engine"] != "plain":
             assert r["identical_to_plain"] == r["requests"], r

@@ -27,6 +27,9 @@ class EngineConfig:
     grammar_threads: int | None = None
     # threads filling grammar bitmask rows (the native fill pool's); None: `default_mask_threads()`
     grammar_mask_threads: int | None = None
+    # draft paths a walk at least (`MaskFiller.fill_paths`: an EAGLE frontier's or verify tree's rows,
+    # a request's paths cut into walks on forks of its matcher while the pool has threads for them)
+    grammar_paths_per_walk: int = 4
     grammar_mask_budget_ms: float | None = None  # per step; requests whose mask is not ready by then
     #   skip the step (losslessly) instead of holding the batch. None or 0: wait for every mask
     grammar_max_whitespace: int | None = 16  # whitespace run allowed between JSON tokens; None: unbounded

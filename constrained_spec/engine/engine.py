@@ -117,7 +117,8 @@ class Engine:
         self.masks = setup(lambda: MaskFiller(self.runner.bitmask_host, threads=mask_threads,
                                               budget_ms=config.grammar_mask_budget_ms,
                                               max_requests=config.max_running_requests,
-                                              stop_ids=self.grammar.stop_token_ids))
+                                              stop_ids=self.grammar.stop_token_ids,
+                                              paths_per_walk=config.grammar_paths_per_walk))
         drafter = setup(lambda: make_drafter(config, self.runner))
         self.spec = setup(lambda: SpeculativeWorker(self, drafter)) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:

@@ -47,9 +47,6 @@ NATIVE_ROWS_PER_THREAD = 2
 ACCEPT_ROWS_PER_THREAD = 8
 # Draft chains per pool thread (`fill_chains`; a chain is up to ~8 fills and accepts).
 CHAINS_PER_THREAD = 2
-# Draft paths per walk at least (`fill_paths`): a request's paths are cut into walks of this many or
-# more, each on its own fork of the matcher, while the pool has threads for them.
-PATHS_PER_WALK = 4
 # A request whose last fill took more than this share of the budget is queued after the others, so
 # that the rows that can still make it are not stuck behind it.
 SLOW_SHARE = 0.5
@@ -108,9 +105,12 @@ class MaskFiller:
     (how long their last budgeted fill took)."""
 
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int,
-                 stop_ids: frozenset = frozenset()):
+                 stop_ids: frozenset = frozenset(), paths_per_walk: int = 4):
         self._bitmask = bitmask
         self.stop_ids = stop_ids  # the grammars' stop tokens: no row is filled after one (`fill_paths`)
+        # `fill_paths` cuts a request's draft paths into walks of this many or more, each on its own
+        # fork of the matcher, while the pool has threads for them (`EngineConfig.grammar_paths_per_walk`)
+        self.paths_per_walk = max(1, paths_per_walk)
         self.budget_s = budget_ms / 1000.0 if budget_ms else None
         helpers = max(0, threads - 1)  # the caller's thread fills too
         workers = helpers if self.budget_s is None else max(2, threads) + EXTRA_BUDGET_THREADS
@@ -296,7 +296,7 @@ class MaskFiller:
         walkers, steps = [], WalkSteps()
         for m, node_paths, node_rows in zip(matchers, paths, rows):
             node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
-            parts = min(per_request, len(node_paths) // PATHS_PER_WALK)
+            parts = min(per_request, len(node_paths) // self.paths_per_walk)
             if m.backend == LLGUIDANCE or (parts < 2 and per_request < 2):
                 # on this thread: with no threads to spare the pool's only gain is the Python around
                 # xgrammar's calls, less than building its steps (CPU, 1 thread)
