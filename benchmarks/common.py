@@ -1,10 +1,12 @@
 """Shared pieces of the benchmarks: workloads, the Hugging Face baseline, and result writing."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # $BENCH_RESULTS: another folder (a GPU run writing where its files are fetched from; tests)
@@ -136,3 +138,29 @@ def bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], ylab
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+@contextmanager
+def timed_calls(methods, totals: dict[str, list[float]] | None = None):
+    """While inside, each (class, method name) of `methods` adds its calls' wall time to
+    totals["Class.method"] = [seconds, calls] (the dict yielded)."""
+    totals = {} if totals is None else totals
+    saved = []
+    for cls, name in methods:
+        fn = getattr(cls, name)
+        saved.append((cls, name, fn))
+        entry = totals.setdefault(f"{cls.__name__}.{name}", [0.0, 0])
+
+        def timed(*a, _fn=fn, _entry=entry, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _entry[0] += time.perf_counter() - t0
+                _entry[1] += 1
+        setattr(cls, name, functools.wraps(fn)(timed))
+    try:
+        yield totals
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)

@@ -16,17 +16,15 @@ Writes benchmarks/results/prefix_cache_ab.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving as bs  # noqa: E402
-from common import RESULTS, bar_plot, machine, markdown_table, write_results  # noqa: E402
+from common import RESULTS, bar_plot, machine, markdown_table, timed_calls, write_results  # noqa: E402
 
 from constrained_spec import Engine  # noqa: E402
 from constrained_spec.engine.model_runner import ModelRunner  # noqa: E402
@@ -42,29 +40,6 @@ TIMED = [(Scheduler, "remove", "finished request (its KV released: the tree inse
          (Scheduler, "schedule", "step (scheduling)"),
          (ModelRunner, "plan", "step (inputs and KV slots)")]
 
-
-@contextmanager
-def timed_calls(totals: dict[str, list[float]]):
-    """Adds each TIMED method's calls to totals["Class.method"] = [seconds, calls] while inside."""
-    saved = []
-    for cls, name, _ in TIMED:
-        fn = getattr(cls, name)
-        saved.append((cls, name, fn))
-        entry = totals.setdefault(f"{cls.__name__}.{name}", [0.0, 0])
-
-        def timed(*a, _fn=fn, _entry=entry, **k):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                _entry[0] += time.perf_counter() - t0
-                _entry[1] += 1
-        setattr(cls, name, functools.wraps(fn)(timed))
-    try:
-        yield totals
-    finally:
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
 
 
 def run_round(engine: Engine, args, first: int) -> dict:
@@ -113,7 +88,7 @@ def main() -> None:
                 print(f"round {r} cache {arm:3s}: {rounds[arm][-1]['tok_s']:9.0f} tok/s", flush=True)
         host = {}
         for arm, engine in engines.items():
-            with timed_calls({}) as totals:
+            with timed_calls([(cls, name) for cls, name, _ in TIMED]) as totals:
                 res = run_round(engine, args, 10**5)
             host[arm] = {k: {"us_per_call": s / c * 1e6 if c else None, "calls": c,
                              "ms_per_s": s / res["seconds"] * 1e3} for k, (s, c) in totals.items()}

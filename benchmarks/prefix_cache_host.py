@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from constrained_spec.attention.base import ForwardMode
-from constrained_spec.engine.config import EngineConfig
-from constrained_spec.engine.model_runner import ModelRunner
-from constrained_spec.engine.prefix_cache import PrefixCache
-from constrained_spec.engine.radix_cache import RadixCache
-from constrained_spec.engine.request import Request
-from constrained_spec.engine.scheduler import Scheduler
-from constrained_spec.models import load_model
-from constrained_spec.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import timed_calls  # noqa: E402
+from constrained_spec.attention.base import ForwardMode  # noqa: E402
+from constrained_spec.engine.config import EngineConfig  # noqa: E402
+from constrained_spec.engine.model_runner import ModelRunner  # noqa: E402
+from constrained_spec.engine.prefix_cache import PrefixCache  # noqa: E402
+from constrained_spec.engine.radix_cache import RadixCache  # noqa: E402
+from constrained_spec.engine.request import Request  # noqa: E402
+from constrained_spec.engine.scheduler import Scheduler  # noqa: E402
+from constrained_spec.models import load_model  # noqa: E402
+from constrained_spec.sampling_params import SamplingParams  # noqa: E402
 
 # (class, method): the cache's own calls, timed in the cache-on arm
 TIMED = [(PrefixCache, "admit"), (PrefixCache, "release"), (PrefixCache, "cache_prompts"),
@@ -82,23 +87,6 @@ def replay(loaded, cache: bool, args, seed: int = 0) -> tuple[float, int]:
     return 1e6 * (time.perf_counter() - t0) / steps, steps
 
 
-def timed_calls(totals: dict):
-    saved = []
-    for cls, name in TIMED:
-        fn = getattr(cls, name)
-        entry = totals.setdefault(f"{cls.__name__}.{name}", [0.0, 0])
-
-        def timed(*a, _fn=fn, _entry=entry, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                _entry[0] += time.perf_counter() - t
-                _entry[1] += 1
-        saved.append((cls, name, fn))
-        setattr(cls, name, timed)
-    return saved
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,13 +104,8 @@ def main() -> None:
     for r in range(args.rounds):
         for cache in (True, False) if r % 2 == 0 else (False, True):
             us[cache].append(replay(loaded, cache, args, seed=r)[0])
-    totals: dict = {}
-    saved = timed_calls(totals)
-    try:
+    with timed_calls(TIMED) as totals:
         _, steps = replay(loaded, True, args, seed=args.rounds)
-    finally:
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
     on, off = statistics.median(us[True]), statistics.median(us[False])
     print(f"host us a step (median of {args.rounds}): cache on {on:.1f}, off {off:.1f}, "
           f"the cache's {on - off:.1f} ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(us[True], us[False]))})")
