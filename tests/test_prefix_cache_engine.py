@@ -230,12 +230,48 @@ def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
         assert mirrored(second) and mirrored(first)
 
 
-def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir):
-    """A prompt whose uncached part is shorter than CACHE_AFTER_PREFILL enters the tree at release,
-    not after its prefill (a longer one at once: the scheduler test above)."""
+def test_a_running_prompt_is_cached_for_a_request_that_continues_it(tiny_llama_dir):
+    """A computed prompt waits outside the tree until an admission goes on with its next
+    RUNNING_SHARE tokens past where both matched; one that shares fewer (prompts that start with
+    the same digits) leaves it there, to go in once, with its answer, when its request ends."""
     from constrained_spec.engine.config import EngineConfig
     from constrained_spec.engine.model_runner import ModelRunner
-    from constrained_spec.engine.prefix_cache import CACHE_AFTER_PREFILL
+    from constrained_spec.engine.prefix_cache import RUNNING_SHARE
+    from constrained_spec.engine.request import Request
+    from constrained_spec.engine.scheduler import Scheduler
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    config = EngineConfig(device="cpu", kv_cache_slots=4000, max_running_requests=8, max_prefill_tokens=1024)
+    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+    sched, tree = Scheduler(runner, config), runner.prefix_cache.tree
+    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+    first = new(range(1000, 1300))
+    sched.add(first)
+    runner.forward(sched.schedule(can_retract=True))
+    near = new(list(range(1000, 1000 + RUNNING_SHARE - 1)) + [7, 8, 9, 10, 11])
+    sched.add(near)
+    batch = sched.schedule(can_retract=True)
+    assert batch.requests == [near] and near.cache_len == 0 and tree.size == 0
+    runner.forward(batch)
+    far = new(list(range(1000, 1000 + RUNNING_SHARE)) + [7, 8, 9])
+    sched.add(far)
+    batch = sched.schedule(can_retract=True)
+    assert batch.requests == [far] and far.cache_len == RUNNING_SHARE and tree.size == len(first.prompt_ids)
+    runner.forward(batch)
+    for req in (first, near, far):
+        req.num_cached = req.total_len
+        sched.remove(req)
+    assert tree.size == len(first.prompt_ids) + len(near.prompt_ids) - (RUNNING_SHARE - 1) + 3
+    assert runner.pool.num_unused + tree.size == runner.pool.capacity
+
+
+def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir):
+    """A prompt whose uncached part is shorter than RUNNING_SHARE enters the tree at release,
+    and is never filed for admissions to cache while it runs (a longer one: the tests above and
+    below)."""
+    from constrained_spec.engine.config import EngineConfig
+    from constrained_spec.engine.model_runner import ModelRunner
+    from constrained_spec.engine.prefix_cache import RUNNING_SHARE
     from constrained_spec.engine.request import Request
     from constrained_spec.engine.scheduler import Scheduler
     from constrained_spec.models import load_model
@@ -243,7 +279,7 @@ def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir)
     config = EngineConfig(device="cpu", kv_cache_slots=2000, max_running_requests=8, max_prefill_tokens=512)
     runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
     sched = Scheduler(runner, config)
-    req = Request(list(range(100, 100 + CACHE_AFTER_PREFILL - 1)), SamplingParams(max_tokens=4), lambda out: None)
+    req = Request(list(range(100, 100 + RUNNING_SHARE - 1)), SamplingParams(max_tokens=4), lambda out: None)
     sched.add(req)
     runner.forward(sched.schedule(can_retract=True))
     sched.schedule(can_retract=True)  # the step that would insert a prefilled prompt

@@ -7,10 +7,10 @@ reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Thre
   (never all of them: the last token is computed, for its logits) is locked and becomes the row's
   start; `num_cached` starts there, so the prefill covers only the rest.
 - **prompt prefilled** (`cache_prompts`, at the scheduler's next step): a prompt with at least
-  CACHE_AFTER_PREFILL uncached tokens is filed under (its locked node, its first uncached token).
-  An admission whose match ends at that node and goes on with that token (n > 1 siblings, the same
-  system prompt under load) puts the prompt into the tree first and matches again, so it reuses
-  the prompt while its request still decodes. Positions another request cached meanwhile are
+  RUNNING_SHARE uncached tokens is filed under (its locked node, its first RUNNING_SHARE uncached
+  tokens). An admission whose match ends at that node and goes on with those tokens (n > 1
+  siblings, the same system prompt under load) puts the prompt into the tree first and matches
+  again, so it reuses the prompt while its request still decodes. Positions another request cached meanwhile are
   duplicates: the row is pointed at the tree's slots and its own are freed. A prompt nobody
   shares goes into the tree once, with its answer, at release.
 - **release** (`release`: finish, abort, retraction): the verified context (prompt and output
@@ -26,11 +26,11 @@ import numpy as np
 from ..pinned import GrowingStaging
 from .radix_cache import RadixCache
 
-# A prompt with fewer new (uncached) tokens goes into the tree when its request ends, not once it
-# is prefilled: a request arriving meanwhile recomputes at most this many tokens, while inserting
-# every prompt at once cost a loaded engine thread ~2% on short prompts (a chat template's cached
-# start and a short question). The scheduler's IN_STEP_SHARE wait relies on longer ones going in.
-CACHE_AFTER_PREFILL = 32
+# A running request's computed prompt is shared (put into the tree before its request ends) only
+# with requests that go on with its next this many tokens past where both matched: one sharing
+# less recomputes fewer tokens than that. Filing every prompt by its first uncached token alone
+# would insert whole prompts for a shared digit (prompts numbered "1234: ..." and "1236: ...").
+RUNNING_SHARE = 32
 
 
 class PrefixCache:
@@ -40,7 +40,7 @@ class PrefixCache:
         self.tree = RadixCache(self.pool.free)
         self.pool.cache = self.tree
         self._prefilled: list = []  # requests whose prompt's last chunk was scheduled
-        # computed prompts not in the tree yet, by (locked node, first uncached token) (`cache_prompts`)
+        # computed prompts not in the tree yet, by (locked node, next RUNNING_SHARE tokens) (`cache_prompts`)
         self._uncached: dict[tuple, list] = {}
         self._writes: list[tuple[int, int, np.ndarray]] = []  # table rows to mirror on the device
         self.lookup_tokens = 0  # prompt tokens of first admissions
@@ -54,8 +54,9 @@ class PrefixCache:
         the evictable ones (the scheduler's free count shrinks by as much)."""
         ids = req.ids_array(req.total_len - 1)
         slots, node = self.tree.match(ids)
-        if self._uncached and len(slots) < len(ids):
-            sharing = self._uncached.pop((node, int(ids[len(slots)])), None)
+        c = len(slots)
+        if self._uncached and len(ids) - c >= RUNNING_SHARE:
+            sharing = self._uncached.pop((node, ids[c:c + RUNNING_SHARE].tobytes()), None)
             if sharing:  # running requests' prompts go on where this match stops: cache them first
                 for other in sharing:
                     other.uncached_key = None
@@ -93,7 +94,7 @@ class PrefixCache:
 
     def prompt_scheduled(self, req) -> None:
         """The step being planned computes the last of the request's prompt."""
-        if len(req.prompt_ids) - req.cache_len >= CACHE_AFTER_PREFILL:
+        if len(req.prompt_ids) - req.cache_len >= RUNNING_SHARE:
             self._prefilled.append(req)
 
     # -- caching ---------------------------------------------------------------------------------
@@ -110,7 +111,8 @@ class PrefixCache:
         reqs, self._prefilled = self._prefilled, []
         for req in reqs:
             if req.row >= 0 and req.num_cached >= len(req.prompt_ids) and req.uncached_key is None:
-                req.uncached_key = key = (req.cache_node, req.prompt_ids[req.cache_len])
+                c = req.cache_len
+                req.uncached_key = key = (req.cache_node, req.ids_array(c + RUNNING_SHARE, c).tobytes())
                 self._uncached.setdefault(key, []).append(req)
 
     def _forget_uncached(self, req) -> None:
