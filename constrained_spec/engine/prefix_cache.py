@@ -144,20 +144,20 @@ class PrefixCache:
         if req.row < 0:  # admitted, but removed before its first step placed the prefix
             self._drop_reference(req)
             return
-        if self._writes:  # left by a step that failed while planning: the row is no longer its
+        if self._writes:  # entries not on the device yet (a repoint, a failed step's): the row is no longer its
             self._writes = [w for w in self._writes if w[0] != req.row]
         table = self.table
         held = int(table.lengths[req.row])
         slots = table.release_row(req.row)
-        start = req.cache_len
+        start = n = req.cache_len
         if keep:
-            n = min(req.num_cached, req.total_len, held)
+            n = max(start, min(req.num_cached, req.total_len, held))
             if n > start:  # the context past the locked node (whose path spells the first `start`)
                 dup = self.tree.insert(req.ids_array(n, start), slots[start:n], req.cache_node)
-                self.pool.free(slots[start:start + dup])
-            self.pool.free(slots[max(n, start):])
-        else:
-            self.pool.free(slots[start:])
+                if dup:
+                    self.pool.free(slots[start:start + dup])
+        if n < held:  # past what was cached (usually nothing: the last token's K/V is not computed)
+            self.pool.free(slots[n:])
         self._drop_reference(req)
 
     def _drop_reference(self, req) -> None:
