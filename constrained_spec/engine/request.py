@@ -90,7 +90,7 @@ class Request:
     # an update that is one more token and not the end goes there as (stream_key, token, logprob, n)
     step_tokens: list | None = None
     stream_key: Any = None
-    _prompt_array: np.ndarray | None = field(default=None, repr=False)
+    _prompt_array: np.ndarray = field(init=False, repr=False)  # prompt_ids as int64 (`__post_init__`)
 
     def __post_init__(self):
         # made once, by the thread that queues the request: the prefix cache walks a request's ids

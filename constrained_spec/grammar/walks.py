@@ -68,9 +68,7 @@ class WalkSteps:
         on: Sequence[int] = ()
         for j in order:
             path = paths[j]
-            keep, top = 0, min(len(on), len(path))
-            while keep < top and on[keep] == path[keep]:
-                keep += 1
+            keep = _stem(on, path)
             drop = len(on) - keep
             if keep == len(path):
                 back.append(drop)
@@ -91,6 +89,14 @@ class WalkSteps:
     def walks(self) -> Walks:
         return Walks(np.array(self.offsets, np.int64), np.array(self.back, np.int32),
                      np.array(self.tokens, np.int32), np.array(self.rows, np.int64))
+
+
+def _stem(on: Sequence[int], path: Sequence[int]) -> int:
+    """How many leading tokens the path walked last (`on`) and the next one share."""
+    keep, top = 0, min(len(on), len(path))
+    while keep < top and on[keep] == path[keep]:
+        keep += 1
+    return keep
 
 
 def sorted_paths(paths: Sequence[Sequence[int]]) -> list[int]:
@@ -116,9 +122,7 @@ def walk_paths_here(matcher, paths: Sequence[Sequence[int]], rows: Sequence[int]
     on: list = []  # the tokens the matcher has taken beyond where it started
     for j in sorted_paths(paths):
         path, row = paths[j], rows[j]
-        keep, top = 0, min(len(on), len(path))
-        while keep < top and on[keep] == path[keep]:
-            keep += 1
+        keep = _stem(on, path)
         if keep < len(on):
             matcher.rollback(len(on) - keep)
             del on[keep:]
