@@ -82,9 +82,10 @@ class RequestSlotTable:
         self.lengths[row] = 0
         return row
 
-    def release_row(self, row: int) -> np.ndarray:
-        """Frees the row and returns its slots (for the pool)."""
-        slots = self.host[row, :self.lengths[row]].copy()
+    def release_row(self, row: int, start: int = 0) -> np.ndarray:
+        """Frees the row and returns its slots from `start` on (for the pool; the prefix cache's
+        own, before `start`, are not the row's to give back)."""
+        slots = self.host[row, start:self.lengths[row]].copy()
         self.lengths[row] = 0
         self._free_rows.append(row)
         return slots

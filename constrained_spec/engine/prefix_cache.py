@@ -140,24 +140,24 @@ class PrefixCache:
     def release(self, req, keep: bool) -> None:
         """Frees the request's row: its computed context into the tree (`keep`), the rest to the
         pool, its reference dropped."""
-        self._forget_uncached(req)
-        if req.row < 0:  # admitted, but removed before its first step placed the prefix
+        if req.uncached_key is not None:
+            self._forget_uncached(req)
+        row = req.row
+        if row < 0:  # admitted, but removed before its first step placed the prefix
             self._drop_reference(req)
             return
         if self._writes:  # entries not on the device yet (a repoint, a failed step's): the row is no longer its
-            self._writes = [w for w in self._writes if w[0] != req.row]
-        table = self.table
-        held = int(table.lengths[req.row])
-        slots = table.release_row(req.row)
-        start = n = req.cache_len
-        if keep:
-            n = max(start, min(req.num_cached, req.total_len, held))
-            if n > start:  # the context past the locked node (whose path spells the first `start`)
-                dup = self.tree.insert(req.ids_array(n, start), slots[start:n], req.cache_node)
-                if dup:
-                    self.pool.free(slots[start:start + dup])
-        if n < held:  # past what was cached (usually nothing: the last token's K/V is not computed)
-            self.pool.free(slots[n:])
+            self._writes = [w for w in self._writes if w[0] != row]
+        held = int(self.table.lengths[row])
+        start = req.cache_len  # the locked node's path spells the first `start` tokens: the tree's slots
+        own = self.table.release_row(row, start)  # the row's slots past them
+        n = max(start, min(req.num_cached, req.total_len, held)) if keep else start
+        if n > start:  # the computed context past the locked node
+            dup = self.tree.insert(req.ids_array(n, start), own[:n - start], req.cache_node)
+            if dup:
+                self.pool.free(own[:dup])
+        if n < held:  # past what was cached (the last token's K/V is not computed; nothing if not `keep`)
+            self.pool.free(own[n - start:])
         self._drop_reference(req)
 
     def _drop_reference(self, req) -> None:

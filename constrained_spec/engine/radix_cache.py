@@ -31,9 +31,10 @@ import numpy as np
 class Node:
     __slots__ = ("key", "key_bytes", "slots", "children", "parent", "refs", "last_access")
 
-    def __init__(self, key: np.ndarray, slots: np.ndarray, parent: "Node | None"):
+    def __init__(self, key: np.ndarray, slots: np.ndarray, parent: "Node | None", key_bytes: bytes | None = None):
         self.key = key  # int64 token ids of the edge into this node
-        self.key_bytes = key.tobytes()  # the same, for a whole-edge test without numpy (`_edge_match`)
+        # the same, for a whole-edge test without numpy (`_edge_match`)
+        self.key_bytes = key.tobytes() if key_bytes is None else key_bytes
         self.slots = slots  # int64 KV slots of those tokens
         self.children: dict[int, Node] = {}  # first token of the child's key -> child
         self.parent = parent
@@ -107,6 +108,8 @@ class RadixCache:
             if partial:
                 break
         self._offer(node)
+        if len(parts) == 1:  # the node's own array: callers copy what they keep (`np.concatenate` would)
+            return parts[0], node
         slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return slots, node
 
@@ -134,6 +137,8 @@ class RadixCache:
         path `tokens` continue (the root's when None), where the walk starts; it must be locked (so
         it is still in the tree: a split keeps it the deeper part). A request passes only what
         follows its matched node: its cached prefix is neither walked nor copied again.
+        The tree keeps views of `tokens` and `slots` (no copy: the engine's are made for the call
+        and never written again), so a caller must not change them afterwards.
         Tokens that end inside an edge add nothing and leave the edge whole: cutting it there, as
         identical greedy answers of varied lengths would at every length, splits a path into
         one-token nodes that every later walk goes through."""
@@ -159,11 +164,12 @@ class RadixCache:
         stamp = next(self._clock)
         inside = 0
         while pos < len(key):
-            child = node.children.get(int(key[pos]))
+            first = int(key[pos])
+            child = node.children.get(first)
             if child is None:
-                leaf = Node(key[pos:].copy(), slots[pos:].copy(), node)
+                leaf = Node(key[pos:], slots[pos:], node, key_bytes[8 * pos:] if pos else key_bytes)
                 leaf.last_access = stamp
-                node.children[int(key[pos])] = leaf
+                node.children[first] = leaf
                 self.size += len(leaf)
                 self.evictable_size += len(leaf)
                 self._nodes += 1
