@@ -411,7 +411,8 @@ ENGINE_COUNTERS = {"decode_steps": "constrained_spec_engine_decode_steps_total",
                    "idle_seconds": "constrained_spec_engine_idle_seconds_total",
                    "first_tokens": "constrained_spec_engine_first_tokens_total",
                    "queue_seconds": "constrained_spec_engine_queue_seconds_total",
-                   "prefill_seconds": "constrained_spec_engine_prefill_seconds_total"}
+                   "prefill_seconds": "constrained_spec_engine_prefill_seconds_total",
+                   "device_wait_seconds": "constrained_spec_engine_device_wait_seconds_total"}
 
 
 def server_engine_counters(url: str) -> dict:
@@ -452,6 +453,9 @@ def engine_side(before: dict, after: dict, duration: float) -> dict | None:
             "busy_extend_steps_s": (after["extend_steps"] - before["extend_steps"]) / busy,
             "mean_decode_batch": (after["decode_requests"] - before["decode_requests"]) / steps if steps else 0.0,
             "idle_share": min(1.0, max(0.0, idle - max(0.0, window - duration)) / duration),
+            # the share of the loop's busy time spent waiting for steps' results from the device
+            "device_wait_share": (after["device_wait_seconds"] - before["device_wait_seconds"]) / busy
+            if "device_wait_seconds" in after and "device_wait_seconds" in before else None,
             "window_s": window}
 
 
@@ -459,7 +463,8 @@ def engine_stats_counters(engine) -> dict:
     st = engine.stats
     return {"at": time.perf_counter(), "decode_steps": st.decode_steps, "extend_steps": st.extend_steps,
             "decode_requests": st.decode_requests, "idle_seconds": st.idle_total(), "first_tokens": st.first_tokens,
-            "queue_seconds": st.queue_seconds, "prefill_seconds": st.prefill_seconds}
+            "queue_seconds": st.queue_seconds, "prefill_seconds": st.prefill_seconds,
+            "device_wait_seconds": st.device_wait_seconds}
 
 
 # -- the in-process engine on the same requests --------------------------------------------------------
@@ -702,11 +707,14 @@ def report(payload: dict) -> str:
         lines += ["", "## Prefix cache on / off", "",
                   "Each server against itself with `--disable-prefix-cache` (`+nocache`), same requests: TTFT p50 "
                   "off / on (how many times lower with the cache), output tok/s on / off, the share of prompt "
-                  "tokens the cache served, and the engine loop thread's CPU time per step (decode or prefill) on / "
-                  "off: host work the cache adds to a step shows there.", "",
+                  "tokens the cache served, the engine loop thread's CPU time per step (decode or prefill) on / "
+                  "off, and the share of its busy time it waited for steps' results from the device on / off. "
+                  "Host work the cache adds to a step shows in the CPU time; it slows the steps where the loop "
+                  "hardly waits for the device (the thread's CPU time counts that wait too: CUDA spins).", "",
                   "| server | workload | stream | clients | TTFT p50 on | TTFT p50 off | TTFT off / on | tok/s on "
-                  "| tok/s off | tok/s on / off | cached share | loop CPU us/step on | loop CPU us/step off |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| tok/s off | tok/s on / off | cached share | loop CPU us/step on | loop CPU us/step off "
+                  "| device wait on | device wait off |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for on, off in pairs:
             for w in payload["workloads"]:
                 for stream in payload["streams"]:
@@ -722,7 +730,8 @@ def report(payload: dict) -> str:
                                      f"| {_ms(b['ttft']['p50'])} | {_ratio(b['ttft']['p50'], a['ttft']['p50'])} "
                                      f"| {_tok(a['out_tok_s'])} | {_tok(b['out_tok_s'])} | {ratio} "
                                      f"| {'-' if share is None else f'{share:.2f}'} "
-                                     f"| {_us(_loop_cpu_per_step(a))} | {_us(_loop_cpu_per_step(b))} |")
+                                     f"| {_us(_loop_cpu_per_step(a))} | {_us(_loop_cpu_per_step(b))} "
+                                     f"| {_share(a)} | {_share(b)} |")
     if payload["rates"]:
         lines += ["", f"## Request rate (Poisson arrivals; {payload['rate_workload']}, not streamed)", "",
                   "| server | rate req/s | served req/s | tok/s | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | errors / invalid |",
@@ -745,6 +754,12 @@ def _loop_cpu_per_step(run: dict) -> float | None:
         return None
     steps_s = (side["busy_decode_steps_s"] + side["busy_extend_steps_s"]) * (1.0 - side["idle_share"])
     return busy["engine loop"] / steps_s if steps_s > 0 else None
+
+
+def _share(run: dict) -> str:
+    """The engine loop's device-wait share of a run, as a percentage."""
+    share = (run.get("engine_side") or {}).get("device_wait_share")
+    return "-" if share is None else f"{share:.0%}"
 
 
 def _us(seconds: float | None) -> str:

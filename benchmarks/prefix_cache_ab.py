@@ -47,6 +47,7 @@ def run_round(engine: Engine, args, first: int) -> dict:
     limits = bs.answer_limits(args.requests, first, args.max_tokens, args.max_tokens_spread)
     st = engine.stats
     decode0, firsts0, queue0, prefill0 = st.decode_steps, st.first_tokens, st.queue_seconds, st.prefill_seconds
+    steps0, wait0 = st.steps, st.device_wait_seconds
     t0 = time.perf_counter()
     res = bs.engine_closed_loop(engine, jobs, limits, args.clients)
     seconds = time.perf_counter() - t0
@@ -57,7 +58,9 @@ def run_round(engine: Engine, args, first: int) -> dict:
             # the engine's time to first token (arrival in the engine to the first sampled token)
             "ttft_ms_p50": 1e3 * statistics.median(ttft) if ttft else None,
             "queue_ms": 1e3 * (st.queue_seconds - queue0) / max(firsts, 1),
-            "prefill_ms": 1e3 * (st.prefill_seconds - prefill0) / max(firsts, 1)}
+            "prefill_ms": 1e3 * (st.prefill_seconds - prefill0) / max(firsts, 1),
+            # the engine loop's wait for steps' results from the device, a step (~0: the host paces them)
+            "device_wait_us": 1e6 * (st.device_wait_seconds - wait0) / max(st.steps - steps0, 1)}
 
 
 def main() -> None:
@@ -103,7 +106,8 @@ def report(args, rounds: dict, host: dict) -> None:
     def ttft(r):
         return f"{r['ttft_ms_p50']:.1f} ({r['queue_ms']:.1f} + {r['prefill_ms']:.1f})" if r.get("ttft_ms_p50") else "-"
     rows = [[i, f"{on['tok_s']:,.0f}", f"{off['tok_s']:,.0f}", f"{x:.3f}",
-             f"{on['decode_steps_s']:.0f} / {off['decode_steps_s']:.0f}", ttft(on), ttft(off)]
+             f"{on['decode_steps_s']:.0f} / {off['decode_steps_s']:.0f}", ttft(on), ttft(off),
+             f"{on['device_wait_us']:.0f} / {off['device_wait_us']:.0f}"]
             for i, (on, off, x) in enumerate(zip(rounds["on"], rounds["off"], ratios))]
     host_rows = []
     for cls, name, what in TIMED:
@@ -119,9 +123,11 @@ def report(args, rounds: dict, host: dict) -> None:
           f"(spread {args.max_tokens_spread}); command: `{command}`.\n\n"
           f"tok/s on / off: median **{statistics.median(ratios):.3f}** over {len(ratios)} paired rounds.\n\n"
           + "TTFT is the engine's (arrival in the engine to the first token), p50 ms, with the mean queued and "
-          "admission-to-first-token ms.\n\n"
+          "admission-to-first-token ms. Device wait: the engine loop's wait for steps' results from the device, "
+          "per step (near 0: the host's work paces the steps, and what the cache adds to it slows them).\n\n"
           + markdown_table(["round", "tok/s on", "tok/s off", "on / off", "decode steps/s on / off",
-                            "TTFT on (queue + prefill)", "TTFT off (queue + prefill)"], rows)
+                            "TTFT on (queue + prefill)", "TTFT off (queue + prefill)",
+                            "device wait us/step on / off"], rows)
           + "\n## The engine thread's time in the scheduler and the cache (one more round per arm)\n\n"
           + markdown_table(["function", "one call is a", "cache on", "cache off"], host_rows))
     write_results(args.name, {"machine": machine(), "command": command, "args": vars(args), "rounds": rounds,

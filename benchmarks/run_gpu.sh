@@ -15,8 +15,9 @@
 #   prefix     bench_serving.py, prefix cache on / off (3 interleaved rounds of 40 requests a client, ~8 s
 #              a run: shorter runs move a round's ratio by several percent): short JSON prompts, prompts
 #              that share nothing, a 1,500-token shared system prompt, multi-turn -> bench_serving_prefix.*
-#   prefix_engine  prefix_cache_ab.py: the cache on / off in the engine alone (JSON, answers of 64-128
-#              tokens), with the engine thread's time in the cache's functions -> prefix_cache_ab.*
+#   prefix_engine  prefix_cache_ab.py: the cache on / off in the engine alone (JSON, or WORKLOAD=distinct;
+#              answers of 64-128 tokens), with the engine thread's time in the cache's functions and its
+#              wait for the device a step -> prefix_cache_ab.* (prefix_cache_ab_distinct.*)
 #   prefix_profile  profile_serving.py --gil, prefix cache on then off, the json workload streamed at 64
 #              clients: where each arm's engine process spends its GIL (needs py-spy: pip install py-spy)
 #              -> $OUT/prefix_profile_{on,off}/profile.md
@@ -58,7 +59,11 @@ stage_prefix() {
     --clients 64 --stream yes --rates "" --no-engine --max-tokens 128 --rounds 40 --servers split,split+nocache \
     --interleave 3 --name bench_serving_prefix ${BENCH_ARGS:-}
 }
-stage_prefix_engine() { "$PYTHON" benchmarks/prefix_cache_ab.py "${MODEL_ARGS[@]}" --workload json --max-tokens-spread 0.5; }
+stage_prefix_engine() {
+  local w=${WORKLOAD:-json}
+  "$PYTHON" benchmarks/prefix_cache_ab.py "${MODEL_ARGS[@]}" --workload "$w" --max-tokens-spread 0.5 \
+    --name "prefix_cache_ab$([ "$w" = json ] || echo "_$w")"
+}
 stage_prefix_profile() {
   local arm
   for arm in on off; do

@@ -33,6 +33,7 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
         side = run["engine_side"]
         assert side["busy_decode_steps_s"] > 0 and side["busy_extend_steps_s"] > 0, side
         assert 0 < side["mean_decode_batch"] <= 2 and 0 <= side["idle_share"] < 1, side
+        assert 0 <= side["device_wait_share"] < 0.5, side  # the CPU's steps return their results
         # the engine's part of TTFT, split at admission; it fits in the clients' own TTFT
         assert side["queue_ms"] >= 0 and side["prefill_ms"] > 0, side
         assert side["queue_ms"] + side["prefill_ms"] <= run["ttft"]["p99"] * 1e3 * 1.05 + 1, (side, run["ttft"])
@@ -157,7 +158,7 @@ def test_report_takes_the_median_of_paired_rounds():
                    "machine": {}, "max_tokens": 8, "rounds": 1, "command": "x", "workloads": ["distinct"],
                    "streams": [False], "clients": [4], "rates": []})
     # median runs: 90 on, 100 off; paired ratios 0.90, 1.20, 1.00 -> 1.00
-    assert "| 90 | 100 | 1.00 (rounds: 0.90, 1.20, 1.00) | - | - | - |" in md
+    assert "| 90 | 100 | 1.00 (rounds: 0.90, 1.20, 1.00) | - | - | - | - | - |" in md
     # the loop's CPU per step: 0.8 CPU s/s over (400 + 100) busy steps/s, busy 80% of the time -> 2,000 us
     side = {"busy_decode_steps_s": 400.0, "busy_extend_steps_s": 100.0, "idle_share": 0.2, "mean_decode_batch": 1.0}
     assert b._loop_cpu_per_step({"engine_side": side, "cores_busy": {"engine loop": 0.8}}) == pytest.approx(2e-3)
@@ -204,6 +205,7 @@ def test_prefix_cache_ab_cpu_smoke(tiny_llama_dir, tmp_path):
         # every round's 16 first tokens timed: the TTFT p50 and its split are there
         assert all(rnd["ttft_ms_p50"] > 0 and rnd["prefill_ms"] > 0 for rnd in data["rounds"][arm])
         assert data["host"][arm]["Scheduler.remove"]["calls"] == 16  # one release per finished request
+        assert all(0 <= rnd["device_wait_us"] < 1e4 for rnd in data["rounds"][arm])
     assert data["host"]["on"]["PrefixCache.admit"]["calls"] == 16
     assert data["host"]["off"]["PrefixCache.admit"]["calls"] == 0
     assert (tmp_path / "prefix_cache_ab.md").read_text().count("| Scheduler.remove |") == 1

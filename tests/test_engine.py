@@ -349,3 +349,28 @@ def test_the_queue_limit_counts_waiting_requests_only(tiny_llama_dir):
             eng.abort(r.request_id)
     finally:
         eng.shutdown()
+
+
+def test_the_loop_counts_its_waits_for_the_device(tiny_llama_dir, monkeypatch):
+    """`stats.device_wait_seconds` sums the loop's waits for steps' results (`/metrics`'
+    constrained_spec_engine_device_wait_seconds_total): where a step's results arrive late, the
+    counter holds that time, and the loop's own work is not counted in it. On the CPU a step's
+    results are ready when it returns, so the late results are made here by a slower read."""
+    from constrained_spec.engine.model_runner import StepResult
+    eng = Engine(model=tiny_llama_dir, device="cpu")
+    try:
+        eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        assert eng.stats.device_wait_seconds < 0.05 * eng.stats.steps  # ready at once: ~nothing
+        read = StepResult.wait
+
+        def late(self):
+            time.sleep(0.02)
+            return read(self)
+        monkeypatch.setattr(StepResult, "wait", late)
+        before, steps = eng.stats.device_wait_seconds, eng.stats.steps
+        eng.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
+        waited, stepped = eng.stats.device_wait_seconds - before, eng.stats.steps - steps
+        assert stepped >= 6
+        assert 0.02 * stepped * 0.9 <= waited <= 0.02 * stepped + 0.5, (waited, stepped)
+    finally:
+        eng.shutdown()

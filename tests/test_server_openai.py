@@ -290,6 +290,7 @@ def test_metrics(http):
     assert values["constrained_spec_engine_first_tokens_total"] >= 1, values
     assert values["constrained_spec_engine_prefill_seconds_total"] > 0, values
     assert values["constrained_spec_engine_queue_seconds_total"] >= 0, values
+    assert values["constrained_spec_engine_device_wait_seconds_total"] >= 0, values
 
 
 @pytest.mark.parametrize("extra", [

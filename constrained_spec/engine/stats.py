@@ -22,6 +22,9 @@ class EngineStats:
     step_seconds: float = 0.0
     decode_requests: int = 0  # requests summed over decode steps: / decode_steps = the mean decode batch
     idle_seconds: float = 0.0  # the loop waiting for work (no request could run), waits ended so far
+    # the loop blocked on a step's results from the device: near none a step, the host's work is what
+    # paces the steps (more of it makes every step longer); a large share, the device's is
+    device_wait_seconds: float = 0.0
     # a request's time to its first token in two parts, summed over `first_tokens` requests: waiting
     # to be admitted (queue), then from admission to its first token (its prefill, and the step
     # in flight when it was admitted)

@@ -32,7 +32,7 @@ def engine_snapshot(engine) -> dict:
             "decode_requests": stats.decode_requests,
             "idle_seconds": stats.idle_total(), "grammar_mask_seconds": stats.grammar_mask_seconds,
             "first_tokens": stats.first_tokens, "queue_seconds": stats.queue_seconds,
-            "prefill_seconds": stats.prefill_seconds,
+            "prefill_seconds": stats.prefill_seconds, "device_wait_seconds": stats.device_wait_seconds,
             "grammar_end_violations": stats.grammar_end_violations,
             "grammar_accept_seconds": stats.grammar_accept_seconds, "spec": None,
             "prefix_cache": None if engine.runner.prefix_cache is None else engine.runner.prefix_cache.snapshot()}
@@ -123,6 +123,8 @@ _ENGINE_COUNTERS = [
     ("engine_decode_requests", "decode_requests",
      "Requests summed over decode steps (/ decode steps: the mean decode batch)"),
     ("engine_idle_seconds", "idle_seconds", "Time the engine loop waited with no work"),
+    ("engine_device_wait_seconds", "device_wait_seconds",
+     "Time the engine loop waited for steps' results from the device (near none: the host paces the steps)"),
     ("engine_first_tokens", "first_tokens", "Requests that got their first token"),
     ("engine_queue_seconds", "queue_seconds",
      "Time those requests waited in the engine before admission, summed (/ engine_first_tokens: the mean)"),
