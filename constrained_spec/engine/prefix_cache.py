@@ -116,11 +116,11 @@ class PrefixCache:
                 self._uncached.setdefault(key, []).append(req)
 
     def _forget_uncached(self, req) -> None:
+        """Takes a filed request (`req.uncached_key` set) out of `_uncached`."""
         key, req.uncached_key = req.uncached_key, None
-        if key is not None:
-            rest = [r for r in self._uncached.pop(key, ()) if r is not req]
-            if rest:
-                self._uncached[key] = rest
+        rest = [r for r in self._uncached.pop(key, ()) if r is not req]
+        if rest:
+            self._uncached[key] = rest
 
     def _cache_running(self, req, n: int) -> None:
         row, start = req.row, req.cache_len
