@@ -535,22 +535,26 @@ def test_staged_start_equals_eager_start(engines, tiny_head_dir):
         slots_whole = np.concatenate(slots_all)
         ids_whole = np.random.default_rng(1).integers(0, runner.vocab_size, len(whole))
         last_n = np.concatenate([np.arange(o + k - N, o + k) for o, k in zip([0, n[0]], n)])
+        # (padded as on CUDA: one more sequence on the spare table row, writing slot 0)
         runs = []
-        for caught_up in (False, True):
+        for caught_up in (False, True, "padded"):
             io.kv.k.zero_()  # nothing the other run wrote
             io.kv.v.zero_()
             with torch.inference_mode():
                 if caught_up:
                     behind = np.concatenate([np.arange(o, o + k - N) for o, k in zip([0, n[0]], n)])
-                    io.catch_up(rows, n - N, ids_whole[behind], whole[behind], slots_whole[behind], n - N, int(n.max()))
+                    pad_to = len(behind) + 3 if caught_up == "padded" else None
+                    io.catch_up(rows, n - N, ids_whole[behind], whole[behind], slots_whole[behind], n - N, int(n.max()),
+                                pad_to=pad_to)
                     io.set_inputs(B, rows, n, ids_whole[last_n], whole[last_n], slots_whole[last_n], q_lens, True)
                     io.start(B, False)
                 else:
                     eager = io.set_inputs(B, rows, n, ids_whole, whole, slots_whole, n, False)
                     io.start(B, False, eager, int(n.max()), int(n.max()))
             runs.append([x.clone() for x in (io.front_tok[:B * 3], io.front_score[:B * 3], io.parent_hidden[:B * 3])])
-        for a, b in zip(*runs):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     finally:
         for r, s in zip(rows, slots_all):
             runner.table.release_row(int(r))
@@ -702,3 +706,12 @@ def test_training_on_unrolled_draft_steps_and_their_held_out_top1(tiny_llama_dir
         assert len(hist["val_top1_by_step"]) == len(hist["val_step"]) == 1  # at the end
         for by_step, top1 in zip(hist["val_top1_by_step"], hist["val_top1"]):
             assert len(by_step) == 3 and by_step[0] == pytest.approx(top1, abs=1e-4)
+
+
+def test_catch_up_pads_to_few_sizes():
+    """A catch-up's row count on CUDA is a power of two (at least 64), so that its GEMMs repeat their
+    shapes; unpadded where the padding would not fit the spare table row."""
+    from constrained_spec.speculative.eagle_step import catch_up_size
+    assert [catch_up_size(n, 8192) for n in (1, 64, 65, 300, 372, 5094)] == [64, 64, 128, 512, 512, 8192]
+    assert len({catch_up_size(n, 8192) for n in range(300, 500)}) == 1
+    assert catch_up_size(9000, 4096) == 9000  # 16,384 would pad 7,384 positions, past a row of 4,096
