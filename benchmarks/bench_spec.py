@@ -213,7 +213,7 @@ def _median(xs: list[float]) -> float:
 
 
 def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
-    before = counters(engine)
+    before, decided = counters(engine), policy_decisions(engine)
     outs, seconds = generate(engine, work, batch, max_tokens)
     after = counters(engine)
     d = {k: after[k] - before[k] for k in after}
@@ -225,11 +225,24 @@ def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
                    mean_accepted_len=1 + d["accepted"] / max(d["verified"], 1),
                    cpu_draft_mask_ms=1000 * (d["draft_s"] + d["mask_s"]) / steps,
                    phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in SPEC_PHASES})
+        now = policy_decisions(engine)
+        if now:  # the measured policy: where it speculated, by batch bucket (speculative / all steps)
+            rec["spec_steps_by_bucket"] = {
+                b: f"{now.get((b, True), 0) - decided.get((b, True), 0)}/"
+                   f"{sum(now.get((b, s), 0) - decided.get((b, s), 0) for s in (True, False))}"
+                for b in sorted({b for b, _ in now}, reverse=True)
+                if any(now.get((b, s), 0) > decided.get((b, s), 0) for s in (True, False))}
         if "draft_calls" in d:  # EAGLE: where the draft phase goes, per speculative step
             rec.update(draft_syncs_per_step=d["draft_syncs"] / steps, draft_eager_share=d["draft_eager"] / steps,
                        draft_phase_ms={k[6:-2]: round(1000 * v / steps, 3) for k, v in d.items()
                                        if k.startswith("eagle_")})
     return outs, rec
+
+
+def policy_decisions(engine) -> dict:
+    """The measured policy's steps decided so far per (batch bucket, speculative); {} without one."""
+    policy = engine.spec.policy if engine.spec is not None else None
+    return dict(policy.decided) if policy is not None else {}
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -255,7 +268,19 @@ def table(records, title):
             + markdown_table(["workload", "batch", "engine", "tok/s", "speedup", "cold tok/s", "cold speedup",
                               "mean accepted len", "spec share",
                               "CPU draft+mask ms/step", "identical to plain", "tok/s of each run"], rows)
-            + eagle_table(records))
+            + policy_table(records) + eagle_table(records))
+
+
+def policy_table(records) -> str:
+    """Where the measured policy speculated in the median warm run, by batch bucket (a run's batch
+    shrinks through the buckets as its requests finish; each is measured on its own)."""
+    rows = [[r["workload"], r["batch"], r["engine"],
+             ", ".join(f"{b}: {n}" for b, n in r["spec_steps_by_bucket"].items())]
+            for r in records if r.get("spec_steps_by_bucket")]
+    if not rows:
+        return ""
+    return ("\n\nThe measured policy's speculative steps / all decode steps by batch bucket, the median warm run:\n\n"
+            + markdown_table(["workload", "batch", "engine", "speculative / all steps by bucket"], rows))
 
 
 def eagle_table(records) -> str:

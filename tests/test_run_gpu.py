@@ -53,6 +53,12 @@ def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
         for r in results:
             if r["engine"] != "plain":  # float32 on the CPU: speculation is lossless
                 assert r["identical_to_plain"] == r["requests"], r
+            # the measured policy's decisions by batch bucket (speculative / all), the "always" ones have none
+            measured = r["engine"] != "plain" and "always" not in r["engine"]
+            assert ("spec_steps_by_bucket" in r) == measured, r
+            if measured:
+                steps = [tuple(map(int, v.split("/"))) for v in r["spec_steps_by_bucket"].values()]
+                assert all(s <= n for s, n in steps) and sum(s for s, _ in steps) == r["spec_steps"], r
         assert (out / f"spec_cpu_eagle_{workload}.md").is_file()
 
 

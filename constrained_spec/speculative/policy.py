@@ -93,6 +93,7 @@ class MeasuredPolicy:
         self._switch: dict[tuple[int, bool], float] = {}  # (bucket, arm) -> extra seconds of its first step after a switch
         self._last: tuple[int, bool] | None = None  # the (bucket, arm) of the step decided last
         self._open: list | None = None  # [(bucket, speculative), start, engine step count, batch, tokens, clean]
+        self.decided: dict[tuple[int, bool], int] = {}  # (bucket, speculative) -> steps decided so (benchmarks)
 
     def choose(self, batch_size: int, now: float, engine_steps: int) -> bool:
         self._close(now, engine_steps)
@@ -129,6 +130,7 @@ class MeasuredPolicy:
                 if self.explore_steps > 1:
                     self._streak[bucket] = (speculate, self.explore_steps - 1)
         key = (bucket, speculate)
+        self.decided[key] = self.decided.get(key, 0) + 1
         self._open = [key, now, engine_steps, batch_size, 0, self._last]
         self._last = key
         return speculate
