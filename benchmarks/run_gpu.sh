@@ -35,6 +35,8 @@
 #              depth masked (64 draft tokens, top-8, depth 8: ~4 tokens a step), JSON at batch 1 and 8,
 #              with EAGLE's host ms per step by phase; the draft rows walked on forks of 4 paths (the
 #              default), of 1 path, and on the engine thread alone -> $OUT/spec_<device>_eagle_masked.*
+#   policy     bench_spec.py: the measured policy with n-gram and EAGLE (tree, fused chain) at batch 32 and
+#              64, JSON, 4 rounds, its speculative steps by batch bucket -> $OUT/spec_<device>_policy.*
 #   all        tests stress gpu spec attention
 #
 # PYTHON selects the interpreter (default: python3); OUT, where the eagle and prefix_profile stages write (default
@@ -106,10 +108,17 @@ stage_eagle_masked() {
     --opt eagle_topk=8 --opt eagle_depth=8 --opt eagle_masked_depths=8 --name "spec_${DEVICE}_eagle_masked" \
     ${BENCH_ARGS:-}
 }
+stage_policy() {
+  mkdir -p "$OUT"
+  BENCH_RESULTS="$OUT" "$PYTHON" benchmarks/bench_spec.py --device "$DEVICE" "${MODEL_ARGS[@]}" \
+    ${EAGLE_HEAD:+--eagle-head "$EAGLE_HEAD"} --engines "plain,ngram chain,eagle,eagle chain" --workloads json \
+    --grammar-backends xgrammar --batches 32,64 --max-tokens 128 --min-prompts 16 --repeats 4 \
+    --name "spec_${DEVICE}_policy" ${BENCH_ARGS:-}
+}
 stage_all() { stage_tests; stage_stress; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 [ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
