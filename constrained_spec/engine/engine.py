@@ -407,9 +407,8 @@ class Engine:
         mode); its mask fill runs beside this step's Python work, in one job with the accepts of
         this step's tokens (ownership: module docstring). A token the grammar refuses (a bug: the
         sample was masked) then fails its request after it was streamed."""
-        t0 = time.perf_counter()
-        tokens, logprobs = result.wait()  # from here the device is done with the bitmask buffer
-        self.stats.device_wait_seconds += time.perf_counter() - t0
+        # from here the device is done with the bitmask buffer
+        tokens, logprobs = self.stats.wait_for_device(result.wait)
         reqs = result.batch.sampling_requests()
         live: list[int] = []
         for i, req in enumerate(reqs):

@@ -36,6 +36,7 @@ import torch
 from ..grammar.llguidance_backend import NAME as LLGUIDANCE, LLGuidanceFill
 from ..grammar.native_fill import NativeFill
 from ..grammar.walks import WalkSteps, sorted_paths, split_paths, walk_paths_here
+from .config import EngineConfig
 from .request import Status
 
 _FINISHED = Status.FINISHED
@@ -105,7 +106,8 @@ class MaskFiller:
     (how long their last budgeted fill took)."""
 
     def __init__(self, bitmask: torch.Tensor, threads: int, budget_ms: float | None, max_requests: int,
-                 stop_ids: frozenset = frozenset(), paths_per_walk: int = 4):
+                 stop_ids: frozenset = frozenset(),
+                 paths_per_walk: int = EngineConfig.grammar_paths_per_walk):
         self._bitmask = bitmask
         self.stop_ids = stop_ids  # the grammars' stop tokens: no row is filled after one (`fill_paths`)
         # `fill_paths` cuts a request's draft paths into walks of this many or more, each on its own

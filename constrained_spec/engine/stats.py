@@ -36,6 +36,14 @@ class EngineStats:
     tpot: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent time-per-output-token samples
     listeners: list = field(default_factory=list)  # callables(event, request) for /metrics
 
+    def wait_for_device(self, wait):
+        """`wait()` (a step's results read, or an event waited for), its time counted as the loop's
+        wait for the device."""
+        t0 = time.perf_counter()
+        out = wait()
+        self.device_wait_seconds += time.perf_counter() - t0
+        return out
+
     def on_step(self, batch, seconds: float) -> None:
         self.steps += 1
         self.step_seconds += seconds

@@ -357,9 +357,7 @@ class SpeculativeWorker:
     def _sync(self) -> None:
         if self._event is not None:
             record_on_current_stream(self._event, self.runner.cuda_index)
-            t0 = time.perf_counter()
-            self._event.synchronize()
-            self.engine.stats.device_wait_seconds += time.perf_counter() - t0
+            self.engine.stats.wait_for_device(self._event.synchronize)
 
     # -- drafting and grammar masking ------------------------------------------------------------
     def _draft(self, reqs) -> tuple[HostTrees, tuple | None]:
