@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from grammar_pin import PINNED
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
                                            "ok": {"type": "boolean"}},
           "required": ["name", "age", "ok"], "additionalProperties": False}
+ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Describe a cat.", "List three colors.", "Give a JSON profile of a chef.", "What is 2+2?"]
 
 
@@ -715,3 +717,32 @@ def test_catch_up_pads_to_few_sizes():
     assert [catch_up_size(n, 8192) for n in (1, 64, 65, 300, 372, 5094)] == [64, 64, 128, 512, 512, 8192]
     assert len({catch_up_size(n, 8192) for n in range(300, 500)}) == 1
     assert catch_up_size(9000, 4096) == 9000  # 16,384 would pad 7,384 positions, past a row of 4,096
+
+
+def test_fused_chains_past_the_end_of_an_answer(smollm2_dir):
+    """SmolLM2 with the shipped head: where a JSON answer ends, the top-1 chain drafts on past
+    `<|im_end|>`. The chain's grammar walk ends at the stop token and the tokens after it are
+    pruned (the walk failed on the ended matcher, and the engine step with every running request
+    before); the answers, run to their end, equal plain decoding's."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    cases = [json.loads(line) for line in (ROOT / "schemas/handwritten/handwritten.jsonl").read_text().splitlines()
+             if line.strip()][:12]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{c['prompt']} Answer in JSON."}],
+                                       tokenize=True, add_generation_prompt=True) for c in cases]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    grammars = [GrammarSpec.json_schema(c["schema"]) for c in cases]
+    kw = dict(model=smollm2_dir, device="cpu", dtype=exact_dtype(), max_running_requests=12, grammar_backend=PINNED)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    plain = Engine(**kw)
+    spec = Engine(**kw, speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7, speculative_policy="always",
+                  speculative_min_accept=0.0)
+    try:
+        want = [(o.token_ids, o.finish_reason) for o in plain.generate(prompts, params, grammars)]
+        got = [(o.token_ids, o.finish_reason, o.error) for o in spec.generate(prompts, params, grammars)]
+        assert sum(reason == "stop" for _, reason in want) >= 3  # answers that end inside a chain's reach
+        assert got == [(ids, reason, None) for ids, reason in want]
+        assert spec.spec.fused_steps > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()

@@ -305,3 +305,25 @@ def _walks(steps):
         built.rows += rows
         built.end_walk()
     return built.walks()
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_chain_walk_ends_at_a_stop_token(backend, native, partial):
+    """A chain drafted on past a stop token (a top-1 EAGLE chain drafts after `<|im_end|>`): the
+    matcher that took the stop has ended, so the chain's walk ends there without an error (xgrammar
+    refuses to fill a row of an ended matcher: the walk failed, and the engine step with it); the
+    row after the stop allows nothing, so the tokens drafted past it are pruned, and the rows below
+    are left alone. The other chains' rows are the grammar's, and every matcher is where it was."""
+    ids = backend.tokenizer.encode(TEXT, add_special_tokens=False)
+    ms, _ = matchers_along(backend, SCHEMA, TEXT, len(ids) + 1)
+    ended, mid = ms[-1], ms[1]  # the whole text taken (the grammar may end here); '{' taken
+    stop_ids = frozenset(backend.grammar.stop_token_ids)
+    stop = min(stop_ids)
+    before = _rows_of([mid, ended])
+    out = torch.full((8, WIDTH), 7, dtype=torch.int32)
+    chains = [[ids[0], ids[1], ids[2], ids[3]], [ids[-1], stop, ids[0], ids[1]]]
+    native.chains_call([mid, ended], chains, out, [0, 4], stop_ids, 2, partial)()
+    assert torch.equal(out[:4], _rows_of(ms[1:5]))  # row d: after the chain's tokens 1..d
+    assert torch.equal(out[4], before[1])  # the stop's parent: the stop is legal there
+    assert (out[5] == 0).all() and (out[6:] == 7).all()
+    assert torch.equal(_rows_of([mid, ended]), before) and not ended.is_terminated()

@@ -163,7 +163,8 @@ def test_responses_requests_and_answers():
                                           ("ngram-t0.7-stream", "xgrammar"), ("ngram-greedy", "xgrammar"),
                                           ("plain-t0.7", "auto"), ("ngram-greedy-stream", "auto"),
                                           ("plain-tools-t0.7-stream", "auto"),
-                                          ("plain-responses-tools-t0.7-stream", "auto")])
+                                          ("plain-responses-tools-t0.7-stream", "auto"),
+                                          ("eagle-always-greedy", "xgrammar"), ("eagle-t0.7-stream", "auto")])
 def test_stress_gpu(name, backend, tmp_path, smollm2_dir):
     """~100 schemas at 64 clients on CUDA, max_tokens 256: the short form of the GPU stress run, under
     the default grammar backend and under auto (llguidance first). The real model (skipped, with the

@@ -140,13 +140,16 @@ class NativeFill:
                     partial: bool = False) -> Callable[[], None]:
         """A speculative step's rows for draft chains (`Walks.of_chains`): matchers[i], which has taken
         chains[i][0], fills row first_rows[i] + d after accepting chains[i][1:d + 1], for every
-        d < len(chains[i]), and is rolled back at the end; a chain whose last token is one of
-        `stop_ids` (it ends the grammar) leaves the row after it alone. The call raises
+        d < len(chains[i]), and is rolled back at the end; a chain's walk ends at its first token of
+        `stop_ids` (it ends the grammar): the rows after it are zeroed. The call raises
         RuntimeError(REFUSED_DRAFT) if a chain token was refused, unless `partial`: then the rows
         from the refused token on are zeroed. Every matcher ends where it was."""
-        walk = self.walk_call(matchers, Walks.of_chains(chains, first_rows, stop_ids), bitmask, helpers)
+        walks, ended = Walks.of_chains(chains, first_rows, stop_ids)
+        walk = self.walk_call(matchers, walks, bitmask, helpers)
 
         def run() -> None:
+            if ended:
+                bitmask[ended] = 0
             ok = walk()
             if not (partial or ok.all()):
                 raise RuntimeError(f"{REFUSED_DRAFT} ({len(matchers) - int(ok.sum())} of {len(matchers)} chains)")
