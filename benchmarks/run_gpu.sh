@@ -8,7 +8,7 @@
 # Stages (each writes benchmarks/results/ as its script says; the figures of docs/performance.md):
 #   tests      the GPU test suite (pytest -m gpu) but the served stress runs (~4 min on an H100 with
 #              the model; the whole suite takes longer than a 10-minute command)
-#   stress     the GPU stress runs alone (tests/test_stress_cpu.py::test_stress_gpu, ten configurations, ~10 min: run them in two commands)
+#   stress     the GPU stress runs alone (tests/test_stress_cpu.py::test_stress_gpu, twelve configurations, ~12 min: run them in two commands)
 #   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
 #   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
 #   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*

@@ -6,7 +6,8 @@
     python benchmarks/stress_schemas.py --url http://127.0.0.1:8000 --limit 50
 
 Schemas: schemas/jsonschemabench-dev.jsonl (400) plus schemas/conformance/cases.jsonl. Each configuration
-(`--configs`, comma separated; tokens joined by '-': plain|ngram|eagle, always (speculate at every step),
+(`--configs`, comma separated; tokens joined by '-': plain|ngram|eagle, chain (EAGLE's top-1 chains),
+always (speculate at every step),
 greedy|t<T>, stream, c<clients>, fp<frequency penalty>, tools: each object schema as the parameters of a
 function the request forces a call of, its arguments validated as the answer; responses: every request
 through the Responses API, /v1/responses, instead of /v1/chat/completions) starts
@@ -593,7 +594,8 @@ class Config:
 
 def parse_config(name: str, clients: int, temperature: float, stream: bool, extra_args: list[str]) -> Config:
     """'ngram-t0.7-stream-c128' -> n-gram speculation, T=0.7, streamed, 128 clients (unset parts: the flags);
-    'eagle-always' speculates with the EAGLE head at every step; 'tools' sends object schemas as forced
+    'eagle-always' speculates with the EAGLE head at every step ('eagle-chain-always': its top-1
+    chains, each verified with the next one drafted in the same launch); 'tools' sends object schemas as forced
     tool calls; 'responses' sends every request to /v1/responses; 'fp0.5' adds frequency_penalty 0.5 to
     every request."""
     server_args, sampling, tools, responses = list(extra_args), {}, False, False
@@ -602,6 +604,8 @@ def parse_config(name: str, clients: int, temperature: float, stream: bool, extr
             pass
         elif tok in ("ngram", "eagle"):
             server_args += ["--speculative-algorithm", tok]
+        elif tok == "chain":  # EAGLE's top-1 chains (verify and next draft fused), not its trees
+            server_args += ["--eagle-topk", "1", "--eagle-depth", "7"]
         elif tok == "always":  # speculate at every step (the measured policy may keep a drafter off)
             server_args += ["--speculative-policy", "always"]
         elif tok == "greedy":

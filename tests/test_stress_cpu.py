@@ -86,6 +86,8 @@ def test_config_names():
     assert c.server_args == ["--device", "cpu", "--speculative-algorithm", "eagle", "--speculative-policy", "always"]
     assert (c.clients, c.temperature, c.stream, c.sampling) == (16, 0.7, True, {"frequency_penalty": 0.5})
     assert stress.parse_config("ngram-greedy", 8, 0.7, True, []).server_args == ["--speculative-algorithm", "ngram"]
+    assert stress.parse_config("eagle-chain", 8, 0.7, True, []).server_args == [
+        "--speculative-algorithm", "eagle", "--eagle-topk", "1", "--eagle-depth", "7"]
     with pytest.raises(ValueError, match="unknown configuration part 'medusa'"):
         stress.parse_config("medusa-greedy", 8, 0.0, False, [])
 
@@ -164,7 +166,9 @@ def test_responses_requests_and_answers():
                                           ("plain-t0.7", "auto"), ("ngram-greedy-stream", "auto"),
                                           ("plain-tools-t0.7-stream", "auto"),
                                           ("plain-responses-tools-t0.7-stream", "auto"),
-                                          ("eagle-always-greedy", "xgrammar"), ("eagle-t0.7-stream", "auto")])
+                                          ("eagle-always-greedy", "xgrammar"), ("eagle-t0.7-stream", "auto"),
+                                          ("eagle-chain-always-greedy", "xgrammar"),
+                                          ("eagle-chain-always-t0.7-stream", "auto")])
 def test_stress_gpu(name, backend, tmp_path, smollm2_dir):
     """~100 schemas at 64 clients on CUDA, max_tokens 256: the short form of the GPU stress run, under
     the default grammar backend and under auto (llguidance first). The real model (skipped, with the
