@@ -37,9 +37,14 @@ def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _INTERPRET and torch.bfloat16 in (q.dtype, k.dtype)
 
 
-# B (the sequences) is neither specialized nor a block size of its own below 16: eager extends
-# (prompt chunks, the EAGLE head's catch-up) come with every batch size, and each new Triton
-# variant would compile on the step that first meets it.
+# B (the sequences) is neither specialized nor a block size of its own up to MIN_BLOCK_B: eager
+# extends (prompt chunks, the EAGLE head's catch-up) come with every batch size, and each new Triton
+# variant compiles on the step that first meets it (on the H200, 0.9 s: the first EAGLE step at 33
+# requests compiled a BLOCK_B of 64 that no graph capture had met). Scanning 128 lengths instead of
+# 16 adds a few cross-warp reductions to a program.
+MIN_BLOCK_B = 128
+
+
 @triton.jit(do_not_specialize=["B"])
 def _extend_kernel(
     Q, K, V, O, SlotTable, KvLens, QStarts, QLens, TreeMask, MidO, MidLse,
@@ -222,7 +227,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *tstrides, *mstrides,
         scale * _LOG2E, num_splits,
         B, G=G, D=D, IS_TREE=is_tree, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_B=max(16, triton.next_power_of_2(B)),
+        BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(B)),
         UPCAST=_upcast(q, k_cache), DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
