@@ -374,3 +374,27 @@ def test_the_loop_counts_its_waits_for_the_device(tiny_llama_dir, monkeypatch):
         assert 0.02 * stepped * 0.9 <= waited <= 0.02 * stepped + 0.5, (waited, stepped)
     finally:
         eng.shutdown()
+
+
+def test_a_failed_step_fails_its_requests_and_the_queue_goes_on(tiny_llama_dir):
+    """A step that raises fails the running requests (with a message, not a hang), and only them:
+    the waiting ones never entered it and are served after; nothing leaks."""
+    from constrained_spec.engine import FinishReason
+    from matcher_states import wait_pool_full
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32", max_running_requests=1)
+    try:
+        forward, calls = eng.runner.forward, []
+
+        def failing_once(batch, *a, **kw):
+            calls.append(len(calls))
+            if len(calls) == 3:  # the running request's second decode step
+                raise RuntimeError("injected step failure")
+            return forward(batch, *a, **kw)
+        eng.runner.forward = failing_once
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        first, second = eng.generate([[5, 6, 7], [8, 9, 10]], params)
+        assert first.finish_reason is FinishReason.ERROR and "internal error" in first.error
+        assert second.finish_reason is FinishReason.LENGTH and len(second.token_ids) == 6
+        wait_pool_full(eng)
+    finally:
+        eng.shutdown()

@@ -331,7 +331,7 @@ class Engine:
                 self.stats.on_step(batch, time.perf_counter() - t0)
             except Exception:  # keep serving: fail the requests of this step, not the engine
                 log.exception("engine step failed")
-                inflight = None
+                inflight = self._launched = None
                 self.masks.cancel()  # a fill prepared for the failed step: drop it
                 self._fail_running("internal error in the engine step; see the server log")
 
@@ -678,7 +678,9 @@ class Engine:
                      "before the grammar was complete", new_ids=new_ids, logprobs=logprobs)
 
     def _fail_running(self, message: str) -> None:
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+        """After a failed step: the running requests, whose state the step may have left half
+        changed, end with `message`; the waiting ones hold nothing the step touched and go on."""
+        for req in list(self.scheduler.running):
             self._finish(req, FinishReason.ERROR, error=message)
 
 
