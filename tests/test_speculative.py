@@ -267,6 +267,27 @@ def test_always_policy_pauses_while_drafts_fail(tiny_llama_dir):
         eng.shutdown()
 
 
+def test_failing_speculative_steps_switch_speculation_off(tiny_llama_dir):
+    """A drafter that raises fails the requests of its step, as any failed step does; after
+    MAX_FAILED_STEPS of them the engine stops speculating, and requests are served plainly (no more
+    failures), the count on /metrics."""
+    from constrained_spec.server.metrics import spec_snapshot
+    from constrained_spec.speculative.worker import MAX_FAILED_STEPS
+    eng = Engine(model=tiny_llama_dir, device="cpu", speculative_algorithm="ngram", speculative_policy="always",
+                 speculative_min_accept=0.0)
+    try:
+        def broken(reqs):
+            raise RuntimeError("injected drafter failure")
+        eng.spec._draft = broken
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        outs = [eng.generate([[5, 9, 5, 9]], sp)[0] for _ in range(MAX_FAILED_STEPS + 2)]
+        assert [o.finish_reason for o in outs] == [FinishReason.ERROR] * MAX_FAILED_STEPS + [FinishReason.LENGTH] * 2
+        assert all(len(o.token_ids) == 8 for o in outs[MAX_FAILED_STEPS:])
+        assert spec_snapshot(eng.spec.stats)["failed_steps"] == MAX_FAILED_STEPS
+    finally:
+        eng.shutdown()
+
+
 def test_server_with_speculation(engines):
     """The OpenAI server on a speculative engine: concurrent JSON-schema requests, streamed and not,
     come back valid and equal to the plain engine's greedy answers; /metrics shows the verify steps."""

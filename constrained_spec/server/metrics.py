@@ -46,6 +46,7 @@ def spec_snapshot(st) -> dict:
     """A drafter's `SpecStats` in plain values (what crosses the process boundary)."""
     return {"steps": st.steps, "verified_requests": st.verified_requests,
             "accepted_tokens": st.accepted_tokens, "forced_draft_tokens": st.forced_draft_tokens,
+            "failed_steps": st.failed_steps,
             "mean_accepted": float(st.mean_accepted), "phase_seconds": dict(st.phase_seconds()),
             "histogram": list(st.histogram)}
 
@@ -192,7 +193,9 @@ def _compile_metrics(gstats: dict):
 _SPEC_COUNTERS = (("verify_steps", "steps", "Speculative verify steps (batches)"),
                   ("verified_requests", "verified_requests", "Request-steps verified (one per request per step)"),
                   ("accepted_tokens", "accepted_tokens", "Draft tokens accepted (bonus tokens excluded)"),
-                  ("forced_draft_tokens", "forced_draft_tokens", "Grammar-forced tokens put into drafts"))
+                  ("forced_draft_tokens", "forced_draft_tokens", "Grammar-forced tokens put into drafts"),
+                  ("failed_steps", "failed_steps", "Speculative steps that raised (their requests failed; "
+                   "after a few the engine decodes plainly)"))
 
 
 def _spec_metrics(st: dict | None):

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 SPEC_PHASES = ("draft", "mask", "launch", "wait", "commit")  # host phases of a step (module docstring)
 # `always`'s brake: plain steps after the drafts' mean acceptance fell below speculative_min_accept
 PAUSE_STEPS = 16
+# speculative steps that may raise before the engine stops speculating (each one fails its requests;
+# speculation only speeds decoding up, so plain decoding is what a drafter's bug leaves)
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -59,6 +62,7 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens accepted (bonus excluded)
     histogram: list = field(default_factory=lambda: [0] * 65)  # accepted drafts per request-step
     forced_draft_tokens: int = 0  # grammar-forced tokens put into drafts
+    failed_steps: int = 0  # steps that raised (MAX_FAILED_STEPS of them switch speculation off)
     # host time per phase (seconds, summed over steps; see the module docstring)
     draft_seconds: float = 0.0  # drafting, tree structure, slots, packed inputs
     mask_seconds: float = 0.0  # grammar bitmask rows for every node + pruning (overlaps the forward on CUDA)
@@ -177,7 +181,7 @@ class SpeculativeWorker:
 
     def _can_speculate(self, batch: ScheduledBatch) -> bool:
         cfg, runner = self.engine.config, self.runner
-        if batch.size > cfg.speculative_max_batch:
+        if batch.size > cfg.speculative_max_batch or self.stats.failed_steps >= MAX_FAILED_STEPS:
             return False
         if runner.pool.num_free < batch.size * self.width:
             return False
@@ -223,8 +227,20 @@ class SpeculativeWorker:
         return MeasuredPolicy() if self.engine.config.speculative_policy == "measured" else None
 
     # -- the step --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> None:
+        """One speculative decode step of the batch. A step that raises fails its requests (the
+        engine's doing) and counts: after MAX_FAILED_STEPS the engine decodes plainly."""
+        try:
+            self._step(batch)
+        except Exception:
+            self.stats.failed_steps += 1
+            if self.stats.failed_steps == MAX_FAILED_STEPS:
+                log.error("%d speculative steps failed: speculation is off, the engine decodes plainly "
+                          "(the server log has each step's error)", MAX_FAILED_STEPS)
+            raise
+
+    @torch.inference_mode()
+    def _step(self, batch: ScheduledBatch) -> None:
         reqs = batch.requests
         if self.drafter.fuses_chains and all(r.params.greedy for r in reqs):
             self._chain_step(reqs)
