@@ -8,7 +8,8 @@
 # Stages (each writes benchmarks/results/ as its script says; the figures of docs/performance.md):
 #   tests      the GPU test suite (pytest -m gpu) but the served stress runs (~4 min on an H100 with
 #              the model; the whole suite takes longer than a 10-minute command)
-#   stress     the GPU stress runs alone (tests/test_stress_cpu.py::test_stress_gpu, twelve configurations, ~12 min: run them in two commands)
+#   stress     the GPU stress runs alone (tests/test_stress_cpu.py::test_stress_gpu, twelve configurations, ~12 min:
+#              in two commands, STRESS_K="not eagle" then STRESS_K=eagle, a pytest -k expression)
 #   gpu        bench_gpu.py: plain vs JSON at batch 1-128, HF baseline, 8B shapes -> gpu.*
 #   spec       bench_spec.py, JSON then RAG-like workload -> spec_cuda_json.*, spec_cuda_rag.*
 #   serving    bench_serving.py: the HTTP server (split and single-process) vs the engine -> bench_serving.*
@@ -49,7 +50,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 stage_tests() { "$PYTHON" -m pytest -q -m gpu tests -k "not test_stress_gpu"; }
-stage_stress() { "$PYTHON" -m pytest -q -m gpu tests/test_stress_cpu.py -k test_stress_gpu; }
+stage_stress() { "$PYTHON" -m pytest -q -m gpu tests/test_stress_cpu.py -k "test_stress_gpu${STRESS_K:+ and ($STRESS_K)}"; }
 stage_gpu() { "$PYTHON" benchmarks/bench_gpu.py; }
 stage_spec() {
   "$PYTHON" benchmarks/bench_spec.py --workloads json
@@ -118,7 +119,7 @@ stage_policy() {
 stage_all() { stage_tests; stage_stress; stage_gpu; stage_spec; stage_attention; }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 [ "$DEVICE" = cpu ] || "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
