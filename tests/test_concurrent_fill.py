@@ -470,7 +470,7 @@ def test_fill_call_releases_the_gil(backend):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_chain_fill_equals_the_tree_walk(backend, threads):
     """A speculative step's rows for grammar-guided chains (`MaskFiller.fill_chains`: a chain per
-    thread on the pool) equal xgrammar's walk of each chain; a chain may end on the grammar's stop token (the row after it is left alone); the
+    thread on the pool) equal xgrammar's walk of each chain; a chain may end on the grammar's stop token (the row after it allows nothing); the
     matchers are where they were."""
     import numpy as np
     text = json.dumps({"name": "Bo Lee of the " * 4 + "Hills", "age": 7})
@@ -489,7 +489,7 @@ def test_chain_fill_equals_the_tree_walk(backend, threads):
         n = len(chain)
         nxt = torch.tensor([i + 1 for i in range(n - 1)] + [-1])
         m.traverse_draft_tree(nxt, torch.full((n,), -1), torch.tensor(chain), expected[b * N:b * N + n])
-    expected[(len(ms) - 1) * N + len(chains[-1]) - 1] = 0x5A5A5A5A  # after the stop token: left alone
+    expected[(len(ms) - 1) * N + len(chains[-1]) - 1] = 0  # after the stop token: nothing
     buf = torch.full_like(expected, 0x5A5A5A5A)
     filler = MaskFiller(torch.zeros((1, 1536), dtype=torch.int32), threads=threads, budget_ms=None, max_requests=1)
     try:
