@@ -719,32 +719,48 @@ def test_catch_up_pads_to_few_sizes():
     assert catch_up_size(9000, 4096) == 9000  # 16,384 would pad 7,384 positions, past a row of 4,096
 
 
-def test_fused_chains_past_the_end_of_an_answer(smollm2_dir):
-    """SmolLM2 with the shipped head: where a JSON answer ends, the top-1 chain drafts on past
-    `<|im_end|>`. The chain's grammar walk ends at the stop token and the tokens after it are
-    pruned (the walk failed on the ended matcher, and the engine step with every running request
-    before); the answers, run to their end, equal plain decoding's, under either grammar backend."""
+@pytest.fixture(scope="module")
+def answers_to_their_end(smollm2_dir):
+    """SmolLM2's plain greedy JSON answers to 12 hand-written schemas, under either grammar backend,
+    most of them ended by `<|im_end|>` within 40 tokens: (engine arguments, prompts, grammars,
+    [(token ids, finish reason)])."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     cases = [json.loads(line) for line in (ROOT / "schemas/handwritten/handwritten.jsonl").read_text().splitlines()
              if line.strip()][:12]
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"{c['prompt']} Answer in JSON."}],
                                        tokenize=True, add_generation_prompt=True) for c in cases]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts] * 2
     grammars = [GrammarSpec.json_schema(c["schema"]).with_backend(backend)
-                for backend in (None, "llguidance") for c in cases]  # both backends' chain walks
-    prompts = prompts * 2
+                for backend in (None, "llguidance") for c in cases]  # both backends' draft walks
     kw = dict(model=smollm2_dir, device="cpu", dtype=exact_dtype(), max_running_requests=24, grammar_backend=PINNED)
-    params = SamplingParams(max_tokens=40, temperature=0)
     plain = Engine(**kw)
-    spec = Engine(**kw, speculative_algorithm="eagle", eagle_topk=1, eagle_depth=7, speculative_policy="always",
-                  speculative_min_accept=0.0)
     try:
-        want = [(o.token_ids, o.finish_reason) for o in plain.generate(prompts, params, grammars)]
-        got = [(o.token_ids, o.finish_reason, o.error) for o in spec.generate(prompts, params, grammars)]
-        assert sum(reason == "stop" for _, reason in want) >= 6  # answers that end inside a chain's reach
-        assert got == [(ids, reason, None) for ids, reason in want]
-        assert spec.spec.fused_steps > 0
+        want = [(o.token_ids, o.finish_reason) for o in plain.generate(prompts, END_PARAMS, grammars)]
     finally:
         plain.shutdown()
+    assert sum(reason == "stop" for _, reason in want) >= 6  # answers that end inside the drafts' reach
+    return kw, prompts, grammars, want
+
+
+END_PARAMS = SamplingParams(max_tokens=40, temperature=0)
+
+
+@pytest.mark.parametrize("drafts", ["fused chain", "tree, every depth masked"])
+def test_drafts_past_the_end_of_an_answer(answers_to_their_end, drafts):
+    """SmolLM2 with the shipped head: where a JSON answer ends, drafts go on past `<|im_end|>`.
+    A chain's grammar walk ends at the stop token and the tokens after it are pruned (the walk
+    failed on the ended matcher, and the engine step with every running request, before 81af8fc);
+    a masked tree's frontier after a stop allows nothing. The answers, run to their end, equal
+    plain decoding's."""
+    kw, prompts, grammars, want = answers_to_their_end
+    shape = dict(eagle_topk=1, eagle_depth=7) if drafts == "fused chain" else dict(eagle_masked_depths=6)
+    spec = Engine(**kw, speculative_algorithm="eagle", speculative_policy="always", speculative_min_accept=0.0,
+                  **shape)
+    try:
+        got = [(o.token_ids, o.finish_reason, o.error) for o in spec.generate(prompts, END_PARAMS, grammars)]
+        assert got == [(ids, reason, None) for ids, reason in want]
+        assert spec.spec.stats.steps > 0 and spec.spec.stats.failed_steps == 0
+        assert (spec.spec.fused_steps > 0) == (drafts == "fused chain")
+    finally:
         spec.shutdown()
