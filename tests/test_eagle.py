@@ -719,6 +719,23 @@ def test_catch_up_pads_to_few_sizes():
     assert catch_up_size(9000, 4096) == 9000  # 16,384 would pad 7,384 positions, past a row of 4,096
 
 
+def test_warmed_catch_up_changes_nothing(engines, tiny_head_dir):
+    """The start-up warm-up of the catch-up (run on CUDA after the draft graphs are captured) runs
+    the head over padding alone at each padded size, writing only the reserved slot 0: speculation
+    after it is as lossless as before, and the pool is whole."""
+    plain = engines("plain")
+    spec = engines("eagle34warm", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
+                   speculative_policy="always", speculative_min_accept=0.0)
+    io = spec.spec.drafter.io
+    sizes = io.warm_catch_up()
+    assert sizes[0] == 64 and sizes[-1] <= io.max_context < 2 * sizes[-1]
+    assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+    grammar = GrammarSpec.json_schema(SCHEMA)
+    for g in (None, grammar):
+        assert _greedy(spec, PROMPTS, g) == _greedy(plain, PROMPTS, g)
+    assert spec.runner.pool.num_free == spec.runner.pool.capacity
+
+
 @pytest.fixture(scope="module")
 def answers_to_their_end(smollm2_dir):
     """SmolLM2's plain greedy JSON answers to 12 hand-written schemas, under either grammar backend,

@@ -201,8 +201,14 @@ class CudaGraphRunner:
             for key in [k for k in self.graphs if k[0] == "draft"]:
                 del self.graphs[key]
             return
+        try:  # the one eager part of drafting: its shapes met once here, not on a loaded engine thread
+            warmed = len(io.warm_catch_up())
+        except Exception:
+            log.exception("warming the EAGLE catch-up failed; its first catch-ups may stall")
+            warmed = 0
         torch.cuda.synchronize()
-        log.info("captured EAGLE draft CUDA graphs (batch sizes %s) in %.1f s", sizes, time.perf_counter() - t0)
+        log.info("captured EAGLE draft CUDA graphs (batch sizes %s) and warmed its catch-up (%d sizes) in %.1f s",
+                 sizes, warmed, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def capture_chain(self, drafter, q_len: int, max_batch: int) -> None:
