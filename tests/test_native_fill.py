@@ -327,3 +327,20 @@ def test_chain_walk_ends_at_a_stop_token(backend, native, partial):
     assert torch.equal(out[4], before[1])  # the stop's parent: the stop is legal there
     assert (out[5] == 0).all() and (out[6:] == 7).all()
     assert torch.equal(_rows_of([mid, ended]), before) and not ended.is_terminated()
+
+
+def test_chain_walks_end_at_the_first_stop():
+    """`Walks.of_chains`' arrays: each chain's root is taken (no token), row first_row + d follows
+    token d; a chain's walk ends at its first stop token (the row after it is returned to be zeroed,
+    the steps past it fill nothing and accept nothing), and only its first: a second stop in the same
+    chain, or chains without one, change nothing else."""
+    from constrained_spec.grammar.walks import NO_TOKEN, Walks
+    STOP = 2
+    chains = [[7, 8, 9], [7, STOP, 8, STOP, 9], [7, 8, STOP], [STOP, 8]]  # the last root is no stop: taken
+    walks, ended = Walks.of_chains(chains, [0, 10, 20, 30], frozenset({STOP}))
+    assert walks.offsets.tolist() == [0, 3, 8, 11, 13]
+    assert walks.tokens.tolist() == [NO_TOKEN, 8, 9, NO_TOKEN, STOP, NO_TOKEN, NO_TOKEN, NO_TOKEN,
+                                     NO_TOKEN, 8, STOP, NO_TOKEN, 8]
+    assert walks.rows.tolist() == [0, 1, 2, 10, -1, -1, -1, -1, 20, 21, -1, 30, 31]
+    assert ended == [11, 22]  # after chain 1's token 1 and chain 2's token 2
+    assert Walks.of_chains(chains, [0, 10, 20, 30], frozenset())[1] == []
