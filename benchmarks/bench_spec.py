@@ -225,13 +225,11 @@ def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
                    mean_accepted_len=1 + d["accepted"] / max(d["verified"], 1),
                    cpu_draft_mask_ms=1000 * (d["draft_s"] + d["mask_s"]) / steps,
                    phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in SPEC_PHASES})
-        now = policy_decisions(engine)
-        if now:  # the measured policy: where it speculated, by batch bucket (speculative / all steps)
+        run = {k: n - decided.get(k, 0) for k, n in policy_decisions(engine).items()}
+        if run:  # the measured policy: where it speculated, by batch bucket (speculative / all steps)
+            buckets = sorted({b for (b, _), n in run.items() if n}, reverse=True)
             rec["spec_steps_by_bucket"] = {
-                b: f"{now.get((b, True), 0) - decided.get((b, True), 0)}/"
-                   f"{sum(now.get((b, s), 0) - decided.get((b, s), 0) for s in (True, False))}"
-                for b in sorted({b for b, _ in now}, reverse=True)
-                if any(now.get((b, s), 0) > decided.get((b, s), 0) for s in (True, False))}
+                b: f"{run.get((b, True), 0)}/{run.get((b, True), 0) + run.get((b, False), 0)}" for b in buckets}
         if "draft_calls" in d:  # EAGLE: where the draft phase goes, per speculative step
             rec.update(draft_syncs_per_step=d["draft_syncs"] / steps, draft_eager_share=d["draft_eager"] / steps,
                        draft_phase_ms={k[6:-2]: round(1000 * v / steps, 3) for k, v in d.items()
