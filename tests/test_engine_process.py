@@ -271,7 +271,8 @@ def test_engine_process_death_is_reported(tiny_llama_dir):
 def test_a_dead_engine_process_is_started_again(tiny_llama_dir):
     """Supervised (as `serve` runs it), an engine process that dies fails its requests in flight,
     is started again at the same address, and every front-end reconnects and serves; past
-    `max_restarts` deaths within the window it stays down and /health says so."""
+    `max_restarts` deaths within the window it stays down and /health says so. Each front-end
+    takes the new engine's limits (`info`)."""
     process = EngineProcess(_config(tiny_llama_dir))
     process.supervise(max_restarts=1)
     client, server = _front_end(process, owns=True)
@@ -286,6 +287,9 @@ def test_a_dead_engine_process_is_started_again(tiny_llama_dir):
             r = httpx.post(url + "/v1/chat/completions", json=_body(4), timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert process.restarts == 1 and process.info.pid != first
+        for c in (client, other):  # each front-end asked the new engine for its limits
+            assert c.info.pid == process.info.pid and c.info.kv_capacity == process.info.kv_capacity
+            assert c.info.tokenizer is c.tokenizer
         print(f"engine back in {time.monotonic() - t0:.1f} s")
         os.kill(process.info.pid, signal.SIGKILL)  # the second death in the window: stays down
         _wait(lambda: _health(server.url).status_code == 503, 10, "the second death seen")

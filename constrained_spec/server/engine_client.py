@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..engine.detokenizer import IncrementalDetokenizer
@@ -191,10 +191,14 @@ class EngineClient:
                                param="messages", code="context_length_exceeded")
 
     def _call(self, name: str, arg) -> Future:
-        future: Future = Future()
         if not self.healthy:
+            future: Future = Future()
             future.set_exception(EngineUnavailable("the engine process is not running"))
             return future
+        return self._send_call(name, arg)
+
+    def _send_call(self, name: str, arg) -> Future:
+        future: Future = Future()
         with self._lock:
             call_id = next(self._call_ids)
             self._calls[call_id] = future
@@ -331,9 +335,27 @@ class EngineClient:
                 return
             self._channel = channel
             self._reader = self._start_reader()
+            if not self._refresh_info():
+                return  # gone again: the reader's `_lost` reconnects once more
             self.healthy = True
-            log.info("connected to the engine process again")
+            log.info("connected to the engine process again (pid %d)", self.info.pid)
             return
+
+    def _refresh_info(self, timeout_s: float = 30.0) -> bool:
+        """The engine started again may differ from the last (its KV capacity follows the device
+        memory free at its start): the limits the app checks requests against are asked anew.
+        False if the engine went away meanwhile."""
+        try:
+            info = self._send_call("info", None).result(timeout_s)
+        except EngineUnavailable:
+            return False
+        except Exception as e:  # slow to answer: it serves, with the limits of the last start
+            log.warning("could not ask the engine process for its limits again: %s", e)
+            return True
+        self.info = replace(info, tokenizer=self.tokenizer)
+        self.max_context = info.max_context
+        self.config = _Limits(info.max_running_requests, info.max_queued_requests)
+        return True
 
 
 ENGINE_GONE = "the engine process stopped"

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cpus import name_os_thread
@@ -131,6 +131,8 @@ class _Connection:
             elif name == "snapshot":
                 from .metrics import engine_snapshot
                 reply(True, {**engine_snapshot(self.engine), "stored_responses": self.server.responses.snapshot()})
+            elif name == "info":  # a front-end reconnecting to an engine started again
+                reply(True, replace(self.server.info, tokenizer=None))
             elif name == "responses":  # the stored Responses every front-end shares
                 reply(True, self.server.responses.call(*arg))
             else:
@@ -200,6 +202,7 @@ class EngineServer:
         self._count = 0
         self.calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-calls")
         self.responses = ResponseStore(path=response_store)
+        self.info: EngineInfo | None = None  # set once the engine is ready (`_main`)
         engine.step_hook = self._flush_all
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
 
@@ -247,11 +250,12 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
         engine.grammar.warm_up()  # the first grammar request would otherwise pay it
         server = EngineServer(engine, address, response_store)
         runner = engine.runner
-        lifeline.send(("ready", EngineInfo(
+        server.info = EngineInfo(
             address=address, pid=os.getpid(), model_name=engine.model_name, tokenizer=engine.tokenizer,
             max_context=int(engine.max_context), kv_capacity=int(runner.pool.capacity),
             max_running_requests=config.max_running_requests, max_queued_requests=config.max_queued_requests,
-            device=str(engine.device), dtype=str(getattr(runner, "dtype", "")).replace("torch.", ""))))
+            device=str(engine.device), dtype=str(getattr(runner, "dtype", "")).replace("torch.", ""))
+        lifeline.send(("ready", server.info))
     except BaseException as e:
         import traceback
         lifeline.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
