@@ -41,7 +41,7 @@ def _upcast(q: torch.Tensor, k: torch.Tensor) -> bool:
 # extends (prompt chunks, the EAGLE head's catch-up) come with every batch size, and each new Triton
 # variant compiles on the step that first meets it (on the H200, 0.9 s: the first EAGLE step at 33
 # requests compiled a BLOCK_B of 64 that no graph capture had met). Scanning 128 lengths instead of
-# 16 adds a few cross-warp reductions to a program.
+# next_pow2(B) costs 0.3 us of a ~10.5 us launch at B=1 and 0-1.6% at 8-64 (H200, graph-replayed).
 MIN_BLOCK_B = 128
 
 
