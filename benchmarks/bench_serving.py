@@ -798,7 +798,7 @@ def _cpu_table(payload: dict, find, eng) -> list[str]:
             "|" + "---|" * (4 + len(cpu_time.ROLES))] + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def plot(payload: dict, path: Path) -> None:
+def plot(payload: dict, path: Path) -> int | None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -807,13 +807,14 @@ def plot(payload: dict, path: Path) -> None:
         print("matplotlib not installed: no plot")
         return
     if not payload["rates"]:
-        _plot_concurrency(payload, path, plt)
-        return
+        return _plot_concurrency(payload, path, plt)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    drawn = 0
     for s in payload["servers"]:
         rs = [r for r in payload["runs"] if r["server"] == s and r["mode"] == "rate"
               and r["workload"] == payload["rate_workload"]]
         rs.sort(key=lambda r: r["value"])
+        drawn += len(rs)
         xs = [r["value"] for r in rs]
         ax1.plot(xs, [r["out_tok_s"] for r in rs], marker="o", label=s)
         ax2.plot(xs, [1000 * (r["e2e"]["p99"] or 0) for r in rs], marker="o", label=f"{s} E2E p99")
@@ -830,39 +831,68 @@ def plot(payload: dict, path: Path) -> None:
     fig.suptitle(f"bench_serving: {payload['rate_workload']} on {payload['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return drawn
 
 
-def _plot_concurrency(payload: dict, path: Path, plt) -> None:
-    """Without request rates: output tok/s (servers non-streamed, and the engine) and TTFT p99 against
-    the number of clients, per workload."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+def _median_client_run(payload: dict, server: str, workload: str, stream: bool, clients: int) -> dict | None:
+    """The run of median tok/s of a configuration (one per round with --interleave)."""
+    found = sorted((r for r in payload["runs"] if (r["server"], r["workload"], r["stream"], r["mode"], r["value"])
+                    == (server, workload, stream, "clients", clients)), key=lambda r: r["out_tok_s"])
+    return found[(len(found) - 1) // 2] if found else None
+
+
+def _plot_concurrency(payload: dict, path: Path, plt) -> int:
+    """Without request rates: output tok/s (the servers, and the engine) and TTFT against the number
+    of clients, per workload; with one number of clients (an A/B such as the prefix cache's), bars per
+    workload and server. Non-streamed runs where there are any, else streamed. Returns the number of
+    values drawn."""
     clients = payload["clients"]
-    for w in payload["workloads"]:
-        eng = {r["clients"]: r for r in payload["engine"] if r["workload"] == w}
-        ax1.plot(clients, [eng[c]["out_tok_s"] if c in eng else None for c in clients], marker="s",
-                 linestyle=":", label=f"{w}: engine")
-        for s in payload["servers"]:
-            rs = {}  # clients -> the run of median tok/s (one per round with --interleave)
-            for c in clients:
-                found = sorted((r for r in payload["runs"] if (r["server"], r["workload"], r["stream"], r["mode"],
-                                                                r["value"]) == (s, w, False, "clients", c)),
-                               key=lambda r: r["out_tok_s"])
-                if found:
-                    rs[c] = found[(len(found) - 1) // 2]
-            ax1.plot(clients, [rs[c]["out_tok_s"] if c in rs else None for c in clients], marker="o", label=f"{w}: {s}")
-            ax2.plot(clients, [1000 * (rs[c]["ttft"]["p99"] or 0) if c in rs else None for c in clients], marker="o",
-                     label=f"{w}: {s}")
+    stream = not any(not r["stream"] for r in payload["runs"] if r["mode"] == "clients")
+    how = "streamed" if stream else "non-streamed"
+    ttft = "p50" if stream else "p99"  # non-streamed, TTFT is the whole answer
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    drawn = 0
+    if len(clients) == 1:
+        c, workloads = clients[0], payload["workloads"]
+        engine = {r["workload"]: r for r in payload["engine"] if r["clients"] == c}
+        servers = payload["servers"] + (["engine"] if engine else [])
+        width = 0.8 / len(servers)
+        for k, srv in enumerate(servers):
+            runs = [engine.get(w) if srv == "engine" else _median_client_run(payload, srv, w, stream, c)
+                    for w in workloads]
+            xs = [i + (k - (len(servers) - 1) / 2) * width for i in range(len(workloads))]
+            tok = [r["out_tok_s"] if r else 0 for r in runs]
+            ax1.bar(xs, tok, width, label=srv)
+            if srv != "engine":  # the in-process engine's runs time no TTFT over HTTP
+                ax2.bar(xs, [1000 * (r["ttft"][ttft] or 0) if r else 0 for r in runs], width, label=srv)
+            drawn += sum(r is not None for r in runs)
+        for ax in (ax1, ax2):
+            ax.set_xticks(range(len(workloads)), workloads)
+            ax.set_xlabel(f"workload ({c} clients)")
+    else:
+        for w in payload["workloads"]:
+            eng = {r["clients"]: r for r in payload["engine"] if r["workload"] == w}
+            ax1.plot(clients, [eng[c]["out_tok_s"] if c in eng else None for c in clients], marker="s",
+                     linestyle=":", label=f"{w}: engine")
+            for srv in payload["servers"]:
+                runs = [_median_client_run(payload, srv, w, stream, c) for c in clients]
+                ax1.plot(clients, [r["out_tok_s"] if r else None for r in runs], marker="o", label=f"{w}: {srv}")
+                ax2.plot(clients, [1000 * (r["ttft"][ttft] or 0) if r else None for r in runs], marker="o",
+                         label=f"{w}: {srv}")
+                drawn += sum(r is not None for r in runs)
+        for ax in (ax1, ax2):
+            ax.set_xlabel("concurrent clients")
     ax1.set_ylabel("output tokens/s")
-    ax1.set_title("throughput (non-streamed)")
+    ax1.set_title(f"throughput ({how})")
     ax2.set_ylabel("ms")
-    ax2.set_title("TTFT p99 (non-streamed: the whole answer)")
+    ax2.set_title(f"TTFT {ttft} ({how})")
     for ax in (ax1, ax2):
-        ax.set_xlabel("concurrent clients")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"bench_serving: served vs the in-process engine on {payload['device']}")
+    fig.suptitle(f"bench_serving on {payload['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return drawn
 
 
 # -- main ---------------------------------------------------------------------------------------------

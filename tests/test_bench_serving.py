@@ -166,15 +166,18 @@ def test_report_takes_the_median_of_paired_rounds():
 
 
 def test_plot_without_rates(tmp_path):
-    """A run of max-concurrency modes only (no --rates) still draws its plot: tok/s and TTFT p99
-    against the clients, from the results file of such a run."""
+    """A run of max-concurrency modes only (no --rates) draws its runs: lines against the clients
+    (non-streamed runs there), and bars per workload for one number of clients, streamed only (the
+    prefix cache's A/B: its plot was once empty)."""
     pytest.importorskip("matplotlib")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_serving as b
     payload = json.loads((ROOT / "benchmarks" / "results" / "bench_serving.json").read_text())
     payload["rates"] = []
-    b.plot(payload, tmp_path / "plot.png")
-    assert (tmp_path / "plot.png").stat().st_size > 10_000
+    assert b.plot(payload, tmp_path / "plot.png") > 0
+    ab = json.loads((ROOT / "benchmarks" / "results" / "bench_serving_prefix.json").read_text())
+    assert len(ab["clients"]) == 1 and all(r["stream"] for r in ab["runs"])
+    assert b.plot(ab, tmp_path / "ab.png") == len(ab["workloads"]) * len(ab["servers"])
 
 
 def test_answers_are_validated_against_their_schema():
