@@ -95,6 +95,23 @@ def test_eagle_greedy_is_lossless(engines, tiny_head_dir, topk, depth, masked):
     assert spec.runner.pool.num_free == spec.runner.pool.capacity
 
 
+def test_drafting_reads_count_as_device_waits(engines, tiny_head_dir, monkeypatch):
+    """The drafter's reads of the device (each masked depth's frontier, the drafts) go through the
+    engine's `stats.wait_for_device`, so /metrics' device-wait figure holds them."""
+    spec = engines("eagle34m2", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,
+                   eagle_masked_depths=2, speculative_policy="always", speculative_min_accept=0.0)
+    drafter = spec.spec.drafter
+    assert drafter.wait_for_device == spec.stats.wait_for_device
+    reads, proposals = [], []
+    monkeypatch.setattr(drafter, "wait_for_device", lambda wait: reads.append(1) or spec.stats.wait_for_device(wait))
+    propose = drafter.propose_arrays
+    monkeypatch.setattr(drafter, "propose_arrays", lambda batch: proposals.append(1) or propose(batch))
+    before = spec.stats.device_wait_seconds
+    _greedy(spec, PROMPTS[:2], GrammarSpec.json_schema(SCHEMA), n=8)
+    assert proposals and len(reads) == 2 * len(proposals)  # depth 2's frontier, then the drafts
+    assert spec.stats.device_wait_seconds > before
+
+
 def test_eagle_seeded_sampling_equals_plain(engines, tiny_head_dir):
     plain = engines("plain")
     spec = engines("eagle34", speculative_algorithm="eagle", eagle_head=tiny_head_dir, eagle_topk=3, eagle_depth=4,

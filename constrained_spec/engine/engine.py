@@ -119,13 +119,13 @@ class Engine:
                                               max_requests=config.max_running_requests,
                                               stop_ids=self.grammar.stop_token_ids,
                                               paths_per_walk=config.grammar_paths_per_walk))
+        self.stats = EngineStats()  # before the speculative worker: its drafter counts its device reads here
         drafter = setup(lambda: make_drafter(config, self.runner))
         self.spec = setup(lambda: SpeculativeWorker(self, drafter)) if drafter is not None else None
         if self.spec is not None and self.runner.graphs is not None:
             self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)
             self.runner.graphs.capture_draft(self.spec.drafter, max_batch=config.speculative_max_batch)
             self.runner.graphs.capture_chain(self.spec.drafter, self.spec.width, max_batch=config.speculative_max_batch)
-        self.stats = EngineStats()
         self.audit = mask_audit.MaskAudit(self.grammar, self.tokenizer) if mask_audit.enabled() else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

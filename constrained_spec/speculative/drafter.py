@@ -96,6 +96,12 @@ class Drafter(ABC):
         """The engine's grammar pool (`MaskFiller`), for drafters that fill bitmask rows while they
         draft; the others ignore it."""
 
+    @staticmethod
+    def wait_for_device(wait):
+        """`wait()`: a read of the device's results in the middle of drafting. The worker puts the
+        engine's `stats.wait_for_device` here, so that the loop's device-wait figure counts them."""
+        return wait()
+
     def finish(self, request_id: Hashable) -> None:
         """Drop the request's state."""
 

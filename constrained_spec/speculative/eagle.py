@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Hashable
 
 import numpy as np
@@ -164,7 +165,7 @@ class EagleDrafter(Drafter):
         for t in range(1, D):  # step t drafts depth t + 1: unmasked ones run back to back on the device
             masked = masked and t < self.masked_depths
             if masked:  # the frontier's rows: each node's path accepted into its matcher, then rolled back
-                front, front_score, chosen = io.frontier_host(B, t - 1)
+                front, front_score, chosen = self.wait_for_device(partial(io.frontier_host, B, t - 1))
                 prof.syncs += 1
                 paths = _extend_paths(paths, front, chosen, K)
                 self._fill_frontier_masks(reqs, paths, front_score, bs)
@@ -175,7 +176,7 @@ class EagleDrafter(Drafter):
             else:
                 io.step(bs, masked, max_kv)
             prof.lap("steps")
-        tok, score, best = io.outputs_host(B, D)  # the one read of the drafting
+        tok, score, best = self.wait_for_device(partial(io.outputs_host, B, D))  # the one read of the drafting
         prof.syncs += 1
         prof.lap("read")
         *trees, node_cand = _select_trees(*_candidates(tok, score, best, K), self.num_draft_tokens)

@@ -145,8 +145,7 @@ class SpeculativeWorker:
     def __init__(self, engine: EngineSide, drafter: Drafter):
         self.engine = engine
         self.runner = engine.runner
-        self.drafter = drafter
-        drafter.use_mask_filler(engine.masks)
+        self.drafter = self._attached(drafter)
         self.width = drafter.num_draft_tokens
         self.stats = SpecStats()
         self._observed: dict[str, int] = {}  # request id -> output tokens already given to the drafter
@@ -218,10 +217,15 @@ class SpeculativeWorker:
             raise RuntimeError("reset_drafter while requests are running")
         self._chains.clear()
         if not self.drafter.reset():  # the EAGLE drafter keeps its head and buffers (graphs read them)
-            self.drafter = make_drafter(self.engine.config, self.runner)
-            self.drafter.use_mask_filler(self.engine.masks)
+            self.drafter = self._attached(make_drafter(self.engine.config, self.runner))
         if policy:
             self.policy = self._new_policy()
+
+    def _attached(self, drafter: Drafter) -> Drafter:
+        """The drafter, given the engine's grammar pool and its count of the loop's device waits."""
+        drafter.use_mask_filler(self.engine.masks)
+        drafter.wait_for_device = self.engine.stats.wait_for_device
+        return drafter
 
     def _new_policy(self) -> MeasuredPolicy | None:
         return MeasuredPolicy() if self.engine.config.speculative_policy == "measured" else None
@@ -501,7 +505,8 @@ class SpeculativeWorker:
         sampling emits, whatever was drafted (`verify.rejection_verify` is the general form,
         for drafters that propose distributions)."""
         # a plain step draws with num_cached counting its input token: node d's input is cached at base + d
-        drawn = self.runner.sample_ahead(reqs, logits, trees.depth + 1).cpu().numpy()  # the step's one read-back
+        ahead = self.runner.sample_ahead(reqs, logits, trees.depth + 1)
+        drawn = self.engine.stats.wait_for_device(ahead.cpu).numpy()  # the step's one read-back
         return greedy_accept_host(trees, drawn)
 
     # -- after verification ----------------------------------------------------------------------
