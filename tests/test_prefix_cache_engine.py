@@ -327,16 +327,21 @@ def test_prompts_in_step_find_exactly_the_requests_sharing_uncached_tokens():
     assert not step.shares(req(range(5000, 5000 + IN_STEP_SHARE - 1), 0))
 
 
-def test_host_cost_replay_runs_both_arms(tiny_llama_dir, capsys, monkeypatch):
-    """benchmarks/prefix_cache_host.py at toy sizes: both arms finish their requests, and the
-    cache-on arm's timed calls include the releases into the tree."""
+@pytest.mark.parametrize("workload,pool,cached", [("distinct", 600, (0.0, 0.2)), ("multi-turn", 3000, (0.5, 1.0))])
+def test_host_cost_replay_runs_both_arms(tiny_llama_dir, capsys, monkeypatch, workload, pool, cached):
+    """benchmarks/prefix_cache_host.py at toy sizes: both arms finish their requests, the cache-on
+    arm's timed calls include the releases into the tree, and the cache serves what the workload
+    shares (distinct prompts their first tokens, a conversation's turns the turns before)."""
+    import re
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import prefix_cache_host
     monkeypatch.setattr(sys, "argv", ["prefix_cache_host.py", "--model", tiny_llama_dir, "--requests", "40",
                                       "--rounds", "1", "--clients", "8", "--prompt", "48", "--shared", "4",
-                                      "--max-tokens", "8", "--pool", "600"])
+                                      "--max-tokens", "8", "--pool", str(pool), "--workload", workload])
     prefix_cache_host.main()
     out = capsys.readouterr().out
     assert "cache on" in out and "| PrefixCache.release |" in out and "| PrefixCache.admit |" in out
+    share = float(re.search(rf"{workload}, ([0-9.]+) of prompt tokens cached", out).group(1))
+    assert cached[0] <= share <= cached[1], out
