@@ -119,7 +119,7 @@ class EngineSide(Protocol):
     runner: Any  # the model runner: KV pool and table, graphs, `sample_ahead`
     tokenizer: Any
     masks: Any  # the grammar mask filler (`MaskFiller.fill_chains`, `fill_paths`)
-    stats: Any  # `steps`: the engine's step count
+    stats: Any  # `steps`: the engine's step count; `wait_for_device`: its count of the loop's device waits
     grammar_stop_ids: frozenset
 
     def append_verified(self, req, tokens: list[int]) -> None:
