@@ -75,8 +75,8 @@ def _engine_config_class():
 
 
 def _train_config_class():
-    """TrainConfig without importing the speculative package (and torch), as for EngineConfig."""
-    path = Path(__file__).parent / "speculative" / "eagle_config.py"
+    """TrainConfig without importing the training package (and torch), as for EngineConfig."""
+    path = Path(__file__).parent / "training" / "eagle_config.py"
     try:
         spec = importlib.util.spec_from_file_location("_constrained_spec_eagle_config", path)
         mod = importlib.util.module_from_spec(spec)
@@ -84,7 +84,7 @@ def _train_config_class():
         spec.loader.exec_module(mod)
         return mod.TrainConfig
     except Exception:
-        from .speculative.eagle_config import TrainConfig
+        from .training.eagle_config import TrainConfig
         return TrainConfig
 
 
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `speculative.eagle_config.TrainConfig` field."""
+    """One flag per `training.eagle_config.TrainConfig` field."""
     for f in dataclasses.fields(_train_config_class()):
         if f.name == "out":
             parser.add_argument("--out", required=True, metavar="DIR", help="folder the head is written to")
@@ -345,8 +345,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    from .speculative.eagle_config import TrainConfig
-    from .speculative.eagle_train import train_eagle
+    from .training.eagle import train_eagle
+    from .training.eagle_config import TrainConfig
     setup_logging(args.log_level)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     out = train_eagle(TrainConfig(**values))

@@ -619,7 +619,7 @@ def test_serve_flags_reach_the_engine_process(tiny_llama_dir, tiny_head_dir, eng
 def _toy_training_data(loaded, n_seqs: int = 12, length: int = 16, prompt: int = 4, seed: int = 0):
     """Random sequences with random 'features' standing in for the target's: enough for the
     training loop's bookkeeping (schedule, logging), not for learning anything."""
-    from constrained_spec.speculative.eagle_train import Batches
+    from constrained_spec.training.eagle import Batches
     g = torch.Generator().manual_seed(seed)
     seqs = [(torch.randint(0, loaded.config.vocab_size, (length,), generator=g).numpy(), prompt) for _ in range(n_seqs)]
     feats = torch.randn(n_seqs * length, loaded.config.hidden_size, generator=g)
@@ -632,8 +632,8 @@ def test_time_budgeted_schedule_follows_the_clock_not_the_first_steps(tiny_llama
     CUDA run are far slower than the rest (kernel compiles, allocator growth); a schedule sized from
     their speed ended its cosine within the first ~5% of the H100 run's steps and trained the rest at
     the floor (lr / 10)."""
-    from constrained_spec.speculative import eagle_train
-    from constrained_spec.speculative.eagle_config import TrainConfig
+    from constrained_spec.training import eagle as eagle_train
+    from constrained_spec.training.eagle_config import TrainConfig
     loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
     target = loaded.model.requires_grad_(False)
     head = init_head(EagleHead(loaded.config), target)
@@ -677,7 +677,7 @@ def test_unrolled_draft_steps_see_what_a_serving_draft_sees(tiny_llama_dir, tiny
     """Draft step s of the training-time unroll at position k equals the head run over the verified
     context 0..k-s+1 followed by its own earlier guesses (what a draft node at depth s reads and
     attends to while serving), for sequences padded to different lengths; step 1 is sequence_forward."""
-    from constrained_spec.speculative.eagle_train import unrolled_forward
+    from constrained_spec.training.eagle import unrolled_forward
     loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
     target = loaded.model
     head = load_head(tiny_head_dir, loaded.config, torch.float32, "cpu")
@@ -706,8 +706,8 @@ def test_training_on_unrolled_draft_steps_and_their_held_out_top1(tiny_llama_dir
     shorter than the unroll), and validation reports held-out top-1 at draft steps 1..3 beside the
     step-1 figure, whatever the unroll."""
     from dataclasses import dataclass
-    from constrained_spec.speculative import eagle_train
-    from constrained_spec.speculative.eagle_config import TrainConfig
+    from constrained_spec.training import eagle as eagle_train
+    from constrained_spec.training.eagle_config import TrainConfig
 
     @dataclass
     class Cfg(TrainConfig):

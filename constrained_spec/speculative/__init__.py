@@ -10,7 +10,6 @@
   grammar_draft.py  grammar-guided draft chains (forced tokens, ranked next tokens)
   eagle.py          `EagleDrafter`: EAGLE-2 draft trees from a head, grammar-masked while drafted
   eagle_step.py     `DraftIO`: the EAGLE draft steps' static buffers and device work (CUDA graphs)
-  eagle_train.py    `constrained-spec train-eagle` (settings in eagle_config.py)
 """
 from .drafter import DraftBatch, Drafter
 from .policy import MeasuredPolicy

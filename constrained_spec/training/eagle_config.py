@@ -1,4 +1,4 @@
-"""The settings of `constrained-spec train-eagle` (`eagle_train.py`), apart so that the command
+"""The settings of `constrained-spec train-eagle` (`eagle.py`), apart so that the command
 line builds its flags without importing torch."""
 from __future__ import annotations
 
