@@ -6,7 +6,8 @@ configuration should emit the same tokens (the table says how many did).
 Per (workload, batch, engine): tokens/s, speedup over plain, mean accepted length (tokens emitted
 per request per verify step), the share of decode steps that speculated (the engine falls back to
 plain steps where they measure faster), and the host milliseconds per speculative step spent
-drafting + grammar-masking the trees ("CPU draft+mask") and in the other phases.
+drafting + grammar-masking the trees ("CPU draft+mask") and in the other phases; and the acceptance
+histogram (verified request-steps by drafts accepted).
 
 Each row is preceded by a short warm-up of every engine on the same prompts (grammar compilation,
 CUDA/Triton caches); then `--repeats` rounds time every engine once each, in turn, so that a host
@@ -165,7 +166,8 @@ def generate(engine, work, batch, max_tokens):
 def counters(engine):
     st = engine.spec.stats if engine.spec else None
     spec = dict(steps=st.steps, verified=st.verified_requests, accepted=st.accepted_tokens,
-                **{f"{k}_s": v for k, v in st.phase_seconds().items()}) if st else {}
+                **{f"{k}_s": v for k, v in st.phase_seconds().items()},
+                **{f"hist_{n}": c for n, c in enumerate(st.histogram)}) if st else {}
     profile = getattr(engine.spec.drafter, "profile", None) if engine.spec else None
     if profile is not None:  # the EAGLE drafter's host phases (`eagle.DraftProfile`)
         spec.update(draft_calls=profile.calls, draft_syncs=profile.syncs, draft_eager=profile.eager,
@@ -224,7 +226,8 @@ def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
         rec.update(spec_steps=d["steps"], spec_share=d["steps"] / max(d["decode_steps"], 1),
                    mean_accepted_len=1 + d["accepted"] / max(d["verified"], 1),
                    cpu_draft_mask_ms=1000 * (d["draft_s"] + d["mask_s"]) / steps,
-                   phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in SPEC_PHASES})
+                   phase_ms={k: round(1000 * d[f"{k}_s"] / steps, 3) for k in SPEC_PHASES},
+                   accepted_histogram=_histogram(d))
         run = {k: n - decided.get(k, 0) for k, n in policy_decisions(engine).items()}
         if run:  # the measured policy: where it speculated, by batch bucket (speculative / all steps)
             buckets = sorted({b for (b, _), n in run.items() if n}, reverse=True)
@@ -235,6 +238,14 @@ def timed_run(engine, work, batch, max_tokens) -> tuple[list, dict]:
                        draft_phase_ms={k[6:-2]: round(1000 * v / steps, 3) for k, v in d.items()
                                        if k.startswith("eagle_")})
     return outs, rec
+
+
+def _histogram(d: dict) -> list[int]:
+    """Request-steps of a run by drafts accepted (0, 1, ...; the bonus token not counted), up to
+    the largest count seen."""
+    counts = [d[f"hist_{n}"] for n in range(sum(k.startswith("hist_") for k in d))]
+    last = max((n for n, c in enumerate(counts) if c), default=0)
+    return counts[:last + 1]
 
 
 def policy_decisions(engine) -> dict:
@@ -266,7 +277,7 @@ def table(records, title):
             + markdown_table(["workload", "batch", "engine", "tok/s", "speedup", "cold tok/s", "cold speedup",
                               "mean accepted len", "spec share",
                               "CPU draft+mask ms/step", "identical to plain", "tok/s of each run"], rows)
-            + policy_table(records) + eagle_table(records))
+            + policy_table(records) + histogram_table(records) + eagle_table(records))
 
 
 def policy_table(records) -> str:
@@ -279,6 +290,21 @@ def policy_table(records) -> str:
         return ""
     return ("\n\nThe measured policy's speculative steps / all decode steps by batch bucket, the median warm run:\n\n"
             + markdown_table(["workload", "batch", "engine", "speculative / all steps by bucket"], rows))
+
+
+def histogram_table(records) -> str:
+    """The acceptance histogram of the median warm run: the share of verified request-steps that
+    accepted 0, 1, 2, ... drafts (the bonus token not counted)."""
+    hists = [r for r in records if sum(r.get("accepted_histogram", ())) > 0]
+    if not hists:
+        return ""
+    width = max(len(r["accepted_histogram"]) for r in hists)
+    rows = [[r["workload"], r["batch"], r["engine"], sum(r["accepted_histogram"]),
+             *(f"{c / sum(r['accepted_histogram']):.2f}" for c in r["accepted_histogram"] + [0] * (width - len(r["accepted_histogram"])))]
+            for r in hists]
+    return ("\n\nDrafts accepted per verified request-step (the median warm run; the share of request-steps "
+            "that accepted 0, 1, 2, ... drafts, the bonus token not counted):\n\n"
+            + markdown_table(["workload", "batch", "engine", "request-steps", *(str(n) for n in range(width))], rows))
 
 
 def eagle_table(records) -> str:

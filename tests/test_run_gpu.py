@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sizes import size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,13 +54,16 @@ def test_eagle_stage_trains_a_head_and_benches_it(tiny_llama_dir, tmp_path):
         for r in results:
             if r["engine"] != "plain":  # float32 on the CPU: speculation is lossless
                 assert r["identical_to_plain"] == r["requests"], r
+            hist = r.get("accepted_histogram", [])  # request-steps by drafts accepted: the mean's own counts
+            if r.get("spec_steps"):
+                assert 1 + sum(n * c for n, c in enumerate(hist)) / sum(hist) == pytest.approx(r["mean_accepted_len"])
             # the measured policy's decisions by batch bucket (speculative / all), the "always" ones have none
             measured = r["engine"] != "plain" and "always" not in r["engine"]
             assert ("spec_steps_by_bucket" in r) == measured, r
             if measured:
                 steps = [tuple(map(int, v.split("/"))) for v in r["spec_steps_by_bucket"].values()]
                 assert all(s <= n for s, n in steps) and sum(s for s, _ in steps) == r["spec_steps"], r
-        assert (out / f"spec_cpu_eagle_{workload}.md").is_file()
+        assert "Drafts accepted per verified request-step" in (out / f"spec_cpu_eagle_{workload}.md").read_text()
 
 
 def test_eagle_masked_stage_benches_the_widest_masked_tree(tiny_llama_dir, tiny_head_dir, tmp_path):
