@@ -101,6 +101,22 @@ def test_integers_and_booleans_are_strict(bad):
     assert chat(max_tokens=5, stream=True, n=2, logprobs=True, seed=3).max_tokens == 5
 
 
+
+def test_an_explicit_null_is_the_default():
+    """OpenAI's optional fields are nullable, and the `openai` package sends null for an argument
+    passed as None: `n`, `stream`, `logprobs`, `echo`, `store` null were a 400, and a completion's
+    `max_tokens` null generated to the end of the context instead of OpenAI's 16."""
+    from constrained_spec.server.responses import ResponsesRequest
+    r = chat(n=None, stream=None, logprobs=None, ignore_eos=None, max_tokens=None, stream_options=None)
+    assert (r.n, r.stream, r.logprobs, r.ignore_eos, r.token_limit()) == (1, False, False, False, None)
+    c = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None, "echo": None, "n": None, "stream": None})
+    assert (c.token_limit(), c.echo, c.n, c.stream) == (16, False, 1, False)
+    q = ResponsesRequest.model_validate({"input": "x", "store": None, "stream": None})
+    assert (q.store, q.stream) == (True, False)
+    assert chat(stream_options={"include_usage": None}).include_usage_in_stream is False
+    with pytest.raises(ValidationError):  # a required field stays required
+        ChatCompletionRequest.model_validate({"messages": None})
+
 def test_only_an_assistant_turn_may_lack_content():
     with pytest.raises(ValidationError, match="a user message needs content"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": None}]})

@@ -14,6 +14,7 @@ working.
 """
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -24,7 +25,29 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Lenient(BaseModel):
+    """A request object. OpenAI's optional fields are nullable and an explicit null means the
+    default (the `openai` package sends null for an argument passed as None): a null for a field
+    whose default is not None is dropped before validation, so `"n": null` is n = 1 and a
+    completion's `"max_tokens": null` is 16, not a 400 or a generation to the end of the context."""
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            keys = _keys_with_defaults(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in keys}
+        return data
+
+
+@functools.cache
+def _keys_with_defaults(model: type[BaseModel]) -> frozenset[str]:
+    """The names and aliases of `model`'s optional fields whose default is not None."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        if not field.is_required() and field.default is not None:
+            keys.update(k for k in (name, field.alias) if k)
+    return frozenset(keys)
 
 
 class TextPart(_Lenient):
