@@ -148,3 +148,36 @@ def test_final_text_does_not_depend_on_how_tokens_came(tokenizer, text):
                 chunked.add(ids[i:min(i + n, cut)])
                 i += n
             assert chunked.take(final=True) == expected, (cut, ids[:cut])
+
+
+@pytest.mark.parametrize("stop", [["\n3"], ["3. 3"], [". 4\n5"], ["é w"], ["🙂"], ["never there"]])
+def test_released_tokens_join_to_the_text(tokenizer, stop):
+    """Under stop strings an update lists the tokens whose text it hands out (a token whose text is
+    held back waits with it), and a matched stop string's tokens are never listed: the listed
+    tokens join to the answer, whatever the chunks (the logprobs of a stop-cut answer listed the
+    stop string's tokens: "1. 1\\n2. 2" came with tokens joining to "1. 1\\n2. 2\\n3")."""
+    text = "1. 1\n2. 2\n3. 3\n4. 4\n5. 5 Héllo wörld 🙂 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for seed in range(3):
+        rng = random.Random(seed)
+        d = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop)
+        out, listed, logprobs, i, final = [], [], [], 0, False
+        while not final:
+            n = 1 if seed == 0 else rng.randint(1, 4)
+            chunk = ids[i:i + n]
+            final = d.add(chunk) is not None or i + n >= len(ids)
+            piece = d.take(final)
+            got, lps = d.release(chunk, [{"token_id": t} for t in chunk], final)
+            assert [e["token_id"] for e in lps or []] == got  # the logprobs go with their tokens
+            out.append(piece)
+            listed += got
+            if seed == 0 and listed:  # token by token: every token listed begins in the text handed out
+                assert len(reference(tokenizer, listed[:-1])) < len("".join(out))
+            i += n
+        answer = "".join(out)
+        assert answer == (text[:text.find(stop[0])] if stop[0] in text else text)
+        joined = reference(tokenizer, listed)
+        if stop[0] == "🙂":  # one token is " 🙂": it begins in the answer and is listed, the stop's start with it
+            assert joined == answer + "🙂" and len(reference(tokenizer, listed[:-1])) < len(answer)
+        else:
+            assert joined == answer, (stop, seed)

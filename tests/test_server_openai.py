@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -199,6 +200,46 @@ def test_logprobs_leave_out_the_stop_token(openai_client):
                                             temperature=0, logprobs=1)
     assert done.choices[0].finish_reason == "stop"
     assert "".join(done.choices[0].logprobs.tokens) == done.choices[0].text
+
+
+def test_logprobs_leave_out_a_stop_strings_tokens(openai_client, server_engine):
+    """A stop string is no part of the answer, and neither are its tokens: the listed tokens join to
+    the content, streamed or not, through the engine process (the front-end finds the stop) and the
+    in-process engine (the engine does). They listed the stop string's tokens: content "1. 1\n2. 2"
+    came with tokens joining to "1. 1\n2. 2\n3"."""
+    from constrained_spec import SamplingParams
+    messages = [{"role": "user", "content": "Count from 1 to 20 separated by commas."}]
+    kw = dict(model=MODEL_ID, messages=messages, max_tokens=40, temperature=0, logprobs=True)
+    plain = openai_client.chat.completions.create(**kw).choices[0].message.content
+    stops = [s for s in ("\n3", "3\n4", "\n4\n") if s in plain]
+    assert stops, plain
+    for stop in stops:
+        c = openai_client.chat.completions.create(stop=stop, **kw).choices[0]
+        assert c.finish_reason == "stop" and c.message.content == plain[:plain.find(stop)]
+        assert "".join(t.token for t in c.logprobs.content) == c.message.content, stop
+        tokens, text = [], ""
+        for ev in openai_client.chat.completions.create(stream=True, stop=stop, **kw):
+            if ev.choices:
+                text += ev.choices[0].delta.content or ""
+                tokens += [t.token for t in (ev.choices[0].logprobs.content if ev.choices[0].logprobs else [])]
+        assert text == c.message.content and "".join(tokens) == text, stop
+    done = openai_client.completions.create(model=MODEL_ID, prompt="1, 2, 3, 4, 5,", max_tokens=16, temperature=0,
+                                            logprobs=1, stop=", 8")
+    assert done.choices[0].finish_reason == "stop" and done.choices[0].text.endswith("7")
+    assert "".join(done.choices[0].logprobs.tokens) == done.choices[0].text
+
+    prompt = server_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=0, stop=[stops[0]])
+    whole = server_engine.generate(prompt, params)[0]
+    updates = []
+    server_engine.add_request(prompt, params, on_output=updates.append)
+    while not (updates and updates[-1].finished):
+        time.sleep(0.01)
+    for text, ids in ((whole.text, whole.token_ids), ("".join(u.new_text for u in updates),
+                                                       [i for u in updates for i in u.new_token_ids])):
+        assert text == plain[:plain.find(stops[0])]
+        assert server_engine.tokenizer.decode(ids) == text
+    assert len(whole.logprobs) == len(whole.token_ids)
 
 
 def test_logit_bias(openai_client, engine_info):

@@ -11,10 +11,15 @@ Python wrapper that costs several times the decoding itself.
 Each token decodes two windows: the text before it (usually the one token before it) and the text
 with it. The one-token windows come from a per-tokenizer table of single-token decodes (exact: a
 decode of the same ids is the same text), so a token usually costs one call into the tokenizer.
+
+Under stop strings the tokens are held back with their text (`release`): an update lists the tokens
+whose text it hands out, and a matched stop string's tokens are never listed, so that the tokens
+(and their logprobs) of an answer join to its text.
 """
 from __future__ import annotations
 
 import weakref
+from bisect import bisect_left
 
 # tokenizer -> {token id: decode([id])}; at most one entry per vocabulary entry
 _SINGLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -48,6 +53,15 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text not handed out yet (the end of `text`)
         self._stopped = False  # a stop string was found: nothing after it is text
         self._out: list[str] = []  # the text handed out, in pieces (joined now and then)
+        # under stop strings (`release`): per decoded output token, where its text starts in the
+        # output (the tokens decoded together, a character split across them, start together);
+        # characters decoded; where a matched stop string cut the text; tokens not released yet
+        self._starts: list[int] = []
+        self._chars = 0
+        self._cut = 0
+        self._held_ids: list[int] = []
+        self._held_lps: list = []
+        self._released = 0
 
     @property
     def text(self) -> str:
@@ -70,7 +84,11 @@ class IncrementalDetokenizer:
             prefix = self._decode_ids(ids[start:read], True)
         full = self._decode_ids(ids[start:], True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._pending += full[len(prefix):]
+            piece = full[len(prefix):]
+            self._pending += piece
+            if self.stop:
+                self._note_starts(ids, start, read, len(prefix))
+                self._chars += len(piece)
             self.prefix_offset = read
             self.read_offset = len(ids)
         # A stop string that completes now lies in the pending text: `take` keeps back the last
@@ -78,10 +96,21 @@ class IncrementalDetokenizer:
         for s in self.stop:
             at = self._pending.find(s)
             if at != -1:
+                self._cut = self._chars - len(self._pending) + at
                 self._pending = self._pending[:at]
                 self._stopped = True
                 return s
         return None
+
+    def _note_starts(self, ids: list[int], start: int, read: int, base: int) -> None:
+        """Where the text of each token decoded now (ids[read:]) starts: one decode per token past
+        the first (a token inside a character starts where the character does)."""
+        starts, at = self._starts, self._chars
+        starts.append(at)
+        for j in range(read + 1, len(ids)):
+            text = self._decode_ids(ids[start:j], True).rstrip("\ufffd")
+            at = max(at, self._chars + len(text) - base)
+            starts.append(at)
 
     def take(self, final: bool) -> str:
         """The text not yet handed out; keeps back a possible stop-string prefix unless final. The
@@ -108,6 +137,32 @@ class IncrementalDetokenizer:
                 self._out = ["".join(parts)]
         return out
 
+    def release(self, ids: list[int], logprobs: list | None, final: bool) -> tuple[list[int], list | None]:
+        """After `take`: of the tokens held back and `ids` (with their logprobs, if any), those
+        whose text begins in what `take` has handed out. Without stop strings, `ids` as they come.
+        Under stop strings a token whose text is held back (it may begin a stop string) waits with
+        it, and the tokens of a matched stop string are dropped at the end (a token that begins
+        before the stop string and ends inside it is kept: it holds some of the text)."""
+        if not self.stop:
+            return ids, logprobs
+        held, held_lps = self._held_ids, self._held_lps
+        held += ids
+        if logprobs:
+            held_lps += logprobs
+        if final and not self._stopped:
+            n = len(held)
+        else:
+            n = bisect_left(self._starts, self._cut if self._stopped else self.emitted) - self._released
+            n = max(0, min(n, len(held)))
+        out, out_lps = held[:n], held_lps[:n]
+        if final:
+            held.clear()
+            held_lps.clear()
+        else:
+            del held[:n], held_lps[:n]
+        self._released += n
+        return out, (out_lps or None)
+
 
 class _NoText:
     """The detokenizer of a request whose caller detokenizes itself (`add_request(detokenize=False)`):
@@ -120,6 +175,9 @@ class _NoText:
 
     def take(self, final: bool) -> str:
         return ""
+
+    def release(self, ids: list[int], logprobs: list | None, final: bool) -> tuple[list[int], list | None]:
+        return ids, logprobs
 
 
 NO_TEXT = _NoText()

@@ -516,7 +516,10 @@ class Engine:
                 if lp:
                     req.held_logprobs.append(lp)
                 continue
-            req.on_output(RequestOutput(req.request_id, detok.take(False), new_ids, False, None, req.error,
+            text = detok.take(False)
+            if detok.stop:  # the tokens go out with their text
+                new_ids, lps = detok.release(new_ids, lps, False)
+            req.on_output(RequestOutput(req.request_id, text, new_ids, False, None, req.error,
                                         len(req.prompt_ids), n, lps, None, req.cached_tokens or 0))
 
     def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True,
@@ -630,7 +633,12 @@ class Engine:
                 new_ids = held + new_ids
                 if req.held_logprobs:
                     logprobs = req.held_logprobs + (logprobs or [])
-        text = req.detok.take(final=finished) if req.detok else ""
+        detok = req.detok
+        text = ""
+        if detok:
+            text = detok.take(final=finished)
+            if detok.stop:  # the tokens go out with their text (a stop string's never)
+                new_ids, logprobs = detok.release(new_ids, logprobs, finished)
         req.on_output(RequestOutput(
             request_id=req.request_id, new_text=text, new_token_ids=new_ids, finished=finished,
             finish_reason=reason, error=req.error, prompt_tokens=len(req.prompt_ids),

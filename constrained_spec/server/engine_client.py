@@ -269,9 +269,10 @@ class EngineClient:
                         self._send_quietly(("abort", key))
                     self._forget(p)
                     cut = len(ids) - at - 1
-                    self._deliver(p, RequestOutput(p.request_id, detok.take(True), ids[:at + 1], True,
-                                                   FinishReason.STOP, None, len(p.prompt_ids), n_out - cut,
-                                                   lps[:at + 1] if lps else lps, stop, cached))
+                    text = detok.take(True)
+                    ids, lps = detok.release(ids[:at + 1], lps[:at + 1] if lps else lps, True)
+                    self._deliver(p, RequestOutput(p.request_id, text, ids, True, FinishReason.STOP, None,
+                                                   len(p.prompt_ids), n_out - cut, lps, stop, cached))
                     continue
             elif p.whole:
                 _add_whole(detok, feed)
@@ -279,7 +280,10 @@ class EngineClient:
                 detok.add(feed)
             if finished:
                 self._forget(p)
-            out = RequestOutput(p.request_id, detok.take(finished), ids, finished,
+            text = detok.take(finished)
+            if detok.stop:  # the tokens go out with their text (a stop string's never)
+                ids, lps = detok.release(ids, lps, finished)
+            out = RequestOutput(p.request_id, text, ids, finished,
                                 None if reason is None else FinishReason(reason), error, len(p.prompt_ids), n_out,
                                 lps, matched, cached)
             self._deliver(p, out)
