@@ -45,14 +45,15 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 def test_text_response(openai_client, http):
     r = openai_client.responses.create(model=MODEL_ID, input="Say hello.", instructions="Be brief.",
                                        max_output_tokens=8, temperature=0)
-    assert r.object == "response" and r.id.startswith("resp") and r.model
+    assert r.object == "response" and r.id.startswith("resp_") and r.output[0].id.startswith("msg_") and r.model
     assert r.status in ("completed", "incomplete")
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
     assert r.output_text == r.output[0].content[0].text and r.output_text
     assert 0 < r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    if r.usage.output_tokens == 8:
+    if r.usage.output_tokens == 8:  # cut: the response and its message are incomplete, as OpenAI's are
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == r.status
     assert 'constrained_spec_http_requests_total{endpoint="/v1/responses",status="200"}' in http.get("/metrics").text
 
 
@@ -203,6 +204,7 @@ def test_streamed_response_is_stored(openai_client):
         final = list(stream)[-1].response  # response.completed, or .incomplete at max_output_tokens
     got = openai_client.responses.retrieve(final.id)
     assert got.output_text == final.output_text and got.status == final.status
+    assert final.output[0].status == final.status and final.id.startswith("resp_")
 
 
 def test_stored_responses_are_shared_by_front_ends(openai_client, secured_server, single_server):

@@ -278,8 +278,10 @@ def _now() -> int:
     return int(time.time())
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """An object id as OpenAI spells it: "chatcmpl-...", "cmpl-..."; the Responses API's with "_"
+    ("resp_...", "msg_...")."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 class PromptTokensDetails(BaseModel):

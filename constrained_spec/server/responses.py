@@ -113,7 +113,7 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     for item in given:
         kind = item.get("type", "message")
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
-        out = {**item, "type": kind, "id": item.get("id") or new_id(prefix), "status": item.get("status", "completed")}
+        out = {**item, "type": kind, "id": item.get("id") or new_id(prefix, "_"), "status": item.get("status", "completed")}
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             out["content"] = [{"type": part, "text": item["content"]}]
@@ -222,17 +222,18 @@ def param_name(param: str | None) -> str | None:
 
 # -- the answer ---------------------------------------------------------------------------------------
 
-def output_items(message: dict, logprobs: list | None = None) -> list[dict]:
+def output_items(message: dict, logprobs: list | None = None, status: str = "completed") -> list[dict]:
     """A chat message as Responses output items: its calls as function_call items, or one message
-    (with its tokens' `logprobs`, chat's `logprobs.content` entries, where asked)."""
+    (with its tokens' `logprobs`, chat's `logprobs.content` entries, where asked), "incomplete"
+    where the response is (cut by max_output_tokens), as OpenAI marks it."""
     calls = message.get("tool_calls")
     if calls:
         return [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    return [message_item(new_id("msg"), message.get("content") or "", "completed", logprobs)]
+    return [message_item(new_id("msg", "_"), message.get("content") or "", status, logprobs)]
 
 
 def message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
-    content = [_text_part(text, logprobs)] if status == "completed" else []
+    content = [] if status == "in_progress" else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -330,9 +331,10 @@ class ResponseEvents:
     def finish(self, response: dict) -> list[dict]:
         """The closing events; `response` is the finished Response object (its output is replaced by
         the items streamed)."""
-        events = self._close_item()
+        status = "incomplete" if response["status"] == "incomplete" else "completed"
+        events = self._close_item(status)
         if not self.output:  # nothing was generated: an empty message, as the non-streamed answer has
-            events += self._open_message() + self._close_item()
+            events += self._open_message() + self._close_item(status)
         response = {**response, "output": self.output}
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=response)]
@@ -346,11 +348,13 @@ class ResponseEvents:
         return [self._event("response.output_item.added", output_index=len(self.output), item=item)]
 
     def _open_message(self) -> list[dict]:
-        events = self._open(message_item(new_id("msg"), "", "in_progress"))
+        events = self._open(message_item(new_id("msg", "_"), "", "in_progress"))
         return events + [self._event("response.content_part.added", item_id=self.item["id"],
                                      output_index=len(self.output), content_index=0, part=_text_part(""))]
 
-    def _close_item(self) -> list[dict]:
+    def _close_item(self, status: str = "completed") -> list[dict]:
+        """Ends the open item; a message ends `status` (a function call closed by the next call, or
+        at the end complete, ends "completed")."""
         item = self.item
         if item is None:
             return []
@@ -361,7 +365,7 @@ class ResponseEvents:
                                       output_index=index, arguments=self.text))
         else:
             part = _text_part(self.text, self.logprobs)
-            done = {**item, "status": "completed", "content": [part]}
+            done = {**item, "status": status, "content": [part]}
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                       content_index=0, text=self.text, logprobs=self.logprobs))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,

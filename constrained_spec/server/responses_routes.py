@@ -40,7 +40,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         service.admit(1)
         admitted = True
         try:
-            rid = new_id("resp")
+            rid = new_id("resp", "_")
             gen = service.start([run.prompt], run.params_list, run.grammar, rid, rreq.stream)
             created = responses.now()
             if rreq.stream:
@@ -54,9 +54,10 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             service.raise_engine_errors(finals)
             message, reason = answer_message(run, req, outs[0], finals[0])
             logprobs = texts.chat_logprobs(lps[0], run.top_n)["content"] if req.logprobs else None
-            response = responses.response_object(
-                rid, created, served, rreq, req, responses.status_of(reason),
-                responses.output_items(message, logprobs), usage(len(run.prompt), finals))
+            status = responses.status_of(reason)
+            response = responses.response_object(rid, created, served, rreq, req, status,
+                                                 responses.output_items(message, logprobs, status),
+                                                 usage(len(run.prompt), finals))
             await store(rreq, history, response)
             return json_response(response)
         finally:
