@@ -25,7 +25,8 @@ def test_chat_request_fields():
 
 
 @pytest.mark.parametrize("bad, param", [({"temperature": 3}, "temperature"), ({"n": 0}, "n"),
-                                        ({"top_logprobs": 2}, None), ({"tools": [{"type": "function"}]}, None),
+                                        ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, None),
+                                        ({"stream_options": {"include_usage": True}}, "stream_options"),
                                         ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
                                          "tools.0.function.name"), ({"tool_choice": "sometimes"}, None)])
 def test_chat_request_errors(bad, param):
@@ -35,6 +36,13 @@ def test_chat_request_errors(bad, param):
     assert err.status == 400 and set(err.body()["error"]) == {"message", "type", "param", "code"}
     if param:
         assert err.param == param
+
+
+@pytest.mark.parametrize("bad", [{"echo": True}, {"suffix": "x"}])
+def test_unsupported_completion_fields_are_named(bad):
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "x", **bad})
+    assert validation_error_to_api(e.value.errors(include_url=False)).param == next(iter(bad))
 
 
 def test_completion_prompts():
@@ -113,7 +121,7 @@ def test_an_explicit_null_is_the_default():
     assert (c.token_limit(), c.echo, c.n, c.stream) == (16, False, 1, False)
     q = ResponsesRequest.model_validate({"input": "x", "store": None, "stream": None})
     assert (q.store, q.stream) == (True, False)
-    assert chat(stream_options={"include_usage": None}).include_usage_in_stream is False
+    assert chat(stream=True, stream_options={"include_usage": None}).include_usage_in_stream is False
     with pytest.raises(ValidationError):  # a required field stays required
         ChatCompletionRequest.model_validate({"messages": None})
 
@@ -154,7 +162,8 @@ def test_request_params():
     assert params.token_budget(60, None, "messages") == 4 and params.token_budget(10, 20, "messages") == 20
     assert params.token_budget(10, 500, "messages") == 54
     for body, param in (({"logit_bias": {"100": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-                        ({"logit_bias": {"3": 101}}, "logit_bias")):
+                        ({"logit_bias": {"3": 101}}, "logit_bias"), ({"stop_token_ids": [3, 100]}, "stop_token_ids"),
+                        ({"stop_token_ids": [-1]}, "stop_token_ids")):
         with pytest.raises(APIError) as e:
             params.sampling(chat(**body), 4, None)
         assert e.value.status == 400 and e.value.param == param

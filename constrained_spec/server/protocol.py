@@ -203,6 +203,13 @@ class _GenerationRequest(_Lenient):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: Any, info) -> Any:
+        if v is not None and not info.data.get("stream"):  # (`stream` is declared before it)
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -223,9 +230,14 @@ class ChatCompletionRequest(_GenerationRequest):
     def _checks(self) -> "ChatCompletionRequest":
         if self.functions:
             raise ValueError("functions (deprecated by OpenAI) is not supported; use tools and tool_choice")
-        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: Any, info) -> Any:
+        if v and not info.data.get("logprobs"):  # (a field validator, so that the 400 names the field)
+            raise ValueError("top_logprobs needs logprobs=true")
+        return v
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -249,12 +261,15 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("prompt must not be empty")
         return v
 
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, v: Any, info) -> Any:
+        if v:  # (field validators, so that the 400 names the field)
+            raise ValueError(f"{info.field_name} is not supported")
+        return v
+
     @model_validator(mode="after")
     def _checks(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of > self.n:
             raise ValueError("best_of is not supported (n completions are sampled and all returned)")
         return self

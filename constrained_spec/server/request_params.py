@@ -24,6 +24,7 @@ class RequestParams:
         kw.update((name, getattr(req, name)) for name in _SAMPLING_FIELDS if getattr(req, name) is not None)
         if req.logit_bias:
             kw["logit_bias"] = self.logit_bias(req.logit_bias)
+        self.check_token_ids(kw["stop_token_ids"], "stop_token_ids")
         try:
             return [SamplingParams(**kw, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
         except ValueError as e:
