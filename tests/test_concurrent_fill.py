@@ -527,3 +527,31 @@ def test_started_fill_accepts_the_last_tokens_first(backend):
         assert torch.equal(rows_of([outside.matcher]), rows_of([after[n]]))  # took its token, no row
     finally:
         filler.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_complete_at_the_token_limit_ends_stop(tiny_llama_dir, overlap):
+    """An answer whose grammar is complete on the last token max_tokens allows (a choice made, a
+    JSON object closed) ends "stop", not "length": the answer is whole (the openai package's `parse`
+    refused it as cut); one the limit cuts ends "length". On the sequential path, and beside a fill
+    (where the matchers are looked at only after it: `test_engine_thread_calls_no_matcher_beside_a_fill`)."""
+    eng = build(tiny_llama_dir, dtype="float32")
+    try:
+        started = overlapped(eng) if overlap else [1]
+        specs = [GrammarSpec.choice(["maybe"]).with_backend("xgrammar"),
+                 GrammarSpec.choice(["alpha beta gamma delta"]).with_backend("llguidance"),
+                 GrammarSpec.choice(["alpha beta gamma delta"]).with_backend("xgrammar"), DIGITS.with_backend("xgrammar")]
+        prompts = PROMPTS[:len(specs)]
+        free = eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), specs)
+        assert [o.finish_reason for o in free] == [FinishReason.STOP] * len(specs)
+        lengths = [len(o.token_ids) - 1 for o in free]  # the grammar's stop token ends each
+        at = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths], specs)
+        assert [(o.text, o.finish_reason) for o in at] == [(o.text, FinishReason.STOP) for o in free]
+        cut = [i for i, n in enumerate(lengths) if n > 1]
+        assert cut
+        short = eng.generate([prompts[i] for i in cut], [SamplingParams(max_tokens=lengths[i] - 1, temperature=0)
+                                                         for i in cut], [specs[i] for i in cut])
+        assert [o.finish_reason for o in short] == [FinishReason.LENGTH] * len(cut)
+        assert started[0] > 0
+    finally:
+        eng.shutdown()

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
+import numpy as np
 import torch
 
 from .. import long_lived
@@ -141,6 +142,9 @@ class Engine:
         self.grammar_stop_ids = self.grammar.stop_token_ids
         # tokens that may end a request whatever its parameters (EOS, or the end of its grammar)
         self._stop_ids = self.grammar_stop_ids | frozenset(self.eos_token_ids)
+        self._end_row = self.grammar.allocate_bitmask(1)  # `_limit_reason`'s
+        # requests at their token limit whose matcher a running mask fill may hold (`_fill_beside`)
+        self._limit_ends: list | None = None
         long_lived.freeze()  # the engine's objects, for the process's life (`long_lived.py`)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
         self._thread.start()
@@ -472,11 +476,16 @@ class Engine:
 
     def _fill_beside(self, fill, reqs, live, tokens, logprobs) -> None:
         """Appends the step's tokens while the mask fill runs on the pool's threads, then waits for
-        it. `grammar_mask_seconds` counts what the fill holds this thread up."""
+        it. `grammar_mask_seconds` counts what the fill holds this thread up. Requests that reach
+        their token limit end after the fill, which may hold their matchers (`_limit_reason`)."""
+        self._limit_ends = []
         try:
             self._append_accepted(reqs, live, tokens, logprobs)
         finally:
             self._finish_fill(fill)
+            ends, self._limit_ends = self._limit_ends, None
+        for req, new_ids, lps in ends:
+            self._finish(req, self._limit_reason(req), new_ids=new_ids, logprobs=lps)
 
     def _finish_fill(self, fill) -> None:
         t0 = time.perf_counter()
@@ -558,9 +567,25 @@ class Engine:
               and matcher.is_terminated()):
             self._finish(req, FinishReason.STOP, new_ids=new_ids, logprobs=lps)
         elif len(req.output_ids) >= params.max_tokens or req.total_len >= self.max_context:
-            self._finish(req, FinishReason.LENGTH, new_ids=new_ids, logprobs=lps)
+            if matcher is not None and self._limit_ends is not None:  # a fill may hold the matcher
+                self._limit_ends.append((req, new_ids, lps))
+            else:
+                self._finish(req, self._limit_reason(req), new_ids=new_ids, logprobs=lps)
         else:
             self._emit(req, new_ids, lps, finished=False)
+
+    def _limit_reason(self, req: Request) -> FinishReason:
+        """How a request that reached max_tokens or the context's end ended: "length", but "stop"
+        where its grammar is complete and allows nothing more (a JSON object closed, a choice made,
+        on the last token allowed): the answer is whole, and "length" would call it cut (the
+        `openai` package's `parse` refuses a "length" answer)."""
+        m = req.matcher
+        if m is None or not m.can_terminate():
+            return FinishReason.LENGTH
+        row = self._end_row
+        m.fill_bitmask(row, 0)
+        allowed = np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little"))
+        return FinishReason.STOP if self.grammar_stop_ids.issuperset(allowed.tolist()) else FinishReason.LENGTH
 
     def append_verified(self, req: Request, tokens: list[int]) -> None:
         """A speculative step's tokens for one request: what `_append_token(..., jump_forward=False)`
