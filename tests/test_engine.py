@@ -309,6 +309,42 @@ def test_a_shut_down_engine_refuses_requests(tiny_llama_dir):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
 
 
+def test_shutdown_ends_the_requests_in_flight(tiny_llama_dir):
+    """A request running, one waiting for its grammar and one just queued when `shutdown()` comes
+    end with finish_reason "error", streamed or taken whole: their callers waited forever."""
+    from constrained_spec.grammar import GrammarSpec
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32")
+    long = SamplingParams(max_tokens=eng.max_context - 8, ignore_eos=True)
+    it = eng.stream([1, 2, 3], long)
+    assert next(it).new_token_ids  # running
+    whole = []
+    caller = threading.Thread(target=lambda: whole.extend(eng.generate([[4, 5, 6], [7, 8, 9]], long, [
+        None, GrammarSpec.regex("[a-z]{1,500}")])))
+    caller.start()
+    time.sleep(0.05)
+    eng.shutdown()
+    caller.join(timeout=10)
+    assert not caller.is_alive() and [o.finish_reason for o in whole] == [FinishReason.ERROR] * 2
+    assert all("shut down" in o.error for o in whole)
+    rest = list(it)
+    assert rest[-1].finished and rest[-1].finish_reason == FinishReason.ERROR
+
+
+def test_a_refused_prompt_cancels_the_batch_queued_before_it(tiny_llama_dir):
+    """`generate` raises for a prompt the engine refuses; the prompts it had queued before it are
+    aborted, not left running for nobody."""
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32")
+    try:
+        with pytest.raises(RequestError):
+            eng.generate([[1, 2, 3], [1] * (eng.max_context + 1)], SamplingParams(max_tokens=400, ignore_eos=True))
+        deadline = time.time() + 10
+        while not eng.stats.finished and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.stats.finished == {"abort": 1} and eng.num_queued() == 0
+    finally:
+        eng.shutdown()
+
+
 def test_a_grammar_backend_failure_fails_its_request_with_its_cause(tiny_llama_dir, monkeypatch):
     """llguidance failing on a token its own mask allowed (its parser's row limit, here on a schema
     the up-front check would send elsewhere) fails that request with llguidance's reason, not as a

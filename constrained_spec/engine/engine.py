@@ -213,8 +213,14 @@ class Engine:
         if len(grammars) != len(plist) or len(params_list) != len(plist):
             raise ValueError(f"{len(plist)} prompts, but {len(params_list)} sampling params and {len(grammars)} grammars")
         collectors = [_Collector() for _ in plist]
-        reqs = [self.add_request(p, sp, g, c, each_step=False)
-                for p, sp, g, c in zip(plist, params_list, grammars, collectors)]
+        reqs = []
+        try:
+            for p, sp, g, c in zip(plist, params_list, grammars, collectors):
+                reqs.append(self.add_request(p, sp, g, c, each_step=False))
+        except Exception:  # a refused prompt: the ones queued before it have nobody to answer
+            for r in reqs:
+                self.abort(r.request_id)
+            raise
         return [c.result(r) for c, r in zip(collectors, reqs)]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -260,12 +266,25 @@ class Engine:
         return 1.0 - pool.num_free / pool.capacity
 
     def shutdown(self) -> None:
+        """Stops the loop; requests still held end with finish_reason "error" (their callers waited
+        for an end that would never come)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._end_held("the engine was shut down")
         self.masks.close()
         self.grammar.close()
         long_lived.unfreeze()
+
+    def _end_held(self, error: str) -> None:
+        """Ends every request queued, compiling or running with `error` (the loop has stopped)."""
+        self._drain_inbox()
+        for req in list(self._by_id.values()):
+            if not req.finished:
+                req.status, req.finish_reason, req.error = Status.FINISHED, FinishReason.ERROR, error
+                self._emit(req, [], None, finished=True, reason=FinishReason.ERROR)
+        self._by_id.clear()
 
     def __enter__(self):
         return self
