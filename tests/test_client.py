@@ -130,3 +130,20 @@ def test_async_complete_stream(server):
             return text, full
     text, full = asyncio.run(main())
     assert text == full.choices[0].text
+
+
+def test_error_bodies_become_api_errors():
+    """An unhealthy /health (503, its `error` a string) raises APIError, not AttributeError; an error
+    inside a stream (after the 200) carries the status the same error has unstreamed."""
+    import httpx
+    from constrained_spec.client._client import _parse_chunk, _raise_for
+    unhealthy = httpx.Response(503, json={"status": "unhealthy", "error": "the engine is not running"})
+    with pytest.raises(APIError) as e:
+        _raise_for(unhealthy)
+    assert e.value.status_code == 503 and e.value.message == "the engine is not running"
+    for code, kind, status in (("engine_unavailable", "server_error", 503), ("invalid_value", "invalid_request_error", 400),
+                               (None, "server_error", 500)):
+        with pytest.raises(APIError) as e:
+            _parse_chunk(json.dumps({"error": {"message": "m", "type": kind, "param": None, "code": code}}),
+                         ChatCompletion)
+        assert e.value.status_code == status and e.value.code == code

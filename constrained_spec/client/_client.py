@@ -153,6 +153,8 @@ def _raise_for(resp: httpx.Response, body: bytes | None = None) -> None:
         err = data.get("error", {}) if isinstance(data, dict) else {}
     except ValueError:
         data, err = raw.decode("utf-8", "replace"), {}
+    if not isinstance(err, dict):  # /health's 503 says {"status": "unhealthy", "error": "<why>"}
+        err = {"message": str(err)}
     raise APIError(resp.status_code, err.get("message") or str(data) or resp.reason_phrase, err.get("type"),
                    err.get("param"), err.get("code"), data, resp.headers)
 
@@ -170,12 +172,22 @@ def _sse_data(line: str) -> str | None:
     return line[5:].strip()
 
 
+# a streamed error comes after the 200 went out: the status the same error has unstreamed
+_UNAVAILABLE = frozenset({"engine_unavailable", "server_busy", "queue_full"})
+
+
+def _stream_error_status(err: dict) -> int:
+    if err.get("code") in _UNAVAILABLE:
+        return 503
+    return 400 if err.get("type") == "invalid_request_error" else 500
+
+
 def _parse_chunk(data: str, kind: type[BaseModel]):
     obj = json.loads(data)
     if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
         err = obj["error"] or {}
-        raise APIError(500, err.get("message", "stream error"), err.get("type"), err.get("param"), err.get("code"),
-                       obj)
+        raise APIError(_stream_error_status(err), err.get("message", "stream error"), err.get("type"),
+                       err.get("param"), err.get("code"), obj)
     return kind.model_validate(obj)
 
 
