@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ examples:
 
 then:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
-    "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Describe a cat"}],
+    "model": "smollm2-135m", "messages": [{"role": "user", "content": "Describe a cat"}],
     "response_format": {"type": "json_schema", "json_schema": {"name": "cat",
       "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}'"""
 
@@ -379,8 +380,23 @@ def describe_engine(engine) -> str:
     return ", ".join(parts)
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why `serve` could not listen on host:port, found before the model loads (a probe, closed at
+    once: the server binds for real once it is ready), or None."""
+    import socket
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    taken = _port_taken(args.host, args.port)
+    if taken is not None:
+        print(f"constrained-spec serve: error: cannot listen on {args.host} port {args.port}: {taken}", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     from .server.frontends import default_frontends, remove_metrics_dir, use_shared_metrics
     n_frontends = 1 if args.single_process else (args.frontends or default_frontends())
@@ -538,7 +554,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if final is not None and reason == "error":
             print(f"constrained-spec: generation failed: {final.error}", file=sys.stderr)
             return 1
-        if schema is not None and reason == "length":
+        if grammar is not None and (schema is not None or args.json) and reason == "length":
             print("constrained-spec: stopped at --max-tokens before the JSON was complete", file=sys.stderr)
             return 3
         return 0
@@ -549,7 +565,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # flags' smallest values (those a subcommand has): a value below made a server that never admitted a
 # request, or failed late with a traceback
 _AT_LEAST = {"port": 0, "frontends": 1, "max_running_requests": 1, "max_queued_requests": 0, "max_prefill_tokens": 1,
-             "kv_cache_slots": 1, "max_pending_requests": 1, "default_max_tokens": 1, "max_tokens": 1}
+             "kv_cache_slots": 1, "max_pending_requests": 1, "default_max_tokens": 1, "max_tokens": 1,
+             "max_model_len": 1, "grammar_threads": 1, "grammar_mask_threads": 1, "grammar_paths_per_walk": 1,
+             "grammar_max_whitespace": 0, "speculative_num_draft_tokens": 1, "speculative_max_batch": 1,
+             "eagle_topk": 1, "eagle_depth": 1, "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1,
+             "ngram_min_match": 1, "ngram_capacity": 1, "temperature": 0.0, "top_p": 0.0}
+_AT_MOST = {"port": 65535, "top_p": 1.0, "temperature": 2.0}
+_POSITIVE = ("max_body_mb", "kv_cache_memory_gb", "grammar_mask_budget_ms", "grammar_compile_timeout_s")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?|auto")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -559,9 +582,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         value = getattr(args, name, None)
         if value is not None and value < low:
             return f"--{name.replace('_', '-')} must be at least {low}; got {value}"
-    if getattr(args, "port", None) is not None and args.port > 65535:
-        return f"--port must be at most 65535; got {args.port}"
-    for name in ("max_body_mb", "kv_cache_memory_gb"):
+    for name, high in _AT_MOST.items():
+        value = getattr(args, name, None)
+        if value is not None and value > high:
+            return f"--{name.replace('_', '-')} must be at most {high}; got {value}"
+    for name in _POSITIVE:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             return f"--{name.replace('_', '-')} must be positive; got {value}"
@@ -571,6 +596,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         if not Path(os.path.expanduser(model.strip())).exists() and lookup_alias(model) is None:
             return f"--model {model!r} is neither an existing path nor a known alias ({', '.join(sorted(MODELS))})"
     device = getattr(args, "device", None)
+    if isinstance(device, str) and not _DEVICE.fullmatch(device):
+        return f"--device must be cpu, cuda, cuda:N or auto; got {device!r}"
     if isinstance(device, str) and device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():

@@ -67,6 +67,12 @@ def test_flags_map_to_engine_config():
     (["serve", "--max-body-mb", "-3"], "--max-body-mb must be positive"),
     (["serve", "--model", "/nonexistent/x.gguf"], "neither an existing path nor a known alias"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["generate", "hi", "--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto"),
+    (["serve", "--max-model-len", "-5"], "--max-model-len must be at least 1"),
+    (["serve", "--speculative-num-draft-tokens", "0"], "--speculative-num-draft-tokens must be at least 1"),
+    (["serve", "--grammar-threads", "-2"], "--grammar-threads must be at least 1"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature must be at least 0.0"),
+    (["generate", "hi", "--top-p", "5"], "--top-p must be at most 1.0"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, says, capsys):
     """Checked before anything loads: these used to start a server that never admitted a request,
@@ -85,6 +91,23 @@ def test_a_cuda_device_without_cuda_is_one_line(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--device", "cuda"])
     assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads(capsys, tiny_llama_dir):
+    """It was found by uvicorn after the model had loaded, under a log line that said it served."""
+    import socket
+    from constrained_spec.cli import main
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        code = main(["serve", "--port", str(taken.getsockname()[1]), "--model", tiny_llama_dir, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot listen on 127.0.0.1 port" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_json_cut_by_max_tokens_exits_3(server_model_path):
+    """As with --schema (docs/cli.md: exit 3, JSON cut off by --max-tokens); --json exited 0."""
+    r = run_cli("generate", "Describe a cat as JSON.", "--json", "--max-tokens", "4", "--model", server_model_path,
+                "--device", "cpu")
+    assert r.returncode == 3 and "before the JSON was complete" in r.stderr, (r.stdout, r.stderr[-2000:])
 
 
 def test_generate_with_schema(tmp_path, server_model_path):
