@@ -32,8 +32,9 @@ constrained-spec: structured-output LLM serving. Every token follows the request
 (JSON schema, regex, EBNF or a choice list); speculative decoding makes it fast.
 
 commands:
-  serve      serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)
-  generate   generate once from the shell, optionally constrained by a JSON schema
+  serve        serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)
+  generate     generate once from the shell, optionally constrained by a JSON schema
+  train-eagle  train an EAGLE draft head for a model (speculative decoding)
 
 run `constrained-spec <command> --help` for a command's flags."""
 
@@ -341,8 +342,9 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
             continue
         default = f.default
         kind = _auto_type(default, f.type) if default is not None else str
+        text = f.metadata["help"]  # (a field without a default value says what None means)
         parser.add_argument(_flag(f.name), type=kind, default=default,
-                            help=f"(default: {'the default model' if default is None else default})")
+                            help=text if default is None else f"{text} (default: %(default)s)")
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:

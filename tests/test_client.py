@@ -147,3 +147,30 @@ def test_error_bodies_become_api_errors():
             _parse_chunk(json.dumps({"error": {"message": "m", "type": kind, "param": None, "code": code}}),
                          ChatCompletion)
         assert e.value.status_code == status and e.value.code == code
+
+
+def test_health_answers_unhealthy_at_once():
+    """A server whose engine is down answers /health 503 {"status": "unhealthy", "error": why}:
+    `health()` returns that, once (it raised AttributeError after two retries); other errors raise."""
+    import httpx
+    calls = []
+
+    def server(request):
+        calls.append(request.url.path)
+        if request.url.path == "/health":
+            return httpx.Response(503, json={"status": "unhealthy", "model": "m", "error": "the engine is not running"})
+        return httpx.Response(503, json={"error": {"message": "busy", "type": "server_error", "code": "server_busy"}},
+                              headers={"Retry-After": "0"})
+    http = httpx.Client(transport=httpx.MockTransport(server), base_url="http://x")
+    with Client("http://x", http_client=http, max_retries=2) as client:
+        assert client.health() == {"status": "unhealthy", "model": "m", "error": "the engine is not running"}
+        assert calls == ["/health"]
+        with pytest.raises(APIError) as e:
+            client.models()
+        assert e.value.status_code == 503 and e.value.code == "server_busy" and len(calls) == 4  # retried twice
+
+    async def main():
+        ahttp = httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://x")
+        async with AsyncClient("http://x", http_client=ahttp) as client:
+            return await client.health()
+    assert asyncio.run(main())["status"] == "unhealthy"

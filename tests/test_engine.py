@@ -434,3 +434,16 @@ def test_a_failed_step_fails_its_requests_and_the_queue_goes_on(tiny_llama_dir):
         wait_pool_full(eng)
     finally:
         eng.shutdown()
+
+
+def test_an_engine_leaves_its_callers_config_as_it_was(tiny_llama_dir):
+    """`Engine(config, **overrides)` applies the overrides to its own copy: the caller's config,
+    reused for a second engine, kept the first one's overrides."""
+    from constrained_spec.engine.config import EngineConfig
+    config = EngineConfig(model=tiny_llama_dir, device="cpu")
+    eng = Engine(config, dtype="float32", max_running_requests=3)
+    try:
+        assert (eng.config.dtype, eng.config.max_running_requests) == ("float32", 3)
+        assert (config.dtype, config.max_running_requests) == (EngineConfig().dtype, EngineConfig().max_running_requests)
+    finally:
+        eng.shutdown()

@@ -159,6 +159,13 @@ def _raise_for(resp: httpx.Response, body: bytes | None = None) -> None:
                    err.get("param"), err.get("code"), data, resp.headers)
 
 
+def _unhealthy(e: APIError) -> dict[str, Any]:
+    """/health's 503 body (status "unhealthy", and why); any other error raises."""
+    if e.status_code == 503 and isinstance(e.body, dict) and e.body.get("status") == "unhealthy":
+        return e.body
+    raise e
+
+
 def _retry_after(resp: httpx.Response) -> float:
     try:
         return min(max(float(resp.headers.get("retry-after", "1")), 0.05), 30.0)
@@ -358,12 +365,13 @@ class Client(_Base):
         self._owns_http = http_client is None
 
     # plumbing
-    def _send(self, method: str, path: str, body: Any = None, stream: bool = False) -> httpx.Response:
-        attempt = 0
+    def _send(self, method: str, path: str, body: Any = None, stream: bool = False,
+              retries: int | None = None) -> httpx.Response:
+        attempt, retries = 0, self.max_retries if retries is None else retries
         while True:
             req = self._http.build_request(method, self.base_url + path, json=body, headers=self._headers())
             resp = self._http.send(req, stream=stream)
-            if resp.status_code == 503 and attempt < self.max_retries:
+            if resp.status_code == 503 and attempt < retries:
                 attempt += 1
                 resp.close()
                 time.sleep(_retry_after(resp))
@@ -390,8 +398,12 @@ class Client(_Base):
         return [ModelCard.model_validate(m) for m in self._send("GET", "/v1/models").json()["data"]]
 
     def health(self) -> dict[str, Any]:
-        """`GET /health`: status, model, KV-cache use."""
-        return self._send("GET", "/health").json()
+        """`GET /health`: status, model, KV-cache use; an unhealthy server's answer (503: status
+        "unhealthy" and why) is returned at once, not retried."""
+        try:
+            return self._send("GET", "/health", retries=0).json()
+        except APIError as e:
+            return _unhealthy(e)
 
     @overload
     def chat(self, messages: Messages, *, stream: Literal[False] = False, **kw: Any) -> ChatCompletion: ...
@@ -475,12 +487,13 @@ class AsyncClient(_Base):
         self._http = http_client or httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
         self._owns_http = http_client is None
 
-    async def _send(self, method: str, path: str, body: Any = None, stream: bool = False) -> httpx.Response:
-        attempt = 0
+    async def _send(self, method: str, path: str, body: Any = None, stream: bool = False,
+                    retries: int | None = None) -> httpx.Response:
+        attempt, retries = 0, self.max_retries if retries is None else retries
         while True:
             req = self._http.build_request(method, self.base_url + path, json=body, headers=self._headers())
             resp = await self._http.send(req, stream=stream)
-            if resp.status_code == 503 and attempt < self.max_retries:
+            if resp.status_code == 503 and attempt < retries:
                 attempt += 1
                 await resp.aclose()
                 await asyncio.sleep(_retry_after(resp))
@@ -505,7 +518,10 @@ class AsyncClient(_Base):
         return [ModelCard.model_validate(m) for m in (await self._send("GET", "/v1/models")).json()["data"]]
 
     async def health(self) -> dict[str, Any]:
-        return (await self._send("GET", "/health")).json()
+        try:
+            return (await self._send("GET", "/health", retries=0)).json()
+        except APIError as e:
+            return _unhealthy(e)
 
     @overload
     async def chat(self, messages: Messages, *, stream: Literal[False] = False, **kw: Any) -> ChatCompletion: ...

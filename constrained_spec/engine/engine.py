@@ -24,6 +24,7 @@ step at the same position, so its output is exactly what it would have been.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -90,7 +91,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded=None, **overrides):
         """`loaded`: an already built `models.LoadedModel` (benchmarks with random weights); by
         default the model named by `config.model` is loaded."""
-        config = config or EngineConfig()
+        config = dataclasses.replace(config) if config is not None else EngineConfig()  # the caller's stays as it was
         for k, v in overrides.items():
             if not hasattr(config, k):
                 raise TypeError(f"unknown engine option {k!r}")

@@ -253,7 +253,7 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
         server.info = EngineInfo(
             address=address, pid=os.getpid(), model_name=engine.model_name, tokenizer=engine.tokenizer,
             max_context=int(engine.max_context), kv_capacity=int(runner.pool.capacity),
-            max_running_requests=config.max_running_requests, max_queued_requests=config.max_queued_requests,
+            max_running_requests=engine.config.max_running_requests, max_queued_requests=engine.config.max_queued_requests,
             device=str(engine.device), dtype=str(getattr(runner, "dtype", "")).replace("torch.", ""))
         lifeline.send(("ready", server.info))
     except BaseException as e:
