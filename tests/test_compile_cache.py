@@ -116,6 +116,30 @@ def test_a_new_schema_does_not_wait_behind_slow_compiles(tok):
         b.close()
 
 
+def test_overrunning_compiles_never_take_the_fast_lanes_thread(tok):
+    """Slow compiles that overrun keep their threads (neither backend can stop one) and spares
+    take their places, up to 2 * workers + 1 threads; then every thread held an overrun and a new
+    schema's llguidance compile (~1 ms) waited for them, minutes (QA: five 200,000-string enums)."""
+    slow = [regex(f"slow{i}") for i in range(4)]
+    b = SlowBackend(tok, VOCAB, default_backend="auto", compile_workers=1, compile_timeout_s=0.2,
+                    slow={s.value: 3.0 for s in slow})
+    try:
+        b.compile(GrammarSpec.json_schema({"type": "integer"}), timeout_s=30)  # llguidance's set-up, once
+        futures = []
+        for s in slow:  # each arrives once the one before has overrun (each arrival wakes a thread)
+            futures.append(b.compile_async(s.with_backend("xgrammar")))
+            time.sleep(0.3)
+        assert b.queue._threads == 3 and b.stats["compile_timeouts"] >= 2
+        t0 = time.monotonic()
+        fast = b.compile(GrammarSpec.json_schema(PERSON), timeout_s=30)
+        assert fast.backend == "llguidance" and time.monotonic() - t0 < 1.0
+        for f in futures:
+            with pytest.raises(GrammarError, match="exceeded"):
+                f.result(timeout=60)
+    finally:
+        b.close()
+
+
 def test_autos_fallback_compiles_in_the_slow_lane(tok):
     """A schema llguidance refuses falls back to xgrammar under auto on the slow lane, its request
     still waiting on the same compile; fast compiles pass it meanwhile."""

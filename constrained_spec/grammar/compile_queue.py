@@ -11,7 +11,8 @@ Two lanes: fast jobs (llguidance's compiles, ~1 ms) go before slow ones (xgramma
 minutes), and slow jobs hold at most `workers` threads, of `workers + 1`: a new schema's compile
 never waits behind slow ones (it waited 20 s to 7 minutes behind two to four xgrammar compiles of
 wide objects on 2 cores). A fast job that turns out slow (auto's fallback to xgrammar) raises
-`SlowLane` and queues again in the slow lane, its requests still waiting on it.
+`SlowLane` and queues again in the slow lane, its requests still waiting on it. However many slow
+compiles overrun, one thread stays free of them for the fast lane.
 """
 from __future__ import annotations
 
@@ -256,7 +257,11 @@ class CompileQueue:
     def _next_job(self) -> Optional[_Job]:  # under the lock
         if self._queue:
             return self._queue.popleft()
-        if self._slow and self._slow_lane_busy() < self.workers:
+        # a slow job also leaves one thread free of slow jobs, overruns included: once the spares
+        # are all started, overrunning compiles (uncancellable, minutes) held every thread and a
+        # new schema's ~1 ms compile waited for them past any client's timeout (QA, 2 cores)
+        if (self._slow and self._slow_lane_busy() < self.workers
+                and sum(1 for job in self._running if job.slow) < self._threads - 1):
             return self._slow.popleft()
         return None
 
