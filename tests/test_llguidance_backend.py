@@ -572,3 +572,14 @@ def test_llguidance_copies_of_one_template_accept_the_same_text(tokenizer):
             assert b.matcher(compiled).accept_tokens(t) == len(t)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec.choice([f"option number {i}" for i in range(2500)]),
+                                  GrammarSpec.regex("a{1000000}")], ids=["row-of-2500", "lexer-limit"])
+def test_grammars_past_llguidances_limits_are_found_at_compile_time(backend, spec):
+    """llguidance builds its parser's rows and lexer lazily: these compiled, then failed at a
+    request's first token (a 500 mid-answer). They are refused at compile time under llguidance
+    (a 400 naming the limit) and served by xgrammar under auto."""
+    with pytest.raises(GrammarError, match="llguidance cannot serve this"):
+        backend.compile(spec.with_backend("llguidance"), timeout_s=60)
+    assert backend.compile(spec.with_backend("auto"), timeout_s=60).backend == "xgrammar"

@@ -241,7 +241,7 @@ class GrammarBackend:
         if backend == XGRAMMAR:
             return self._refuse_if_empty(self._build_xgrammar(spec, prepared, key))
         try:
-            compiled = self._build_llguidance(spec)
+            compiled = self._probe_llguidance(self._build_llguidance(spec))
         except GrammarError as refusal:
             if backend == LLGUIDANCE:
                 if spec.kind == "json_schema":
@@ -252,6 +252,24 @@ class GrammarBackend:
             xkey, prepared = self._normalize(spec)  # the normalizer's refusal names the keyword
             raise SlowLane(lambda: self._refuse_if_empty(self._build_xgrammar(spec, prepared, xkey)))
         return self._refuse_if_empty(compiled)
+
+    def _probe_llguidance(self, compiled: CompiledGrammar) -> CompiledGrammar:
+        """The compiled grammar, or GrammarError if llguidance cannot serve it. Its parser builds
+        rows and lexer lazily: a grammar past their limits (a row of over 2,000 items, as a wide
+        choice or anyOf makes; a lexer of too many expressions, as `a{1000000}`) compiled, then
+        failed at a request's first token, a 500 in mid-answer. One token accepted on a matcher of
+        its own finds that here, where auto falls back to xgrammar (~0.5 ms a compile)."""
+        m = self.fresh_matcher(compiled)
+        bitmask = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
+        m.fill_bitmask(bitmask, 0)
+        allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
+        first = next((int(t) for t in allowed if t not in self.stop_token_ids), None)
+        if first is not None and m.error() is None:
+            m.accept_token(first)
+        failed = m.error()
+        if failed:
+            raise GrammarError(f"llguidance cannot serve this {compiled.spec.kind} grammar: {failed}")
+        return compiled
 
     def _refuse_if_empty(self, compiled: CompiledGrammar) -> CompiledGrammar:
         """The compiled grammar, or GrammarError if it accepts no string at all (`{"$ref": "#"}`, a
