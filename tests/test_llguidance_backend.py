@@ -350,6 +350,8 @@ def test_a_backend_failure_is_told_from_a_refusal(backend, tokenizer, monkeypatc
     says why: the engine's error names it instead of a grammar violation."""
     from constrained_spec.grammar import llguidance_schema
     monkeypatch.setattr(llguidance_schema, "MAX_OPTIONAL_ONLY_PROPERTIES", 10**6)
+    # the compile-time probe refuses it (it accepts a first token): these test the failure it misses
+    monkeypatch.setattr(GrammarBackend, "_probe_llguidance", lambda self, compiled: compiled)
     m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(_wide(600)))))
     bitmask = backend.allocate_bitmask(1)
     m.fill_bitmask(bitmask, 0)

@@ -264,7 +264,9 @@ class GrammarBackend:
         m.fill_bitmask(bitmask, 0)
         allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
         first = next((int(t) for t in allowed if t not in self.stop_token_ids), None)
-        if first is not None and m.error() is None:
+        if first is None:  # nothing to accept: `_refuse_if_empty` says whether it accepts any string
+            return compiled
+        if m.error() is None:
             m.accept_token(first)
         failed = m.error()
         if failed:
