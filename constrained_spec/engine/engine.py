@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
-import numpy as np
 import torch
 
 from .. import long_lived
@@ -602,9 +601,8 @@ class Engine:
         m = req.matcher
         if m is None or not m.can_terminate():
             return FinishReason.LENGTH
-        row = self._end_row
-        m.fill_bitmask(row, 0)
-        allowed = np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little"))
+        m.fill_bitmask(self._end_row, 0)
+        allowed = self.grammar.allowed_tokens(self._end_row[0])
         return FinishReason.STOP if self.grammar_stop_ids.issuperset(allowed.tolist()) else FinishReason.LENGTH
 
     def append_verified(self, req: Request, tokens: list[int]) -> None:

@@ -262,7 +262,7 @@ class GrammarBackend:
         m = self.fresh_matcher(compiled)
         bitmask = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
         m.fill_bitmask(bitmask, 0)
-        allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
+        allowed = self.allowed_tokens(bitmask[0])
         first = next((int(t) for t in allowed if t not in self.stop_token_ids), None)
         if first is None:  # nothing to accept: `_refuse_if_empty` says whether it accepts any string
             return compiled
@@ -342,6 +342,11 @@ class GrammarBackend:
     def _llguidance_matcher(self, compiled: CompiledGrammar, ll_matcher) -> LLGuidanceMatcher:
         llg = self.llguidance
         return LLGuidanceMatcher(compiled, ll_matcher, self.vocab_size, llg.stop_token_ids, llg.special_ids)
+
+    @staticmethod
+    def allowed_tokens(row: torch.Tensor) -> np.ndarray:
+        """The token ids one bitmask row allows (bit t of the row: token t)."""
+        return np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little"))
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         pin = torch.cuda.is_available()
