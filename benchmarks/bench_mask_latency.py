@@ -86,6 +86,10 @@ class StepLog:
         stats.on_step = record
 
 
+def slow_prompt(engine) -> list[int]:
+    return engine.chat_prompt([{"role": "user", "content": SLOW_PROMPT}])
+
+
 def run(engine, log: StepLog, prompts, grammars, max_tokens: int, slow_index: int | None) -> dict:
     from constrained_spec import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -114,6 +118,10 @@ def run(engine, log: StepLog, prompts, grammars, max_tokens: int, slow_index: in
             gaps.append(1e3 * (cur[0] - prev[0]))
             grammar_ms.append(1e3 * (cur[3] - prev[3]))
         late += cur[4] - prev[4]
+    if not gaps:  # say what the steps were rather than fail on an empty percentile
+        seen = [(mode, slow_id in ids, len(ids & normal_ids)) for _, mode, ids, *_ in steps]
+        raise SystemExit(f"no decode step held the slow request beside a normal one; steps (mode, slow, normals): "
+                         f"{seen[:40]}")
     normal_tokens = sum(len(r.output_ids) for r in normal)
     normal_wall = max(done_at[r.request_id] for r in normal) - t0
     return dict(
@@ -147,29 +155,37 @@ def main():
     n_normal = args.normal if args.normal is not None else (31 if cuda else 7)
     max_tokens = args.max_tokens or (256 if cuda else 96)
     budget_ms = args.budget_ms if args.budget_ms is not None else (1.0 if cuda else 2.0)
-    engine = Engine(model=resolve_model_path(args.model), device=device)
-    scanned = scan(engine) if args.scan else None
+    model = resolve_model_path(args.model)
     slow_row = load_schema(args.schema_id)
     normal_spec, slow_spec = GrammarSpec.json_schema(PERSON_SCHEMA), GrammarSpec.json_schema(slow_row["schema"])
-    for spec in (normal_spec, slow_spec):
-        engine.compile_grammar(spec)  # compile outside the timed runs (the slow schema takes seconds)
+
+    def start_engine(budget: float | None):
+        """An engine with the budget set at construction (the budgeted fill has its own pool), its grammars
+        compiled outside the timed runs (the slow schema takes seconds) and warmed up."""
+        engine = Engine(model=model, device=device, grammar_mask_budget_ms=budget)
+        for spec in (normal_spec, slow_spec):
+            engine.compile_grammar(spec)
+        log = StepLog(engine)
+        prompts = chat_prompts(engine.tokenizer, 2, json_task=True) + [slow_prompt(engine)]
+        run(engine, log, prompts, [normal_spec] * 2 + [slow_spec], 8, 2)
+        return engine, log
+
+    engine, log = start_engine(None)
+    scanned = scan(engine) if args.scan else None
     slow_fills = fill_times(engine.grammar, engine.tokenizer, slow_row)
     normal_fills = fill_times(engine.grammar, engine.tokenizer,
                               {"schema": PERSON_SCHEMA, "valid": [{"name": "Ann Lee", "age": 41, "email": "a@b.org",
                                                                    "skills": ["chess"], "active": True}]})
-    tok = engine.tokenizer
-    normal_prompts = chat_prompts(tok, n_normal, json_task=True)
-    slow_prompt = engine.chat_prompt([{"role": "user", "content": SLOW_PROMPT}])
-    log = StepLog(engine)
-    run(engine, log, normal_prompts[:2] + [slow_prompt], [normal_spec] * 2 + [slow_spec], 8, 2)  # warm-up
-
-    prompts, grammars = normal_prompts + [slow_prompt], [normal_spec] * n_normal + [slow_spec]
+    normal_prompts = chat_prompts(engine.tokenizer, n_normal, json_task=True)
+    prompts, grammars = normal_prompts + [slow_prompt(engine)], [normal_spec] * n_normal + [slow_spec]
     results = {}
     configs = [("normal only", None, normal_prompts, [normal_spec] * n_normal, None),
                ("+ pathological, no budget", None, prompts, grammars, n_normal),
                (f"+ pathological, budget {budget_ms:g} ms", budget_ms, prompts, grammars, n_normal)]
     for name, budget, ps, gs, slow_index in configs:
-        engine.masks.budget_s = budget / 1000 if budget else None
+        if budget is not None:
+            engine.shutdown()
+            engine, log = start_engine(budget)
         results[name] = run(engine, log, ps, gs, max_tokens, slow_index)
         r = results[name]
         print(f"{name}: {r['steps']} steps, p50 {r['step_p50_ms']:.2f} ms, p99 {r['step_p99_ms']:.2f} ms, "
