@@ -519,15 +519,83 @@ def test_formats_llguidance_lacks_become_the_narrower_ones_it_has(backend, token
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar", "auto"])
 def test_a_grammar_that_accepts_nothing_is_refused(backend, name):
     """Its first mask would hold no token but a stop token its matcher refuses (llguidance) or none at
-    all (xgrammar): the request would fail in the engine. A grammar that can still write something
-    compiles, even if no path through it ends (that is truncation, not an error)."""
+    all (xgrammar): the request would fail in the engine."""
     for spec in (GrammarSpec.ebnf("root ::= a\na ::= a"), GrammarSpec.regex("[^\\x00-\\U0010FFFF]")):
         with pytest.raises(GrammarError) as e:
             backend.compile(spec.with_backend(name))
-        assert "accepts no string" in str(e.value) or "failed to compile" in str(e.value)
-    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
-    assert backend.compile(GrammarSpec.json_schema(endless).with_backend(name)).backend in ("llguidance", "xgrammar")
+        assert "accepts no" in str(e.value) or "failed to compile" in str(e.value)
     assert backend.compile(GrammarSpec.regex("a?").with_backend(name))  # may end at once
+
+
+ENDLESS = [  # (spec, what its refusal names, whether it recurses)
+    (GrammarSpec.ebnf('root ::= "a" root'), "rule root never ends", True),
+    (GrammarSpec.ebnf('root ::= "a" b | "c" d\nb ::= "b" b\nd ::= ("d" root)+'), "rules root, b, d never end", True),
+    (GrammarSpec.json_schema({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),
+     "$ref", True),
+    (GrammarSpec.json_schema({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}},
+                              "$ref": "#/$defs/n"}), "$ref", True),
+    (GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[^\\s\\S]$"}},
+                              "required": ["a"]}), "pattern", False),
+    (GrammarSpec.regex("a[^\\s\\S]"), "character class", False),
+]
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar", "auto"])
+@pytest.mark.parametrize("spec,cause,recursive", ENDLESS, ids=[s.value[:24] for s, _, _ in ENDLESS])
+def test_a_grammar_that_accepts_no_finite_string_is_refused(tokenizer, name, spec, cause, recursive):
+    """Its masks always allow a token, so it compiled, and a request under it wrote until max_tokens
+    ("length", its output never complete). Refused at compile time under every backend, the refusal
+    cached like any other; one without recursion llguidance refuses by itself (its own words)."""
+    b = GrammarBackend(tokenizer, VOCAB, default_backend=name)
+    try:
+        with pytest.raises(GrammarError) as e:
+            b.compile(spec)
+        if recursive or name == "xgrammar":
+            assert "accepts no finite string" in str(e.value) and cause in str(e.value)
+        compiles = b.stats["compile_count"]
+        with pytest.raises(GrammarError):
+            b.compile(spec)
+        assert b.stats["compile_count"] == compiles and b.stats["cache_hits"] == 1
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar", "auto"])
+def test_recursive_grammars_that_can_end_are_served(backend, name):
+    for spec in (GrammarSpec.ebnf('root ::= "a" root | "b"'),
+                 GrammarSpec.ebnf('root ::= ("a" root)*'),
+                 GrammarSpec.json_schema({"type": "object", "properties": {"next": {"$ref": "#"}}}),
+                 GrammarSpec.json_schema({"type": "object", "required": ["next"], "properties": {
+                     "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}),
+                 GrammarSpec.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1, "maxItems": 1,
+                                          "prefixItems": [{"type": "integer"}]})):
+        assert backend.compile(spec.with_backend(name))
+
+
+def test_unproductive_rules():
+    import xgrammar as xgr
+    from constrained_spec.grammar.xgrammar_backend import unproductive_rules
+    cases = {'root ::= x+\nx ::= "a" x': ["root", "x"], 'root ::= x{2,3}\nx ::= "a" x': ["root", "x"],
+             'root ::= x* | x?\nx ::= "a" x': [], 'root ::= x{0,3}\nx ::= "a" x': [],
+             'root ::= "a" x | y\nx ::= "b" | x\ny ::= y': [], 'root ::= [^\\x00-\\U0010FFFF]*': [],
+             'root ::= "a" [^\\x00-\\x7f\\x80-\\U0010FFFF]': ["root"]}
+    for ebnf, dead in cases.items():
+        assert [r for r in unproductive_rules(xgr.Grammar.from_ebnf(ebnf)) if r in ("root", "x", "y")] == dead, ebnf
+
+
+@pytest.mark.parametrize("schema,cycle", [
+    ({"type": "object", "properties": {"next": {"$ref": "#"}}}, True),
+    ({"$defs": {"a": {"items": {"$ref": "#/$defs/b"}}, "b": {"properties": {"c": {"$ref": "#/$defs/a"}}}},
+      "$ref": "#/$defs/a"}, True),
+    ({"$defs": {"a": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/a"}, "y": {"$ref": "#/$defs/a"}}},
+     False),
+    ({"$defs": {"a": {"properties": {"b": {"$ref": "#/$defs/b"}}}, "b": {"type": "string"}}, "$ref": "#/$defs/a"},
+     False),
+    ({"enum": [{"$ref": "#"}]}, False), ({"$ref": "#/nowhere"}, False),
+])
+def test_has_ref_cycle(schema, cycle):
+    from constrained_spec.grammar.schema_refs import has_ref_cycle
+    assert has_ref_cycle(schema) == cycle
 
 
 @pytest.mark.parametrize("schema,path", [

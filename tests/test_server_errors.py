@@ -121,6 +121,18 @@ def test_bad_other_constraints(http, extra):
     assert_error(http.post("/v1/chat/completions", json=chat_body(**extra)), 400)
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}},
+     "response_format.json_schema.schema"),
+    ({"ebnf": 'root ::= "a" root'}, "ebnf"),
+])
+def test_a_grammar_that_accepts_no_finite_string_is_a_400(http, extra, param):
+    """It was served: the answer ran to max_tokens ("length"), never a complete value."""
+    err = assert_error(http.post("/v1/chat/completions", json=chat_body(**extra)), 400, param=param)
+    assert "accepts no finite string" in err["message"], err
+
+
 def test_prompt_longer_than_context(http, engine_info):
     long = "word " * (engine_info.max_context + 100)
     assert_error(http.post("/v1/chat/completions", json=chat_body(long)), 400, code="context_length_exceeded")

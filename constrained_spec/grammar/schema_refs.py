@@ -33,6 +33,49 @@ def check_ref_cycles(schema: Any) -> None:
             node = local_target(schema, node["$ref"])
 
 
+def has_ref_cycle(schema: Any) -> bool:
+    """Whether a local `$ref` leads, through the `$ref`s inside its target, back to itself: the only
+    way a schema recurses (`GrammarBackend._refuse_if_unproductive` checks only these under
+    llguidance). A schema whose nested `$id` could re-base its references counts as one; a `#anchor`
+    reference is not followed."""
+    if not isinstance(schema, dict):
+        return False
+    if has_nested_id(schema, top=True):
+        return True
+    succ: dict = {}  # a $ref -> the $refs inside its target
+    todo = list(_refs_in(schema))
+    while todo:
+        ref = todo.pop()
+        if ref not in succ:
+            succ[ref] = _refs_in(local_target(schema, ref))
+            todo.extend(succ[ref])
+    waiting = {ref: 0 for ref in succ}  # Kahn's topological sort: what a cycle holds is never freed
+    for targets in succ.values():
+        for t in targets:
+            waiting[t] += 1
+    free = [ref for ref, n in waiting.items() if n == 0]
+    while free:
+        for t in succ[free.pop()]:
+            waiting[t] -= 1
+            if waiting[t] == 0:
+                free.append(t)
+    return any(waiting.values())
+
+
+def _refs_in(node: Any) -> set:
+    """The `$ref` strings in a subschema, not followed. Walked without recursion."""
+    found, stack = set(), [node]
+    while stack:
+        s = stack.pop()
+        if isinstance(s, list):
+            stack.extend(s)
+        elif isinstance(s, dict):
+            if isinstance(s.get("$ref"), str):
+                found.add(s["$ref"])
+            stack.extend(v for k, v in s.items() if k not in DATA_KEYWORDS)
+    return found
+
+
 def _ref_only(node: Any) -> bool:
     return isinstance(node, dict) and isinstance(node.get("$ref"), str) and set(node) <= INERT_BESIDE_REF
 

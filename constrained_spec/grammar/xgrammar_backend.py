@@ -162,6 +162,79 @@ def _memory(cg) -> int:
         return 0
 
 
+# xgrammar 0.2.8's grammar expression types (`Grammar::GrammarExprType`, serialization "v16"); the
+# types after REPEAT (tokens, structural-tag dispatch, regex, substring) are taken to be productive
+GRAMMAR_FORMAT = "v16"
+BYTES, CLASS, CLASS_STAR, EMPTY_STR, RULE_REF, SEQUENCE, CHOICES, TAG_DISPATCH, REPEAT = range(9)
+
+
+def unproductive_rules(grammar: "xgr.Grammar") -> List[str]:
+    """If the grammar's root derives no finite string (`root ::= "a" root`), the names of its rules
+    that derive none, the root's first; else []. The classic fixed point, over xgrammar's structure
+    of the grammar (its serialized form: the printed EBNF would have to be parsed again). A sequence
+    is productive once all its parts are, a choice once one is, a rule once its body is, `x{0,n}`
+    always and `x{m,n}` once `x` is; a character class is unless it matches no character. Neither
+    xgrammar nor llguidance checks this (0.2.8, 1.9.1): such a grammar compiles, and its requests
+    write until max_tokens. Another serialization version is not read (nothing is unproductive)."""
+    d = json.loads(grammar.serialize_json())
+    if d.get("__VERSION__") != GRAMMAR_FORMAT:
+        return []
+    data, starts, rules = d["grammar_expr_data"], d["grammar_expr_indptr"], d["rules"]
+    n = len(starts)
+    # nodes: expression i is node i, rule r node n + r; an expression is productive once `need` of
+    # its children are (each counted once it is), a rule once its body is
+    need = [0] * n
+    users: dict = {}
+    ready = []
+    for i, s in enumerate(starts):
+        kind, size = data[s], data[s + 1]
+        if kind == RULE_REF or (kind == REPEAT and data[s + 3] > 0):
+            children = (n + data[s + 2],)
+        elif kind == SEQUENCE or kind == CHOICES:
+            children = data[s + 2:s + 2 + size]
+        elif kind == CLASS and _matches_nothing(data[s + 2:s + 2 + size]):
+            continue
+        else:
+            children = ()
+        if not children:
+            if kind != CHOICES:  # a choice of nothing is never productive
+                ready.append(i)
+            continue
+        need[i] = 1 if kind == CHOICES else len(children)
+        for c in children:
+            users.setdefault(c, []).append(i)
+    for r, rule in enumerate(rules):
+        users.setdefault(rule[1], []).append(n + r)
+        need.append(1)
+    productive = bytearray(n + len(rules))
+    while ready:
+        node = ready.pop()
+        if productive[node]:
+            continue
+        productive[node] = 1
+        for u in users.get(node, ()):
+            need[u] -= 1
+            if need[u] == 0:
+                ready.append(u)
+    root = d["root_rule_id"]
+    if productive[n + root]:
+        return []
+    return [rules[root][0]] + [rule[0] for r, rule in enumerate(rules) if r != root and not productive[n + r]]
+
+
+def _matches_nothing(cls: List[int]) -> bool:
+    """Whether a character class ([negated, lo0, hi0, lo1, hi1, ...]) matches no character."""
+    ranges = sorted(zip(cls[1::2], cls[2::2]))
+    if not cls[0]:
+        return all(lo > hi for lo, hi in ranges)
+    covered = -1  # a negated class matches nothing where its ranges cover every code point
+    for lo, hi in ranges:
+        if lo > covered + 1:
+            return False
+        covered = max(covered, hi)
+    return covered >= 0x10FFFF
+
+
 def _ebnf_string(s: str) -> str:
     out = []
     for ch in s:
@@ -238,6 +311,23 @@ class XGrammarCompiler:
             msg = msg.split(": ", 1)[-1] if "/project/cpp/" in msg else msg
             raise GrammarError(f"{spec.kind} failed to compile: {msg}") from None
         raise GrammarError(f"unknown grammar kind '{spec.kind}'")
+
+    def grammar(self, spec: GrammarSpec, prepared: Optional[str]) -> Optional["xgr.Grammar"]:
+        """xgrammar's grammar for a spec, uncompiled (0.1-1 ms for a dev schema, where compiling it
+        takes 10 ms to seconds), or None where it is never unproductive (choice, json_object) or
+        xgrammar cannot build it (its compile, or llguidance's, reports why)."""
+        try:
+            if spec.kind == "json_schema":
+                return xgr.Grammar.from_json_schema(prepared, any_whitespace=self.any_whitespace,
+                                                    strict_mode=spec.strict,
+                                                    max_whitespace_cnt=self.max_whitespace_cnt)
+            if spec.kind == "regex":
+                return xgr.Grammar.from_regex(prepared)
+            if spec.kind == "ebnf":
+                return xgr.Grammar.from_ebnf(spec.value)
+        except Exception:  # noqa: BLE001
+            return None
+        return None
 
     def disk_name(self, key) -> str:
         """The cache file of a compile key (`normalize`); named as before the key named its backend."""
