@@ -133,6 +133,18 @@ def test_a_grammar_that_accepts_no_finite_string_is_a_400(http, extra, param):
     assert "accepts no finite string" in err["message"], err
 
 
+def test_boolean_schemas_true_is_any_json_value_false_a_400(http):
+    """`true` was a 400 (the request model wanted an object)."""
+    resp = http.post("/v1/chat/completions", json={**schema_body(True), "max_tokens": 48})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        json.loads(choice["message"]["content"])
+    err = assert_error(http.post("/v1/chat/completions", json=schema_body(False)), 400,
+                       param="response_format.json_schema.schema")
+    assert "false accepts no JSON value" in err["message"]
+
+
 def test_prompt_longer_than_context(http, engine_info):
     long = "word " * (engine_info.max_context + 100)
     assert_error(http.post("/v1/chat/completions", json=chat_body(long)), 400, code="context_length_exceeded")

@@ -172,3 +172,37 @@ def test_request_params():
     assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
     with pytest.raises(APIError):
         params.check_token_ids([1, 100], "prompt")
+
+
+def test_boolean_schemas():
+    """JSON Schema's `true` accepts any JSON value: served as `{}` (it was a 400, the request model
+    wanting an object); `false` accepts none: a 400 that says so, in every place a schema goes."""
+    from constrained_spec.grammar import GrammarSpec
+    from constrained_spec.server import responses
+    from constrained_spec.server.tools import tool_call_plan
+    any_value = GrammarSpec.json_schema({})
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}
+    assert grammar_spec_for(chat(response_format=fmt)) == any_value
+    assert grammar_spec_for(chat(guided_json=True)) == any_value
+    assert grammar_spec_for(chat(guided_json="true")) == any_value
+    data = {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": True}}}
+    assert grammar_spec_for(responses.chat_request(responses.parse(data), data)) == any_value
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert tool_call_plan(chat(response_format=fmt, tools=tools)).answer_schema == {}
+
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error_to_api(e.value.errors(include_url=False), body)
+    assert err.param == "response_format.json_schema.schema" and "false accepts no JSON value" in err.message
+    with pytest.raises(APIError) as api:
+        grammar_spec_for(chat(guided_json="false"))
+    assert api.value.param == "guided_json" and "false accepts no JSON value" in api.value.message
+    with pytest.raises(ValidationError) as e:
+        chat(guided_json=False)
+    assert "false accepts no JSON value" in str(e.value)
+    data["text"]["format"]["schema"] = False
+    with pytest.raises(APIError) as api:
+        responses.parse(data)
+    assert api.value.param == "text.format.schema" and "false accepts no JSON value" in api.value.message

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from .errors import APIError, bad_request
-from .protocol import ResponseFormatJsonObject, ResponseFormatJsonSchema, _GenerationRequest
+from .protocol import ResponseFormatJsonObject, ResponseFormatJsonSchema, _GenerationRequest, boolean_schema
 from .tools import ToolCallPlan, tool_call_plan
 
 MAX_CHOICES = 4096
@@ -117,6 +117,10 @@ def _spec_for(req: _GenerationRequest, plan: ToolCallPlan | None = None):
                 value = orjson.loads(value)
             except orjson.JSONDecodeError as e:
                 raise bad_request(f"guided_json is not valid JSON: {e}", param=field, code="invalid_schema")
+        try:
+            value = boolean_schema(value)  # its text may be `true` or `false`
+        except ValueError as e:
+            raise bad_request(f"invalid value for '{field}': {e}", param=field, code="invalid_schema")
         if not isinstance(value, dict):
             raise bad_request("guided_json must be a JSON schema object", param=field, code="invalid_schema")
         return GrammarSpec.json_schema(value, strict=True)

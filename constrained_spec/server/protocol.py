@@ -101,11 +101,24 @@ class ChatMessage(_Lenient):
         return _text_of(self.content)
 
 
+def boolean_schema(schema: Any) -> Any:
+    """JSON Schema's boolean schemas: `true` accepts any JSON value, as `{}` does (and is served as
+    `{}`: one grammar, one cache entry); `false` accepts none, refused here with its reason, before
+    the tool envelopes read the schema as an object."""
+    if schema is True:
+        return {}
+    if schema is False:
+        raise ValueError("the schema false accepts no JSON value")
+    return schema
+
+
 class JsonSchemaSpec(_Lenient):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    _boolean_schema = field_validator("schema_", mode="before")(boolean_schema)
 
 
 class ResponseFormatText(_Lenient):
@@ -190,6 +203,8 @@ class _GenerationRequest(_Lenient):
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = Field(default=False, strict=True)
+
+    _boolean_schema = field_validator("guided_json", mode="before")(boolean_schema)
 
     @field_validator("stop")
     @classmethod

@@ -15,10 +15,10 @@ import time
 from typing import Any, Literal, Union
 
 import orjson
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from .errors import bad_request, validation_error_to_api
-from .protocol import ChatCompletionRequest, _Lenient, new_id
+from .protocol import ChatCompletionRequest, _Lenient, boolean_schema, new_id
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the answer's logprobs
 # chat request fields a Responses request may carry under the same name (our extensions, sampling)
@@ -34,6 +34,8 @@ class TextFormat(_Lenient):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    _boolean_schema = field_validator("schema_", mode="before")(boolean_schema)
 
 
 class TextConfig(_Lenient):
