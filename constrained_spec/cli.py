@@ -152,6 +152,9 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "grammar_cache_dir": ("grammar", dict(metavar="DIR", help="keep compiled grammars here across restarts, or "
                                                               "'none'; default: $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR "
                                                               "or ~/.cache/constrained-spec/grammars")),
+    "grammar_cache_mb": ("grammar", dict(metavar="MIB", help="memory for compiled grammars kept for reuse "
+                                                             "(and at most 512 of them); least recently used go "
+                                                             "first (default: %(default)s)")),
     "jump_forward": ("grammar", dict(help="emit text the grammar forces (e.g. JSON keys) without sampling it")),
     "grammar_mask_threads": ("grammar", dict(metavar="N", help="threads filling grammar masks and accepting tokens "
                                                                "(the step's thread and N - 1 workers); default: "
@@ -573,7 +576,8 @@ _AT_LEAST = {"port": 0, "frontends": 1, "max_running_requests": 1, "max_queued_r
              "eagle_topk": 1, "eagle_depth": 1, "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1,
              "ngram_min_match": 1, "ngram_capacity": 1, "temperature": 0.0, "top_p": 0.0}
 _AT_MOST = {"port": 65535, "top_p": 1.0, "temperature": 2.0}
-_POSITIVE = ("max_body_mb", "kv_cache_memory_gb", "grammar_mask_budget_ms", "grammar_compile_timeout_s")
+_POSITIVE = ("max_body_mb", "kv_cache_memory_gb", "grammar_mask_budget_ms", "grammar_compile_timeout_s",
+             "grammar_cache_mb")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?|auto")
 
 

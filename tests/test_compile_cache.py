@@ -352,6 +352,50 @@ def test_disk_cache_is_bounded(tmp_path):
     assert d.get(d.name(4)) == "x" * 100 and d.get(d.name(0)) is None
 
 
+def options(i: int, n: int = 300) -> GrammarSpec:
+    return GrammarSpec.choice([f"grammar {i} option {j}" for j in range(n)])
+
+
+def test_memory_cache_is_bounded_by_bytes(tok):
+    """Each cached grammar counts its memory (xgrammar's memory_size_bytes, llguidance's estimate):
+    bounded by count alone, 150 20,000-string enums (~9 MB each under xgrammar) grew the engine by
+    1.4 GB. Past the byte bound the least recently used go first; a grammar larger than the whole
+    bound is not kept, and pushes none out."""
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar")
+    size = b.compile(options(0)).memory_bytes  # ~50 KB
+    b.close()
+    assert size > 10_000
+    bound = int(3.5 * size)
+    b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_bytes=bound)
+    try:
+        def compiled_again(i: int) -> bool:
+            before = b.stats["compile_count"]
+            b.compile(options(i))
+            return b.stats["compile_count"] > before
+
+        for i in range(6):
+            b.compile(options(i))
+            assert b.stats["cache_bytes"] <= bound
+        assert b.stats["cache_size"] == 3  # 3, 4, 5
+        assert not compiled_again(3)  # now the most recently used
+        b.compile(options(6))  # 4 goes
+        assert b.stats["cache_size"] == 3 and b.stats["cache_bytes"] <= bound
+        assert not compiled_again(3) and not compiled_again(6)
+        assert compiled_again(4)  # and pushes 5 out
+        big = options("big", 2000)
+        assert b.compile(big).memory_bytes > bound
+        assert b.stats["cache_size"] == 3 and compiled_again("big")
+        assert not compiled_again(4) and not compiled_again(6)
+    finally:
+        b.close()
+    b = GrammarBackend(tok, VOCAB, default_backend="llguidance")
+    try:
+        assert b.compile(options(0)).memory_bytes > 64_000 + 16 * len(options(0).value)
+        assert b.stats["cache_bytes"] == b.compile(options(0)).memory_bytes
+    finally:
+        b.close()
+
+
 def test_compile_metrics_in_prometheus_text(server, server_engine):  # noqa: F811
     with httpx.Client(base_url=server.url, timeout=120) as c:
         r = c.post("/v1/chat/completions", json={
@@ -362,6 +406,7 @@ def test_compile_metrics_in_prometheus_text(server, server_engine):  # noqa: F81
         text = c.get("/metrics").text
     for name in ("constrained_spec_grammar_compile_queue_depth 0.0",
                  "constrained_spec_grammar_compiles_running",
+                 "constrained_spec_grammar_cache_bytes",
                  "constrained_spec_grammar_compile_timeouts_total",
                  'constrained_spec_grammar_compile_duration_seconds_bucket{le="+Inf"}',
                  'constrained_spec_grammar_compile_queue_wait_seconds_bucket{le="+Inf"}',

@@ -38,6 +38,8 @@ class EngineConfig:
     # compiled grammars kept across restarts (per tokenizer and options); None: the default folder,
     # $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR or ~/.cache/constrained-spec/grammars; "none": no disk cache
     grammar_cache_dir: str | None = None
+    # compiled grammars kept in memory, MiB (least recently used out first; also at most 512 of them)
+    grammar_cache_mb: int = 512
     speculative_algorithm: str | None = None  # "ngram" or "eagle"; None: plain decoding
     speculative_num_draft_tokens: int = 8  # draft tree width N, root included
     speculative_max_batch: int = 32  # larger decode batches run plain (speculation loses there)

@@ -56,7 +56,7 @@ class GrammarBackend:
     the choice between them."""
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: Optional[int] = None,
-                 compile_timeout_s: float = 30.0, cache_size: int = 512,
+                 compile_timeout_s: float = 30.0, cache_size: int = 512, cache_bytes: int = 512 << 20,
                  compile_workers: Optional[int] = None, any_whitespace: bool = True,
                  max_whitespace_cnt: Optional[int] = None,
                  stop_token_ids: Optional[List[int]] = None, cache_dir: Optional[str] = None,
@@ -80,7 +80,7 @@ class GrammarBackend:
         self._llguidance_error: Optional[GrammarError] = None  # why it cannot serve this tokenizer
         self._llg_lock = threading.Lock()
         self._max_whitespace_cnt = max_whitespace_cnt
-        self.queue = CompileQueue(self.compile_workers, self.compile_timeout_s, cache_size, max_queue)
+        self.queue = CompileQueue(self.compile_workers, self.compile_timeout_s, cache_size, max_queue, cache_bytes)
         self._lock = threading.Lock()
         # raw spec key -> normalized xgrammar key (or the schema's GrammarError): repeats skip prepare_schema
         self._front: "OrderedDict[tuple, object]" = OrderedDict()
@@ -375,7 +375,8 @@ class GrammarBackend:
         self.queue.observe_compile(dt)
         with self._lock:
             self._stats["served_by_llguidance"] += 1
-        return CompiledGrammar(spec, LLGUIDANCE, template, dt, prepared=text)
+        return CompiledGrammar(spec, LLGUIDANCE, template, dt, prepared=text,
+                               memory_bytes=llguidance_backend.memory_estimate(text))
 
     # -- matching --------------------------------------------------------------------------------
     def matcher(self, compiled: CompiledGrammar) -> RequestMatcher:

@@ -96,6 +96,13 @@ def refusal_keyword(message: str) -> Optional[str]:
     return None
 
 
+def memory_estimate(text: str) -> int:
+    """The memory a compiled grammar holds, estimated from its text: llguidance tells no size. On the
+    dev VM a cached template kept ~128 KB for a dev schema (2.7 KB of text) and 6.7 MB for a
+    20,000-string enum (0.5 MB): the RSS of 365 and 20 compiles, cached against not."""
+    return (64 << 10) + 16 * len(text)
+
+
 class LLGuidanceCompiler:
     """Compiles GrammarSpecs into template LLMatchers (each request's matcher is a deep copy: ~1 us,
     where constructing one costs ~0.4 ms). Thread-safe: llguidance drops the GIL while compiling."""

@@ -164,7 +164,9 @@ def _prefix_cache_metrics(pc: dict | None):
 def _compile_metrics(gstats: dict):
     """The compile queue: depth, waits, compile times and timeouts (GrammarBackend.stats)."""
     for name, key, doc in (("grammar_compile_queue_depth", "queue_depth", "Grammars waiting for a compile thread"),
-                           ("grammar_compiles_running", "compiling", "Grammars being compiled now")):
+                           ("grammar_compiles_running", "compiling", "Grammars being compiled now"),
+                           ("grammar_cache_bytes", "cache_bytes",
+                            "Memory of the compiled grammars cached (xgrammar's measure, llguidance's estimate)")):
         g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
         g.add_metric([], float(gstats.get(key, 0)))
         yield g
