@@ -133,11 +133,68 @@ def test_overrunning_compiles_never_take_the_fast_lanes_thread(tok):
         t0 = time.monotonic()
         fast = b.compile(GrammarSpec.json_schema(PERSON), timeout_s=30)
         assert fast.backend == "llguidance" and time.monotonic() - t0 < 1.0
-        for f in futures:
+        for f in futures[:2]:
             with pytest.raises(GrammarError, match="exceeded"):
                 f.result(timeout=60)
+        for f in futures[2:]:  # queued behind the overruns past twice the timeout
+            with pytest.raises(GrammarBusy, match="waited"):
+                f.result(timeout=60)
+        # the overruns end after this test: a process that exits while one is in xgrammar's native
+        # compile aborts ("terminate called without an active exception")
+        assert b.queue.close(wait_s=30)
     finally:
         b.close()
+
+
+def test_a_grammar_stuck_behind_overrunning_compiles_is_busy_after_twice_the_timeout():
+    """Once overrunning compiles hold every thread slow jobs may take, a slow job queued behind them
+    waited until one ended (xgrammar's compiles of huge enums: minutes), its client without an
+    answer. Past twice the compile timeout in the queue its request gets GrammarBusy (the server's
+    503 with Retry-After, not a 400: the grammar is not at fault); the job leaves the queue once no
+    request waits for it (timed out or cancelled), and stays while one waits without a timeout."""
+    from constrained_spec.grammar.compile_queue import CompiledGrammar, CompileQueue
+    release = threading.Event()
+
+    def blocked(spec):
+        def build():
+            release.wait(30)
+            return CompiledGrammar(spec, "xgrammar", None, 0.0)
+        return build
+
+    q = CompileQueue(workers=1, timeout_s=0.3)
+    try:
+        overruns = [q.submit(("overrun", i), regex(i), blocked(regex(i)), slow=True) for i in range(2)]
+        deadline = time.monotonic() + 10
+        while q.stats["compile_timeouts"] < 2 or q.stats["compiling"] < 2:  # spares all taken
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stuck, kept = regex("stuck"), regex("kept")
+        t0 = time.monotonic()
+        first = q.submit("stuck", stuck, blocked(stuck), slow=True)
+        gone = q.submit("gone", regex("gone"), blocked(regex("gone")), slow=True)
+        assert gone.cancel()  # its caller went away (the engine cancels an aborted request's)
+        time.sleep(0.2)
+        second = q.submit("stuck", stuck, blocked(stuck), slow=True)  # joins the queued job
+        background = q.submit("kept", kept, blocked(kept), timeout_s=0, slow=True)
+        with pytest.raises(GrammarBusy, match="waited 0.6s") as e:
+            first.result(timeout=10)
+        assert time.monotonic() - t0 >= 0.6 and not isinstance(e.value, GrammarError)
+        assert not second.done() and "stuck" in q._jobs  # its second request still waits
+        with pytest.raises(GrammarBusy):
+            second.result(timeout=10)
+        st = q.stats
+        assert "stuck" not in q._jobs and "gone" not in q._jobs
+        assert st["queue_depth"] == 1 and st["queue_timeouts"] == 2
+        fast = regex("fast")  # the fast lane's thread is free meanwhile
+        assert q.submit("fast", fast, lambda: CompiledGrammar(fast, "llguidance", None, 0.0)).result(timeout=5)
+        release.set()
+        assert background.result(timeout=10).spec == kept
+        for f in overruns:
+            with pytest.raises(GrammarError, match="exceeded"):
+                f.result(timeout=10)
+    finally:
+        release.set()
+        q.close()
 
 
 def test_autos_fallback_compiles_in_the_slow_lane(tok):

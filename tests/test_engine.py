@@ -345,6 +345,33 @@ def test_a_refused_prompt_cancels_the_batch_queued_before_it(tiny_llama_dir):
         eng.shutdown()
 
 
+def test_a_grammar_busy_in_the_compile_queue_fails_its_request(tiny_llama_dir, monkeypatch):
+    """A grammar that waited too long for a compile thread (the compile queue's GrammarBusy) ends its
+    request with that error, and the engine goes on serving: its loop took only a GrammarError for a
+    failed compile, and failed its step over and over with the request left compiling."""
+    from concurrent.futures import Future
+    from constrained_spec.grammar import GrammarBusy, GrammarSpec
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32")
+    try:
+        def busy(spec, timeout_s=None, check_only=False):
+            f = Future()
+            f.set_exception(GrammarBusy("the grammar waited 60s for a compile thread; retry later"))
+            return f
+        monkeypatch.setattr(eng.grammar, "compile_async", busy)
+        outs = []
+        caller = threading.Thread(target=lambda: outs.extend(
+            eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4), GrammarSpec.regex("[0-9]+"))))
+        caller.start()
+        caller.join(timeout=20)
+        assert not caller.is_alive() and outs[0].finish_reason is FinishReason.ERROR
+        assert "waited 60s" in outs[0].error
+        monkeypatch.undo()
+        ok = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4), GrammarSpec.regex("[0-9]+"))[0]
+        assert ok.finish_reason is not FinishReason.ERROR
+    finally:
+        eng.shutdown()
+
+
 def test_a_grammar_backend_failure_fails_its_request_with_its_cause(tiny_llama_dir, monkeypatch):
     """llguidance failing on a token its own mask allowed (its parser's row limit, here on a schema
     the up-front check would send elsewhere) fails that request with llguidance's reason, not as a

@@ -225,6 +225,29 @@ def test_busy_503_with_retry_after(busy_server):
         assert ok.status_code == 200, ok.text
 
 
+def test_a_grammar_that_waited_too_long_to_compile_is_a_503_with_retry_after(server):
+    """The compile queue's GrammarBusy for a grammar that waited past twice the compile timeout for
+    a thread (behind overrunning compiles) comes through the up-front compile's future: a 503 the
+    client retries, as a full queue is, not a 400 and not a 500."""
+    from concurrent.futures import Future
+    from constrained_spec.grammar import GrammarBusy
+    grammar = server.engine.grammar
+    compile_async = grammar.compile_async
+
+    def busy(spec, check_only=True):
+        f = Future()
+        f.set_exception(GrammarBusy("the grammar waited 60s for a compile thread behind slower compiles; retry later"))
+        return f
+    grammar.compile_async = busy
+    try:
+        schema = {"type": "object", "properties": {"waited_too_long": {"type": "boolean"}}}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=schema_body(schema), timeout=60)
+        err = assert_error(resp, 503, code="server_busy")
+        assert "waited 60s" in err["message"] and resp.headers.get("retry-after") == "1"
+    finally:
+        grammar.compile_async = compile_async
+
+
 def test_a_client_gone_before_its_body_is_no_server_error(server, http, caplog):
     """A client that closes its connection halfway through sending its body is not an error of the
     server's: no 'unhandled error' traceback (there was one, twice, per such client), and the

@@ -35,7 +35,7 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from .. import long_lived
-from ..grammar import GrammarBackend, GrammarError, GrammarSpec
+from ..grammar import GrammarBackend, GrammarBusy, GrammarError, GrammarSpec
 from ..grammar.disk_cache import resolve_dir as resolve_cache_dir
 from ..models import load_model
 from ..sampling_params import SamplingParams
@@ -399,7 +399,8 @@ class Engine:
     def _check_compiles(self) -> None:
         still = []
         for req in self._compiling:
-            if req.finished:
+            if req.finished:  # aborted: a compile still queued for it alone leaves the queue
+                req.grammar_future.cancel()
                 continue
             fut = req.grammar_future
             if not fut.done():
@@ -407,7 +408,7 @@ class Engine:
                 continue
             try:
                 req.matcher = self.grammar.matcher(fut.result())
-            except GrammarError as e:
+            except (GrammarError, GrammarBusy) as e:  # busy: its grammar waited too long for a compile thread
                 self._finish(req, FinishReason.ERROR, error=str(e))
                 continue
             self.scheduler.add(req)

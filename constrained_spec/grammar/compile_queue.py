@@ -1,11 +1,13 @@
 """The compile queue: grammars compile on worker threads, once per key, within a time limit.
 
 Compiles are queued (FIFO) to `workers` threads. The timeout counts a grammar's own compile time,
-from the moment a worker starts it: time in the queue is latency, never a refusal. Neither backend
-can cancel a compile, so one that overruns keeps its thread (and its result is cached when it
-ends) while a spare thread takes its place. A full queue is `GrammarBusy` (the server answers 503),
-never a grammar error. Results (compiled grammars and refusals) are kept in an LRU keyed by the
-caller's key, which names the backend, bounded by count and by the compiled grammars' memory
+from the moment a worker starts it: a refusal for the grammar (400). Time in the queue is the
+server's load: up to QUEUE_WAIT_TIMEOUTS timeouts it is latency, past that the request gets
+`GrammarBusy` (the server answers 503 with Retry-After) and the job leaves the queue once none of
+its requests waits. Neither backend can cancel a compile, so one that overruns keeps its thread
+(and its result is cached when it ends) while a spare thread takes its place. A full queue is
+`GrammarBusy` too, never a grammar error. Results (compiled grammars and refusals) are kept in an
+LRU keyed by the caller's key, which names the backend, bounded by count and by the compiled grammars' memory
 (`CompiledGrammar.memory_bytes`): one 20,000-string enum is ~9 MB under xgrammar, and a count
 alone let 150 of them grow the engine by 1.4 GB.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import heapq
 import itertools
 import logging
 import math
@@ -39,6 +42,13 @@ from .spec import GrammarSpec
 log = logging.getLogger("constrained_spec.grammar")
 
 MAX_PENDING_SAVES = 64  # compiled grammars waiting for the saver thread (`_save_later`)
+# A request waits for a compile thread at most this many compile timeouts. Slow compiles end or are
+# replaced within one timeout each, so a queue that moves serves the jobs queued behind them in
+# time; one that has not reached a job by twice the timeout is stuck behind overruns (xgrammar
+# cannot cancel a compile of minutes) or overloaded, and its clients waited without an answer.
+# Not one timeout: a request queued right behind a compile that ends just within its timeout would
+# be refused for no fault of the queue's.
+QUEUE_WAIT_TIMEOUTS = 2
 
 
 @dataclass
@@ -94,7 +104,7 @@ class _Job:
         self.queued = time.monotonic()
         self.started: Optional[float] = None
         self.overran = False
-        self.waiters: list = []  # (Future, timeout_s) of the requests waiting on it
+        self.waiters: list = []  # (Future, timeout_s or None) of the requests waiting on it
 
 
 _OPEN_QUEUES: "weakref.WeakSet[CompileQueue]" = weakref.WeakSet()
@@ -126,6 +136,9 @@ class CompileQueue:
         self._tick = threading.Condition(self._lock)  # the watchdog waits here for a deadline
         self._ended = threading.Condition(self._lock)  # close waits here for the workers to end
         self._running: set = set()  # jobs a worker is compiling
+        # (deadline, n, job, job.queued, Future, timeout_s): requests waiting for their job to start
+        self._queue_deadlines: list = []
+        self._arrivals = itertools.count()
         self._closed = False
         self._threads = 0
         self._save_running = False  # the saver thread is saving one (not in `_saves` any more)
@@ -134,7 +147,8 @@ class CompileQueue:
         self._saver_thread: Optional[threading.Thread] = None  # started on the first save
         self._stats = {"compile_count": 0, "cache_hits": 0, "cache_misses": 0,
                        "compile_seconds_total": 0.0, "compile_seconds_max": 0.0,
-                       "compile_errors": 0, "compile_timeouts": 0, "spare_threads_started": 0}
+                       "compile_errors": 0, "compile_timeouts": 0, "spare_threads_started": 0,
+                       "queue_timeouts": 0}
         self._compile_latency = Latency()
         self._queue_wait = Latency()
         for _ in range(self.workers + 1):  # one more than slow jobs may hold
@@ -184,9 +198,12 @@ class CompileQueue:
                timeout_s: Optional[float] = None, slow: bool = False) -> Future:
         """Future[CompiledGrammar] for `key` (built by `build()` on a worker unless cached or
         compiling already, in the slow lane if `slow`); fails with the GrammarError `build` raises,
-        or when the compile runs longer than timeout_s. `persist(compiled)` runs on the saver thread
+        or when the compile runs longer than timeout_s; with GrammarBusy when it waited in the queue
+        past QUEUE_WAIT_TIMEOUTS times the queue's timeout (only where timeout_s is not 0: a
+        background compile waits as long as it takes). `persist(compiled)` runs on the saver thread
         after the result is out. Raises GrammarBusy when the queue is full."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         out: Future = Future()
         with self._lock:
             hit = self._cache.get(key)
@@ -203,6 +220,12 @@ class CompileQueue:
                     job = self._jobs[key] = _Job(key, spec, build, persist, slow)
                     (self._slow if slow else self._queue).append(job)
                     self._work.notify()
+                # joined under the same lock as the lookup: the watchdog drops a job none waits for
+                job.waiters.append((out, timeout_s))
+                if timeout_s is not None:
+                    if job.started is None:
+                        self._wait_in_queue(job, out, timeout_s, time.monotonic())
+                    self._tick.notify()
         if hit is not None:
             if isinstance(hit, GrammarError):
                 out.set_exception(hit)
@@ -220,13 +243,13 @@ class CompileQueue:
             except InvalidStateError:  # timed out first
                 pass
 
-        if timeout_s and timeout_s > 0:
-            with self._lock:
-                job.waiters.append((out, timeout_s))
-                if job.started is not None:
-                    self._tick.notify()
         job.done.add_done_callback(relay)
         return out
+
+    def _wait_in_queue(self, job: _Job, out: Future, timeout_s: float, since: float) -> None:  # under the lock
+        if self.timeout_s > 0:
+            heapq.heappush(self._queue_deadlines, (since + QUEUE_WAIT_TIMEOUTS * self.timeout_s,
+                                                   next(self._arrivals), job, job.queued, out, timeout_s))
 
     def close(self, wait_s: Optional[float] = None) -> bool:
         """Stops the workers once their compiles end; queued compiles fail. Waits up to `wait_s`
@@ -239,6 +262,7 @@ class CompileQueue:
             queued, self._queue, self._slow = list(self._queue) + list(self._slow), deque(), deque()
             for job in queued:
                 del self._jobs[job.key]
+            self._queue_deadlines.clear()
             self._saves.clear()  # saves not begun are dropped; one under way ends first
             self._work.notify_all()
             self._tick.notify_all()
@@ -373,7 +397,11 @@ class CompileQueue:
                 self._ended.notify_all()
             job.build, job.slow, job.started, job.queued, job.overran = build, True, None, time.monotonic(), False
             self._slow.append(job)
+            for out, timeout_s in job.waiters:  # their wait starts again with the job's
+                if timeout_s is not None and not out.done():
+                    self._wait_in_queue(job, out, timeout_s, job.queued)
             self._work.notify()
+            self._tick.notify()
         return retire
 
     def _store(self, key, value) -> None:  # under the lock
@@ -400,7 +428,8 @@ class CompileQueue:
         log.warning("grammar compile still running after its %gs timeout (%s)", self.timeout_s, job.spec.kind)
 
     def _watchdog(self) -> None:
-        """Fails the requests whose grammar has compiled longer than their timeout."""
+        """Fails the requests whose grammar has compiled longer than their timeout, or waited in the
+        queue too long."""
         while True:
             with self._lock:
                 while True:
@@ -410,12 +439,18 @@ class CompileQueue:
                     for job in self._running:
                         job.waiters = [w for w in job.waiters if not w[0].done()]
                         for out, timeout_s in job.waiters:
+                            if timeout_s is None:
+                                continue
                             deadline = job.started + timeout_s
                             if deadline <= now:
                                 expired.append((job, out, timeout_s))
                             else:
                                 wake = deadline if wake is None else min(wake, deadline)
-                    if expired:
+                    gave_up, dropped = self._waited_too_long(now)
+                    if self._queue_deadlines:
+                        first = self._queue_deadlines[0][0]
+                        wake = first if wake is None else min(wake, first)
+                    if expired or gave_up or dropped:
                         break
                     self._tick.wait(None if wake is None else wake - now)
             for job, out, timeout_s in expired:
@@ -425,6 +460,36 @@ class CompileQueue:
                                                         "large or complex to compile in time"))
                 except InvalidStateError:  # the compile ended meanwhile
                     pass
+            busy = (f"the grammar waited {QUEUE_WAIT_TIMEOUTS * self.timeout_s:g}s for a compile thread behind "
+                    f"slower compiles ({QUEUE_WAIT_TIMEOUTS} x the {self.timeout_s:g}s compile timeout); retry later")
+            if gave_up:
+                log.warning("%s (%d requests; %d grammars left the queue)", busy, len(gave_up), len(dropped))
+            for out in gave_up:
+                try:
+                    out.set_exception(GrammarBusy(busy))
+                except InvalidStateError:  # answered meanwhile
+                    pass
+            for job in dropped:
+                job.done.set_exception(GrammarBusy(busy))
+
+    def _waited_too_long(self, now: float):  # under the lock
+        """The requests whose job has not started by their queue deadline, taken off their jobs, and
+        the queued jobs none waits for any more, taken out of the queue (compiling one for nobody
+        would hold a thread for as long as the compiles it waited behind)."""
+        gave_up, dropped = [], []
+        while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
+            _, _, job, queued, out, timeout_s = heapq.heappop(self._queue_deadlines)
+            if job.started is not None or job.queued != queued:
+                continue  # compiling (its own timeout holds), or queued again since
+            if not out.done():  # else cancelled by its caller
+                job.waiters.remove((out, timeout_s))
+                gave_up.append(out)
+                self._stats["queue_timeouts"] += 1
+            if self._jobs.get(job.key) is job and all(w.done() for w, _ in job.waiters):
+                (self._slow if job.slow else self._queue).remove(job)
+                del self._jobs[job.key]
+                dropped.append(job)
+        return gave_up, dropped
 
 
 def _bytes(value) -> int:

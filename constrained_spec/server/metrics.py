@@ -172,6 +172,9 @@ def _compile_metrics(gstats: dict):
         yield g
     for name, key, doc in (("grammar_compile_timeouts", "compile_timeouts",
                             "Compiles that ran past the compile timeout (their requests got a 400)"),
+                           ("grammar_compile_queue_timeouts", "queue_timeouts",
+                            "Requests whose grammar waited in the compile queue past twice the compile timeout "
+                            "(they got a 503)"),
                            ("grammar_disk_cache_hits", "disk_hits", "Compiled grammars loaded from the disk cache")):
         c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
         c.add_metric([], float(gstats.get(key, 0)))
