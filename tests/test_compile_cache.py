@@ -197,6 +197,27 @@ def test_a_grammar_stuck_behind_overrunning_compiles_is_busy_after_twice_the_tim
         q.close()
 
 
+def test_a_queue_deadline_holds_no_compiled_grammar():
+    """A request's queue deadline outlives its job's start (by up to twice the timeout); it held
+    the job, its compiled grammar and schema text, that long: 60 s of every distinct grammar."""
+    import tracemalloc
+    from constrained_spec.grammar.compile_queue import CompiledGrammar, CompileQueue
+    q = CompileQueue(workers=1, cache_bytes=1 << 20)  # none of these is kept: each counts 2 MiB
+    try:
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):
+            spec = GrammarSpec.regex(f"{i}" + "x" * 500_000)
+            q.submit(i, spec, lambda spec=spec: CompiledGrammar(spec, "xgrammar", None, 0.0, memory_bytes=2 << 20)
+                     ).result(timeout=10)
+        del spec
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert q.stats["cache_size"] == 0 and held < 2 << 20, held  # 40 x 0.5 MB were held
+    finally:
+        q.close()
+
+
 def test_autos_fallback_compiles_in_the_slow_lane(tok):
     """A schema llguidance refuses falls back to xgrammar under auto on the slow lane, its request
     still waiting on the same compile; fast compiles pass it meanwhile."""

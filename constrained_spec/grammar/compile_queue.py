@@ -95,7 +95,8 @@ class SlowLane(Exception):
 
 class _Job:
     """One compile, shared by every request whose grammar has `key`."""
-    __slots__ = ("key", "spec", "build", "persist", "slow", "done", "queued", "started", "overran", "waiters")
+    __slots__ = ("key", "spec", "build", "persist", "slow", "done", "queued", "started", "overran", "waiters",
+                 "__weakref__")
 
     def __init__(self, key, spec: GrammarSpec, build: Callable[[], CompiledGrammar],
                  persist: Optional[Callable[[CompiledGrammar], None]], slow: bool):
@@ -136,7 +137,9 @@ class CompileQueue:
         self._tick = threading.Condition(self._lock)  # the watchdog waits here for a deadline
         self._ended = threading.Condition(self._lock)  # close waits here for the workers to end
         self._running: set = set()  # jobs a worker is compiling
-        # (deadline, n, job, job.queued, Future, timeout_s): requests waiting for their job to start
+        # (deadline, n, job, job.queued, Future, timeout_s) of the requests waiting for their job to
+        # start; the job and Future by weak reference: an entry outlives its job's start by up to its
+        # deadline, and held the job's compiled grammar and schema texts that long
         self._queue_deadlines: list = []
         self._arrivals = itertools.count()
         self._closed = False
@@ -248,8 +251,8 @@ class CompileQueue:
 
     def _wait_in_queue(self, job: _Job, out: Future, timeout_s: float, since: float) -> None:  # under the lock
         if self.timeout_s > 0:
-            heapq.heappush(self._queue_deadlines, (since + QUEUE_WAIT_TIMEOUTS * self.timeout_s,
-                                                   next(self._arrivals), job, job.queued, out, timeout_s))
+            heapq.heappush(self._queue_deadlines, (since + QUEUE_WAIT_TIMEOUTS * self.timeout_s, next(self._arrivals),
+                                                   weakref.ref(job), job.queued, weakref.ref(out), timeout_s))
 
     def close(self, wait_s: Optional[float] = None) -> bool:
         """Stops the workers once their compiles end; queued compiles fail. Waits up to `wait_s`
@@ -479,9 +482,10 @@ class CompileQueue:
         gave_up, dropped = [], []
         while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
             _, _, job, queued, out, timeout_s = heapq.heappop(self._queue_deadlines)
-            if job.started is not None or job.queued != queued:
-                continue  # compiling (its own timeout holds), or queued again since
-            if not out.done():  # else cancelled by its caller
+            job, out = job(), out()
+            if job is None or job.started is not None or job.queued != queued:
+                continue  # compiled, compiling (its own timeout holds), or queued again since
+            if out is not None and not out.done():  # else cancelled, or dropped, by its caller
                 job.waiters.remove((out, timeout_s))
                 gave_up.append(out)
                 self._stats["queue_timeouts"] += 1
