@@ -440,9 +440,9 @@ def test_memory_cache_is_bounded_by_bytes(tok):
     1.4 GB. Past the byte bound the least recently used go first; a grammar larger than the whole
     bound is not kept, and pushes none out."""
     b = GrammarBackend(tok, VOCAB, default_backend="xgrammar")
-    size = b.compile(options(0)).memory_bytes  # ~50 KB
+    assert b.compile(options(0)).memory_bytes > 10_000  # ~50 KB
+    size = b.stats["cache_bytes"]  # and its texts
     b.close()
-    assert size > 10_000
     bound = int(3.5 * size)
     b = GrammarBackend(tok, VOCAB, default_backend="xgrammar", cache_bytes=bound)
     try:
@@ -468,8 +468,40 @@ def test_memory_cache_is_bounded_by_bytes(tok):
         b.close()
     b = GrammarBackend(tok, VOCAB, default_backend="llguidance")
     try:
-        assert b.compile(options(0)).memory_bytes > 64_000 + 16 * len(options(0).value)
-        assert b.stats["cache_bytes"] == b.compile(options(0)).memory_bytes
+        compiled = b.compile(options(0))
+        assert compiled.memory_bytes > 64_000 + 16 * len(options(0).value)
+        # its schema text and grammar text count too
+        assert b.stats["cache_bytes"] > compiled.memory_bytes + len(options(0).value) + len(compiled.prepared)
+    finally:
+        b.close()
+
+
+def test_caches_keyed_by_schema_text_are_bounded_by_its_memory(tok, monkeypatch):
+    """The front caches (raw schema -> normalized key; auto's count of uses) were bounded by count
+    alone, 2,048 entries each keyed by the whole schema text, and the compile cache counted only the
+    compiled grammars' memory, not the texts its entries hold: 2,048 distinct 0.5 MB schemas held
+    1-2 GB. Here 80 distinct 250 KB schemas (a long description: xgrammar's grammar of it is small)
+    go through auto and xgrammar: they held 22 MB; the texts kept stay within the two 2 MiB bounds."""
+    import gc
+    import tracemalloc
+    monkeypatch.setattr(backend_mod, "FRONT_CACHE_BYTES", 2 << 20)
+    b = GrammarBackend(tok, VOCAB, default_backend="auto", cache_bytes=2 << 20)
+    try:
+        warm = GrammarSpec.json_schema({"type": "integer"})
+        b.compile(warm)
+        b.compile(warm.with_backend("xgrammar"))  # both backends set up before measuring
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(80):
+            spec = GrammarSpec.json_schema({"type": "string", "description": f"{i}" + "x" * 250_000, "enum": [f"v{i}"]})
+            b.compile(spec)  # auto: counted, compiled by llguidance
+            b.compile(spec.with_backend("xgrammar"))  # normalized through the front cache
+        del spec
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert held < 6 << 20, held
+        assert b._front_bytes <= 2 << 20 and b.stats["cache_bytes"] <= 2 << 20 and len(b._auto_seen) == 81
     finally:
         b.close()
 

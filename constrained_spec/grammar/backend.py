@@ -14,6 +14,7 @@ the API's).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ import xgrammar as xgr
 from ..cpus import available_cores
 from . import llguidance_backend, xgrammar_backend
 from .compile_queue import CompiledGrammar, CompileQueue, Latency, SlowLane  # noqa: F401 (re-exported)
+from .compile_queue import text_bytes
 from .errors import GrammarBusy, GrammarError
 from .llguidance_backend import LLGuidanceCompiler, LLGuidanceMatcher
 from .matcher import REFUSED_DRAFT, RequestMatcher, legal_draft_nodes  # noqa: F401 (re-exported)
@@ -43,6 +45,9 @@ from .xgrammar_backend import (XGrammarCompiler, XGrammarMatcher, canonical_sche
 log = logging.getLogger("constrained_spec.grammar")
 
 XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
+# The most raw and normalized schema text the front cache holds: bounded by count alone (2,048
+# entries), distinct 0.5 MB schemas held 1-2 GB.
+FRONT_CACHE_BYTES = 64 << 20
 
 
 def default_compile_workers() -> int:
@@ -82,12 +87,15 @@ class GrammarBackend:
         self._max_whitespace_cnt = max_whitespace_cnt
         self.queue = CompileQueue(self.compile_workers, self.compile_timeout_s, cache_size, max_queue, cache_bytes)
         self._lock = threading.Lock()
-        # raw spec key -> normalized xgrammar key (or the schema's GrammarError): repeats skip prepare_schema
+        # raw spec key -> (normalized xgrammar key, prepared text) or the schema's GrammarError: repeats
+        # skip prepare_schema. Bounded by count and by the texts held (`_front_bytes`)
         self._front: "OrderedDict[tuple, object]" = OrderedDict()
         self._front_size = 4 * cache_size
+        self._front_bytes = 0
         self._stats = {"schema_refusals": 0, "served_by_xgrammar": 0, "served_by_llguidance": 0,
                        "llguidance_fallbacks": 0, "auto_served_by_xgrammar": 0}
-        self._auto_seen: "OrderedDict[tuple, int]" = OrderedDict()  # auto: how often each grammar came
+        # auto: how often each grammar came, by a digest of its text (`_digest`): a count needs no text
+        self._auto_seen: "OrderedDict[bytes, int]" = OrderedDict()
         self._background: set = set()  # xgrammar keys compiling in the background (auto)
         self.refusals_by_keyword: dict = {}
 
@@ -161,9 +169,10 @@ class GrammarBackend:
         JSON / plain 0.95 under xgrammar and 0.54 under llguidance at batch 64). A grammar seen once
         (most of a many-schema workload) costs nothing here; one the normalizer refuses stays
         llguidance's. None: llguidance's path as usual."""
+        digest = _digest(spec)
         with self._lock:
-            seen = self._auto_seen.pop(spec.key, 0) + 1
-            self._auto_seen[spec.key] = seen
+            seen = self._auto_seen.pop(digest, 0) + 1
+            self._auto_seen[digest] = seen
             while len(self._auto_seen) > self._front_size:
                 self._auto_seen.popitem(last=False)
         if seen < 2:
@@ -220,9 +229,13 @@ class GrammarBackend:
             except GrammarError as e:
                 hit = e
             with self._lock:
+                old = self._front.pop(spec.key, None)  # another thread's, normalized meanwhile
+                if old is not None:
+                    self._front_bytes -= text_bytes(spec.key, old)
                 self._front[spec.key] = hit
-                while len(self._front) > self._front_size:
-                    self._front.popitem(last=False)
+                self._front_bytes += text_bytes(spec.key, hit)
+                while len(self._front) > self._front_size or self._front_bytes > FRONT_CACHE_BYTES:
+                    self._front_bytes -= text_bytes(*self._front.popitem(last=False))
         if isinstance(hit, GrammarError):
             if count and spec.kind == "json_schema":  # /metrics counts schema refusals by keyword
                 self._count_refusal(hit)
@@ -422,6 +435,14 @@ class GrammarBackend:
     def close(self) -> None:
         """Stops the workers once their compiles end; queued compiles fail."""
         self.queue.close()
+
+
+def _digest(spec: GrammarSpec) -> bytes:
+    """16 bytes for the grammar's text: among 2^32 grammars two share one with odds of about 2^-65,
+    and that would only count one's uses for the other's."""
+    h = hashlib.blake2b(f"{spec.kind}\0{spec.key[2]}\0".encode(), digest_size=16)
+    h.update(spec.value.encode("utf-8", "surrogatepass"))  # json.loads takes lone surrogates
+    return h.digest()
 
 
 def _recursive_schema(spec: GrammarSpec) -> bool:

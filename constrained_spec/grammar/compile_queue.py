@@ -7,9 +7,10 @@ server's load: up to QUEUE_WAIT_TIMEOUTS timeouts it is latency, past that the r
 its requests waits. Neither backend can cancel a compile, so one that overruns keeps its thread
 (and its result is cached when it ends) while a spare thread takes its place. A full queue is
 `GrammarBusy` too, never a grammar error. Results (compiled grammars and refusals) are kept in an
-LRU keyed by the caller's key, which names the backend, bounded by count and by the compiled grammars' memory
-(`CompiledGrammar.memory_bytes`): one 20,000-string enum is ~9 MB under xgrammar, and a count
-alone let 150 of them grow the engine by 1.4 GB.
+LRU keyed by the caller's key, which names the backend, bounded by count and by memory: the
+compiled grammars' (`CompiledGrammar.memory_bytes`; one 20,000-string enum is ~9 MB under
+xgrammar, and a count alone let 150 of them grow the engine by 1.4 GB) and the schema texts each
+entry holds in its key and spec (`text_bytes`).
 
 Two lanes: fast jobs (llguidance's compiles, ~1 ms) go before slow ones (xgrammar's, 10 ms to
 minutes), and slow jobs hold at most `workers` threads, of `workers + 1`: a new schema's compile
@@ -27,6 +28,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -127,7 +129,7 @@ class CompileQueue:
         self._cache: "OrderedDict[Any, Any]" = OrderedDict()  # key -> CompiledGrammar | GrammarError
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
-        self._cached_bytes = 0  # the memory_bytes of the compiled grammars in `_cache`
+        self._cached_bytes = 0  # what the entries of `_cache` hold (`_bytes`)
         self._jobs: dict = {}  # key -> _Job, queued or compiling
         self._queue: deque = deque()  # fast jobs
         self._slow: deque = deque()  # slow jobs
@@ -411,13 +413,16 @@ class CompileQueue:
         """Least recently used out first, past either bound. A grammar larger than the whole byte
         bound is not kept, nor does it push the others out: the requests waiting for it have it,
         later ones compile it again."""
-        self._cached_bytes -= _bytes(self._cache.pop(key, None))
-        if _bytes(value) > self.cache_bytes:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cached_bytes -= _bytes(key, old)
+        size = _bytes(key, value)
+        if size > self.cache_bytes:
             return
         self._cache[key] = value
-        self._cached_bytes += _bytes(value)
+        self._cached_bytes += size
         while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
-            self._cached_bytes -= _bytes(self._cache.popitem(last=False)[1])
+            self._cached_bytes -= _bytes(*self._cache.popitem(last=False))
 
     def _overran(self, job: _Job) -> None:
         with self._lock:
@@ -496,9 +501,27 @@ class CompileQueue:
         return gave_up, dropped
 
 
-def _bytes(value) -> int:
-    """What a cache entry counts against the byte bound: a refusal's few hundred bytes do not."""
-    return value.memory_bytes if isinstance(value, CompiledGrammar) else 0
+def _bytes(key, value) -> int:
+    """What a cache entry counts against the byte bound: the compiled grammar's memory and the texts
+    the entry holds (a refusal's message aside): the key's schema text, and the spec's raw text and
+    the prepared text a compiled grammar keeps. Counted by memory alone, 512 0.5 MB schemas (refused,
+    or compiled to a small grammar: a long description) held 256-512 MB that counted nothing."""
+    if isinstance(value, CompiledGrammar):
+        return value.memory_bytes + text_bytes(key, value.spec.value, value.prepared)
+    return text_bytes(key)
+
+
+def text_bytes(*parts) -> int:
+    """The memory of the strings among `parts` and in the tuples among them, each string once (a
+    key and its value often share one)."""
+    held, todo = {}, list(parts)
+    while todo:
+        part = todo.pop()
+        if isinstance(part, str):
+            held[id(part)] = sys.getsizeof(part)
+        elif isinstance(part, tuple):
+            todo.extend(part)
+    return sum(held.values())
 
 
 def _for(compiled: CompiledGrammar, spec: GrammarSpec) -> CompiledGrammar:

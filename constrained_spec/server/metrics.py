@@ -166,7 +166,8 @@ def _compile_metrics(gstats: dict):
     for name, key, doc in (("grammar_compile_queue_depth", "queue_depth", "Grammars waiting for a compile thread"),
                            ("grammar_compiles_running", "compiling", "Grammars being compiled now"),
                            ("grammar_cache_bytes", "cache_bytes",
-                            "Memory of the compiled grammars cached (xgrammar's measure, llguidance's estimate)")):
+                            "Memory of the compiled grammars cached (xgrammar's measure, llguidance's estimate) "
+                            "and of the texts they hold")):
         g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
         g.add_metric([], float(gstats.get(key, 0)))
         yield g
