@@ -380,7 +380,7 @@ def test_a_grammar_backend_failure_fails_its_request_with_its_cause(tiny_llama_d
     from constrained_spec.grammar import GrammarBackend, GrammarSpec, llguidance_schema
     monkeypatch.setattr(llguidance_schema, "MAX_OPTIONAL_ONLY_PROPERTIES", 10**6)
     # the compile-time probe refuses it (it accepts a first token): these test the failure it misses
-    monkeypatch.setattr(GrammarBackend, "_probe_llguidance", lambda self, compiled: compiled)
+    monkeypatch.setattr(GrammarBackend, "_probe_llguidance", lambda self, compiled: None)
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
     eng = Engine(model=tiny_llama_dir, device="cpu", grammar_backend="llguidance")
     try:

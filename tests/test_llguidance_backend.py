@@ -351,7 +351,7 @@ def test_a_backend_failure_is_told_from_a_refusal(backend, tokenizer, monkeypatc
     from constrained_spec.grammar import llguidance_schema
     monkeypatch.setattr(llguidance_schema, "MAX_OPTIONAL_ONLY_PROPERTIES", 10**6)
     # the compile-time probe refuses it (it accepts a first token): these test the failure it misses
-    monkeypatch.setattr(GrammarBackend, "_probe_llguidance", lambda self, compiled: compiled)
+    monkeypatch.setattr(GrammarBackend, "_probe_llguidance", lambda self, compiled: None)
     m = backend.matcher(backend.compile(llg(GrammarSpec.json_schema(_wide(600)))))
     bitmask = backend.allocate_bitmask(1)
     m.fill_bitmask(bitmask, 0)
@@ -653,3 +653,28 @@ def test_grammars_past_llguidances_limits_are_found_at_compile_time(backend, spe
     with pytest.raises(GrammarError, match="llguidance cannot serve this"):
         backend.compile(spec.with_backend("llguidance"), timeout_s=60)
     assert backend.compile(spec.with_backend("auto"), timeout_s=60).backend == "xgrammar"
+
+
+def test_one_matcher_checks_an_llguidance_grammar(tokenizer, monkeypatch):
+    """The probe of llguidance's limits and the empty-language check each built a matcher from the
+    grammar text (~0.4 ms, most of either check); both run on one now, as their refusals show."""
+    from constrained_spec.grammar.llguidance_backend import LLGuidanceCompiler
+    built = []
+    new_matcher = LLGuidanceCompiler.new_matcher
+    monkeypatch.setattr(LLGuidanceCompiler, "new_matcher", lambda self, text: built.append(1) or new_matcher(self, text))
+    b = GrammarBackend(tokenizer, VOCAB, max_whitespace_cnt=16, default_backend="llguidance")
+    try:
+        cases = [(GrammarSpec.json_schema(PERSON), None),
+                 (GrammarSpec.regex("a?"), None),  # nothing but the empty string: it ends at once
+                 (GrammarSpec.regex("[^\\x00-\\U0010FFFF]"), "accepts no string"),
+                 (GrammarSpec.choice([f"option number {i}" for i in range(2500)]), "llguidance cannot serve")]
+        for spec, refusal in cases:
+            built.clear()
+            if refusal is None:
+                assert b.compile(spec).backend == "llguidance"
+            else:
+                with pytest.raises(GrammarError, match=refusal):
+                    b.compile(spec)
+            assert len(built) == 2, spec  # the template, and one matcher for both checks
+    finally:
+        b.close()

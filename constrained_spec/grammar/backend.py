@@ -259,17 +259,27 @@ class GrammarBackend:
         if spec.kind == "ebnf" or _recursive_schema(spec):
             self._refuse_if_unproductive(spec)
         try:
-            compiled = self._probe_llguidance(self._build_llguidance(spec))
+            compiled = self._build_llguidance(spec)
         except GrammarError as refusal:
-            if backend == LLGUIDANCE:
-                if spec.kind == "json_schema":
-                    self._count_refusal(refusal)
-                raise
-            with self._lock:
-                self._stats["llguidance_fallbacks"] += 1
-            xkey, prepared = self._normalize(spec)  # the normalizer's refusal names the keyword
-            raise SlowLane(lambda: self._build_xgrammar_checked(spec, prepared, xkey))
-        return self._refuse_if_empty(compiled)
+            raise self._not_llguidance(spec, backend, refusal)
+        failed = self._probe_llguidance(compiled)  # raises the refusal of a grammar that accepts no string
+        if failed:
+            refusal = GrammarError(f"llguidance cannot serve this {spec.kind} grammar: {failed}")
+            raise self._not_llguidance(spec, backend, refusal)
+        return compiled
+
+    def _not_llguidance(self, spec: GrammarSpec, backend: str, refusal: GrammarError) -> Exception:
+        """What to raise where llguidance refused the grammar or cannot serve it: under llguidance
+        the refusal; under auto `SlowLane`, to the normalizer and xgrammar (the normalizer's refusal
+        names the keyword)."""
+        if backend == LLGUIDANCE:
+            if spec.kind == "json_schema":
+                self._count_refusal(refusal)
+            return refusal
+        with self._lock:
+            self._stats["llguidance_fallbacks"] += 1
+        xkey, prepared = self._normalize(spec)
+        return SlowLane(lambda: self._build_xgrammar_checked(spec, prepared, xkey))
 
     def _build_xgrammar_checked(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
         # the normalizer or xgrammar refuses a schema's other contradictions (min > max, an empty
@@ -278,25 +288,24 @@ class GrammarBackend:
             self._refuse_if_unproductive(spec, prepared)  # before the compile it would spare
         return self._refuse_if_empty(self._build_xgrammar(spec, prepared, key))
 
-    def _probe_llguidance(self, compiled: CompiledGrammar) -> CompiledGrammar:
-        """The compiled grammar, or GrammarError if llguidance cannot serve it. Its parser builds
-        rows and lexer lazily: a grammar past their limits (a row of over 2,000 items, as a wide
-        choice or anyOf makes; a lexer of too many expressions, as `a{1000000}`) compiled, then
-        failed at a request's first token, a 500 in mid-answer. One token accepted on a matcher of
-        its own finds that here, where auto falls back to xgrammar (~0.5 ms a compile)."""
+    def _probe_llguidance(self, compiled: CompiledGrammar) -> Optional[str]:
+        """Why llguidance cannot serve the grammar, or None. Its parser builds rows and lexer
+        lazily: a grammar past their limits (a row of over 2,000 items, as a wide choice or anyOf
+        makes; a lexer of too many expressions, as `a{1000000}`) compiled, then failed at a
+        request's first token, a 500 in mid-answer. One token accepted on a matcher of its own finds
+        that here, where auto falls back to xgrammar. The same matcher's start says whether the
+        grammar accepts any string (`_refuse_if_empty`'s check, which raises its refusal here): a
+        matcher costs ~0.4 ms to build, most of what each check cost when each built its own."""
         m = self.fresh_matcher(compiled)
-        bitmask = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
-        m.fill_bitmask(bitmask, 0)
-        allowed = self.allowed_tokens(bitmask[0])
-        first = next((int(t) for t in allowed if t not in self.stop_token_ids), None)
-        if first is None:  # nothing to accept: `_refuse_if_empty` says whether it accepts any string
-            return compiled
+        ends = m.can_terminate()
+        first = self._first_token(m)
+        if first is None:  # nothing to accept
+            if ends:
+                return None
+            raise self._empty_refusal(compiled.spec)
         if m.error() is None:
             m.accept_token(first)
-        failed = m.error()
-        if failed:
-            raise GrammarError(f"llguidance cannot serve this {compiled.spec.kind} grammar: {failed}")
-        return compiled
+        return m.error() or None
 
     def _refuse_if_unproductive(self, spec: GrammarSpec, prepared: Optional[str] = None) -> None:
         """GrammarError if the grammar accepts no finite string (`root ::= "a" root`; a schema whose
@@ -334,26 +343,27 @@ class GrammarBackend:
         """The compiled grammar, or GrammarError if it accepts no string at all (`{"$ref": "#"}`, a
         reference to itself and nothing else): its first mask would allow no token but a stop token
         its matcher refuses (llguidance) or none (xgrammar), and the request would fail in the engine
-        instead of being refused up front. An llguidance grammar is probed on a matcher of its own
-        (`LLGuidanceCompiler.new_matcher`: a mask filled on the template or a copy of it can make
-        later copies refuse valid text)."""
+        instead of being refused up front. xgrammar's; llguidance's is `_probe_llguidance`'s, on the
+        matcher it builds (`LLGuidanceCompiler.new_matcher`: a mask filled on the template or a copy
+        of it can make later copies refuse valid text)."""
         m = self.fresh_matcher(compiled)
-        if m.can_terminate():
+        if m.can_terminate() or self._first_token(m) is not None:
             return compiled
+        raise self._empty_refusal(compiled.spec)
+
+    def _first_token(self, m: RequestMatcher) -> Optional[int]:
+        """The first token but a stop token that the matcher's mask allows, or None."""
         bitmask = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
         m.fill_bitmask(bitmask, 0)
-        words = bitmask[0].numpy().view(np.uint32).copy()
-        for t in self.stop_token_ids:
-            words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
-        if words.any():
-            return compiled
-        spec = compiled.spec
+        return next((int(t) for t in self.allowed_tokens(bitmask[0]) if t not in self.stop_token_ids), None)
+
+    def _empty_refusal(self, spec: GrammarSpec) -> GrammarError:
         error = GrammarError(f"the {spec.kind} grammar accepts no string"
                              + (": no JSON value satisfies the schema (a $ref cycle with nothing else, or "
                                 "contradictory keywords)" if spec.kind == "json_schema" else ""))
         if spec.kind == "json_schema":
             self._count_refusal(error)
-        raise error
+        return error
 
     def fresh_matcher(self, compiled: CompiledGrammar) -> RequestMatcher:
         """A matcher at the grammar's start that shares no state with the requests' matchers, for
