@@ -147,8 +147,9 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                           "available, 2 to 16")),
     "grammar_compile_timeout_s": ("grammar", dict(metavar="SEC", help="refuse a grammar (400) whose compile runs "
                                                                        "longer than this; time queued for a "
-                                                                       "compile thread does not count "
-                                                                       "(default: %(default)s)")),
+                                                                       "compile thread does not count, but a "
+                                                                       "request queued twice this long gets "
+                                                                       "503 (default: %(default)s)")),
     "grammar_cache_dir": ("grammar", dict(metavar="DIR", help="keep compiled grammars here across restarts, or "
                                                               "'none'; default: $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR "
                                                               "or ~/.cache/constrained-spec/grammars")),
