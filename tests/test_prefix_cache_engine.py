@@ -181,6 +181,54 @@ def test_scheduler_defers_siblings_and_prefers_cached_prefixes(tiny_llama_dir):
     assert batch.requests == [early, cached] and batch.num_new_tokens == [10, 1] and early.skips == 0
 
 
+def test_a_short_cached_prefix_is_a_miss_unless_it_is_most_of_the_prompt(tiny_llama_dir):
+    """Prompts that share only a chat template's first tokens with the cache are admitted as misses:
+    nothing locked or split, the whole prompt computed, no cached tokens reported (their duplicate
+    positions go back to the pool at release). A match of MIN_MATCH tokens is used, and so is a short
+    prompt found whole."""
+    from constrained_spec.engine.config import EngineConfig
+    from constrained_spec.engine.model_runner import ModelRunner
+    from constrained_spec.engine.prefix_cache import MIN_MATCH
+    from constrained_spec.engine.request import Request
+    from constrained_spec.engine.scheduler import Scheduler
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    config = EngineConfig(device="cpu", kv_cache_slots=4000, max_running_requests=8, max_prefill_tokens=1024)
+    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+    sched, tree = Scheduler(runner, config), runner.prefix_cache.tree
+    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+
+    def admit(req):
+        sched.add(req)
+        batch = sched.schedule(can_retract=True)
+        assert batch.requests == [req]
+        return batch
+
+    def finish(req, batch):
+        runner.forward(batch)
+        req.num_cached = req.total_len
+        sched.remove(req)
+
+    head = list(range(1000, 1008))  # a chat template's first tokens
+    short = [5, 6, 7, 8, 9, 10]
+    for prompt in (head + list(range(2000, 2200)), short):
+        req = new(prompt)
+        finish(req, admit(req))
+    nodes = tree.num_nodes()
+    other = new(head + list(range(3000, 3200)))
+    batch = admit(other)
+    assert batch.num_new_tokens == [len(other.prompt_ids)] and other.cache_len == 0 and other.cached_tokens == 0
+    assert tree.num_nodes() == nodes and tree.evictable_size == tree.size  # nothing split, nothing locked
+    finish(other, batch)
+    assert runner.pool.num_unused + tree.size == runner.pool.capacity  # its duplicate head's slots freed
+    longer = new(head + list(range(2000, 2000 + MIN_MATCH - len(head))) + list(range(4000, 4100)))
+    batch = admit(longer)
+    assert batch.num_new_tokens == [len(longer.prompt_ids) - MIN_MATCH] and longer.cached_tokens == MIN_MATCH
+    finish(longer, batch)
+    again = new(short)
+    assert admit(again).num_new_tokens == [1] and again.cached_tokens == len(short) - 1
+
+
 def test_repointed_rows_reach_the_device_before_the_next_launch(tiny_llama_dir):
     """Two prompts prefilled in one step share their first 40 tokens; a third request continuing
     the first's prompt is admitted: its admission caches both (`PrefixCache.admit`), the second's

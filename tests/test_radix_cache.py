@@ -23,6 +23,22 @@ def test_match_returns_slots_of_the_longest_cached_prefix():
     assert tree.size == 4
 
 
+def test_a_match_shorter_than_min_length_is_none_and_changes_nothing():
+    """The prefix cache does not use a short match (`prefix_cache.min_match`): no slots, the root,
+    and the tree as it was (no split where the match ends, no LRU touch)."""
+    tree, freed = _tree()
+    tree.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))
+    tree.insert([5, 6], np.array([20, 21]))  # the newer leaf
+    slots, node = tree.match([1, 2, 3, 9], min_length=4)
+    assert slots.tolist() == [] and node is tree.root
+    assert tree.num_nodes() == 2  # not split at [1, 2, 3]
+    assert tree.match_length([1, 2, 3, 9], min_length=4) == 0 and tree.match_length([1, 2, 3, 9], 3) == 3
+    assert tree.evict(1) == 4 and freed == [10, 11, 12, 13]  # still the least recently used
+    tree.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))
+    slots, node = tree.match([1, 2, 3, 9], min_length=3)  # long enough: used, and split there
+    assert slots.tolist() == [10, 11, 12] and len(node) == 3 and tree.num_nodes() == 3
+
+
 def test_insert_reports_the_already_cached_length_and_keeps_the_tree_slots():
     tree, _ = _tree()
     tree.insert([1, 2, 3], np.array([10, 11, 12]))

@@ -4,8 +4,9 @@ request→slots table and the requests' lives.
 A request's table row is its cached prefix's slots (owned by the tree, which the request holds a
 reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Three moments:
 - **admission** (`admit`, by the scheduler): the longest cached prefix of the request's tokens
-  (never all of them: the last token is computed, for its logits) is locked and becomes the row's
-  start; `num_cached` starts there, so the prefill covers only the rest.
+  (never all of them: the last token is computed, for its logits; none shorter than `min_match`)
+  is locked and becomes the row's start; `num_cached` starts there, so the prefill covers only the
+  rest.
 - **prompt prefilled** (`cache_prompts`, at the scheduler's next step): a prompt with at least
   RUNNING_SHARE uncached tokens is filed under (its locked node, its first RUNNING_SHARE uncached
   tokens). An admission whose match ends at that node and goes on with those tokens (n > 1
@@ -31,6 +32,18 @@ from .radix_cache import RadixCache
 # less recomputes fewer tokens than that. Filing every prompt by its first uncached token alone
 # would insert whole prompts for a shared digit (prompts numbered "1234: ..." and "1236: ...").
 RUNNING_SHARE = 32
+# A cached prefix shorter than this is not used unless it is half the prompt or more (a short
+# prompt repeated): prompts that share only a chat template's first tokens (3-30) would each pay a
+# lock on its path, a split of the edge where it ends (a node per admission) and its table entries
+# written to the device (on the CPU, an upload of their own), to save a few tokens of a prefill
+# that runs anyway (on the H200, a 7-token prefix made a 300-token prompt's extend attention up to
+# 8% slower, by the pass over the prefix before the causal part).
+MIN_MATCH = 32
+
+
+def min_match(length: int) -> int:
+    """The shortest cached prefix worth using for a context of `length` matchable tokens."""
+    return min(MIN_MATCH, (length + 1) // 2)
 
 
 class PrefixCache:
@@ -53,7 +66,8 @@ class PrefixCache:
         """Matches and locks the request's cached prefix; returns how many slots that took out of
         the evictable ones (the scheduler's free count shrinks by as much)."""
         ids = req.ids_array(req.total_len - 1)
-        slots, node = self.tree.match(ids)
+        shortest = min_match(len(ids))
+        slots, node = self.tree.match(ids, shortest)
         c = len(slots)
         if self._uncached and len(ids) - c >= RUNNING_SHARE:
             sharing = self._uncached.pop((node, ids[c:c + RUNNING_SHARE].tobytes()), None)
@@ -62,7 +76,7 @@ class PrefixCache:
                     other.uncached_key = None
                     if other.row >= 0:
                         self._cache_running(other, len(other.prompt_ids))
-                slots, node = self.tree.match(ids)
+                slots, node = self.tree.match(ids, shortest)
         req.cache_node, req.cache_len, req.prefix_slots = node, len(slots), slots
         req.num_cached = len(slots)
         return self.tree.lock(node)

@@ -28,6 +28,10 @@ from typing import Callable
 import numpy as np
 
 
+_NO_SLOTS = np.empty(0, np.int64)
+_NO_SLOTS.flags.writeable = False  # shared by every empty match
+
+
 class Node:
     __slots__ = ("key", "key_bytes", "slots", "children", "parent", "refs", "last_access")
 
@@ -85,37 +89,40 @@ class RadixCache:
         self._tiebreak = itertools.count()
 
     # -- lookups ---------------------------------------------------------------------------------
-    def match(self, tokens) -> tuple[np.ndarray, Node]:
+    def match(self, tokens, min_length: int = 0) -> tuple[np.ndarray, Node]:
         """The slots of the longest cached prefix of `tokens`, and the deepest node on it (the one
         to lock). A match may end inside an edge: that edge is split there, so the returned node
-        covers exactly the matched prefix."""
+        covers exactly the matched prefix. A match shorter than `min_length` is none (no slots, the
+        root), and changes nothing: no split, no LRU touch."""
         key = np.asarray(tokens, dtype=np.int64)
         key_bytes = key.tobytes()
-        node, pos, parts = self.root, 0, []
-        stamp = next(self._clock)
-        node.last_access = stamp
+        node, pos, path, cut = self.root, 0, [], 0
         while pos < len(key):
             child = node.children.get(int(key[pos]))
             if child is None:
                 break
             n = _edge_match(child, key, key_bytes, pos)
-            partial = n < len(child.key)
-            if partial:
-                child = self._split(child, n)
-            child.last_access = stamp
-            parts.append(child.slots)
+            path.append(child)
             node, pos = child, pos + n
-            if partial:
+            if n < len(child.key):
+                cut = n
                 break
+        if pos < min_length:
+            return _NO_SLOTS, self.root
+        if cut:
+            node = path[-1] = self._split(node, cut)
+        stamp = next(self._clock)
+        for child in path:
+            child.last_access = stamp
         self._offer(node)
-        if len(parts) == 1:  # the node's own array: callers copy what they keep (`np.concatenate` would)
-            return parts[0], node
-        slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        if len(path) == 1:  # the node's own array: callers copy what they keep (`np.concatenate` would)
+            return node.slots, node
+        slots = np.concatenate([child.slots for child in path]) if path else _NO_SLOTS
         return slots, node
 
-    def match_length(self, tokens) -> int:
-        """How many leading tokens of `tokens` are cached, changing nothing (no split, no LRU
-        touch): for ordering the waiting queue."""
+    def match_length(self, tokens, min_length: int = 0) -> int:
+        """How many leading tokens of `tokens` are cached (0 if fewer than `min_length`), changing
+        nothing (no split, no LRU touch): for ordering the waiting queue."""
         key = np.asarray(tokens, dtype=np.int64)
         key_bytes = key.tobytes()
         node, pos = self.root, 0
@@ -128,7 +135,7 @@ class RadixCache:
             if n < len(child.key):
                 break
             node = child
-        return pos
+        return pos if pos >= min_length else 0
 
     def insert(self, tokens, slots: np.ndarray, below: Node | None = None) -> int:
         """Caches `slots` as the K/V of `tokens`. Returns how many leading tokens were cached

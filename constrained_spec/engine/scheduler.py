@@ -24,6 +24,7 @@ import numpy as np
 from ..attention.base import ForwardMode
 from .batch import ScheduledBatch
 from .config import EngineConfig
+from .prefix_cache import min_match
 from .request import Request, Status
 
 ADMISSION_WINDOW = 16  # waiting requests compared by cached prefix length
@@ -166,7 +167,8 @@ class Scheduler:
                 return req
             n = cached_lengths.get(req)
             if n is None:
-                n = cached_lengths[req] = tree.match_length(req.ids_array(len(req.prompt_ids)))
+                ids = req.ids_array(len(req.prompt_ids))
+                n = cached_lengths[req] = tree.match_length(ids, min_match(len(ids)))
             if n > best_len:
                 best, best_len = req, n
         return best
