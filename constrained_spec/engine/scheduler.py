@@ -222,23 +222,29 @@ class _PromptsInStep:
 
     def __init__(self):
         self._by_key: dict[tuple[int, bytes], list[np.ndarray]] = {}
+        # (request, cached length) indexed at the next `shares`: most steps admit one request and
+        # never ask, so building its key (a slice of its prompt copied to bytes) would be for nothing
+        self._unindexed: list[tuple[Request, int]] = []
 
     @staticmethod
-    def _key(req: Request) -> tuple[tuple[int, bytes] | None, np.ndarray]:
-        c, ids = req.cache_len, req.ids_array(len(req.prompt_ids))
+    def _key(req: Request, c: int) -> tuple[tuple[int, bytes] | None, np.ndarray]:
+        ids = req.ids_array(len(req.prompt_ids))
         if len(ids) < c + IN_STEP_SHARE:
             return None, ids
         return (c, ids[c:c + IN_STEP_SHARE].tobytes()), ids
 
     def add(self, req: Request) -> None:
-        key, ids = self._key(req)
-        if key is not None:
-            self._by_key.setdefault(key, []).append(ids)
+        self._unindexed.append((req, req.cache_len))
 
     def shares(self, req: Request) -> bool:
+        for other, c in self._unindexed:
+            key, ids = self._key(other, c)
+            if key is not None:
+                self._by_key.setdefault(key, []).append(ids)
+        self._unindexed.clear()
         if not self._by_key:
             return False
-        key, ids = self._key(req)
+        key, ids = self._key(req, req.cache_len)
         if key is None:
             return False
         c = key[0]
