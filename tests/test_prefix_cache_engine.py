@@ -393,3 +393,20 @@ def test_host_cost_replay_runs_both_arms(tiny_llama_dir, capsys, monkeypatch, wo
     assert "cache on" in out and "| PrefixCache.release |" in out and "| PrefixCache.admit |" in out
     share = float(re.search(rf"{workload}, ([0-9.]+) of prompt tokens cached", out).group(1))
     assert cached[0] <= share <= cached[1], out
+
+
+def test_loop_cost_benchmark_runs_both_arms(tiny_llama_dir, capsys, monkeypatch):
+    """benchmarks/prefix_cache_loop.py at toy sizes: both engines serve their rounds with the
+    model's work stubbed out, and the stubs are gone afterwards."""
+    import sys
+    from pathlib import Path
+    from constrained_spec.engine import model_runner
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import prefix_cache_loop
+    saved = model_runner.ModelRunner.run_model, model_runner.sample
+    monkeypatch.setattr(sys, "argv", ["prefix_cache_loop.py", "--model", tiny_llama_dir, "--requests", "12",
+                                      "--rounds", "1", "--clients", "4", "--max-tokens", "6", "--pool", "2000"])
+    prefix_cache_loop.main()
+    out = capsys.readouterr().out
+    assert "round 0: cache on" in out and "engine thread CPU us a step" in out, out
+    assert (model_runner.ModelRunner.run_model, model_runner.sample) == saved
