@@ -35,7 +35,7 @@ from constrained_spec.engine.config import EngineConfig  # noqa: E402
 from constrained_spec.engine.model_runner import ModelRunner  # noqa: E402
 from constrained_spec.engine.prefix_cache import PrefixCache  # noqa: E402
 from constrained_spec.engine.radix_cache import RadixCache  # noqa: E402
-from constrained_spec.engine.request import Request  # noqa: E402
+from constrained_spec.engine.request import FinishReason, Request  # noqa: E402
 from constrained_spec.engine.scheduler import Scheduler  # noqa: E402
 from constrained_spec.models import load_model  # noqa: E402
 from constrained_spec.sampling_params import SamplingParams  # noqa: E402
@@ -91,6 +91,7 @@ def replay(loaded, cache: bool, args, seed: int = 0) -> tuple[float, int, float]
             if len(req.output_ids) >= limits[id(req)]:
                 ended.append(req)
         for req in ended:
+            req.finish_reason = FinishReason.LENGTH  # finished, not retracted (`PrefixCache.release`)
             sched.remove(req)
             del limits[id(req)]
             done += 1

@@ -339,6 +339,137 @@ def test_short_new_prompt_parts_are_cached_when_the_request_ends(tiny_llama_dir)
     assert runner.pool.num_unused + tree.size == runner.pool.capacity
 
 
+
+def _scheduler(tiny_llama_dir, slots=20000):
+    from constrained_spec.engine.config import EngineConfig
+    from constrained_spec.engine.model_runner import ModelRunner
+    from constrained_spec.engine.scheduler import Scheduler
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu")
+    config = EngineConfig(device="cpu", kv_cache_slots=slots, max_running_requests=8, max_prefill_tokens=1024)
+    runner = ModelRunner(loaded, config, torch.device("cpu"), torch.float32)
+    return Scheduler(runner, config), runner
+
+
+def test_while_the_cache_misses_only_a_sample_of_finished_requests_is_cached(tiny_llama_dir):
+    """Distinct prompts: once MISS_WINDOW first admissions in a row found nothing cached, a finished
+    request's context goes into the tree only if it is the SAMPLE_EVERY-th (its slots otherwise go
+    straight to the pool); the metrics say so, and every slot is accounted for. A hit files
+    everything again: a request admitted while the cache missed and finishing after the hit is
+    cached, and so is the next one. A retraction's context is always cached (its re-prefill
+    matches it)."""
+    from constrained_spec.engine.prefix_cache import MISS_WINDOW, SAMPLE_EVERY
+    from constrained_spec.engine.request import Request
+    sched, runner = _scheduler(tiny_llama_dir)
+    cache, tree, pool = runner.prefix_cache, runner.prefix_cache.tree, runner.pool
+    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+
+    def start(req):
+        sched.add(req)
+        batch = sched.schedule(can_retract=True)
+        assert batch.requests == [req]
+        runner.forward(batch)
+        req.num_cached = req.total_len
+
+    def finish(req, reason=FinishReason.LENGTH):
+        req.finish_reason = reason
+        sched.remove(req)
+
+    def distinct(i):  # 40 tokens, no two sharing their first
+        return new(range(1000 + 50 * i, 1040 + 50 * i))
+
+    filed = []
+    for i in range(MISS_WINDOW + 4 * SAMPLE_EVERY):
+        req = distinct(i)
+        start(req)
+        size = tree.size
+        finish(req)
+        if tree.size > size:
+            filed.append(i)
+    # the first MISS_WINDOW - 1 were admitted while filing was on; then every SAMPLE_EVERY-th
+    assert filed == list(range(MISS_WINDOW - 1)) + list(range(MISS_WINDOW - 2 + SAMPLE_EVERY,
+                                                              MISS_WINDOW + 4 * SAMPLE_EVERY, SAMPLE_EVERY))
+    assert tree.size == 40 * len(filed) and not cache.filing
+    snap = cache.snapshot()
+    assert snap["unfiled_requests"] == MISS_WINDOW + 4 * SAMPLE_EVERY - len(filed) and snap["filing"] is False
+    assert snap["tree_tokens"] == tree.size and snap["hit_tokens"] == 0
+    assert pool.num_unused + tree.size == pool.capacity
+
+    # a retraction's context goes in whatever the mode
+    retracted = distinct(500)
+    start(retracted)
+    size = tree.size
+    sched.remove(retracted)  # finish_reason None: what `Scheduler._retract` releases
+    assert tree.size == size + 40
+    # an abort is a finished request: not filed (the counter is not at the sample)
+    waiting = distinct(501)
+    start(waiting)
+    assert waiting.file_context is False
+    size = tree.size
+    finish(waiting, FinishReason.ABORT)
+    assert tree.size == size and cache.unfiled_requests == snap["unfiled_requests"] + 1
+
+    # a hit: a prompt that goes on from a sampled one
+    late = distinct(502)
+    start(late)  # admitted while the cache misses
+    sampled = distinct(filed[-1])
+    hit = new(sampled.prompt_ids + [7, 8, 9])
+    start(hit)
+    assert hit.cached_tokens == 40 and cache.filing
+    for req in (late, hit, distinct(503)):
+        if req.row < 0:
+            start(req)
+        size = tree.size
+        finish(req)
+        assert tree.size > size
+    assert pool.num_unused + tree.size == pool.capacity
+    assert tree.evictable_size == tree.size
+
+
+def test_a_shared_system_prompt_is_cached_within_a_sample_while_the_cache_misses(tiny_llama_dir):
+    """Through the engine: after MISS_WINDOW distinct requests, requests sharing a system prompt one
+    after another (never overlapping, so the running-prompt sharing cannot help) find it cached from
+    within SAMPLE_EVERY requests on, and the turns of a conversation then find their previous
+    answers cached; the answers equal a cache-less engine's and every slot is accounted for."""
+    from constrained_spec.engine.prefix_cache import MISS_WINDOW, SAMPLE_EVERY
+    rng = np.random.default_rng(1)
+    distinct = [rng.integers(100, 40000, size=40).tolist() for _ in range(MISS_WINDOW + 4)]
+    system = rng.integers(100, 40000, size=60).tolist()
+    shared = [system + [7, 8, 9 + k] for k in range(2 * SAMPLE_EVERY)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kw = dict(model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_slots=20000, max_running_requests=8)
+
+    def serve(engine):
+        engine.generate(distinct, sp)
+        outs = [engine.generate([p], sp)[0] for p in shared]
+        prompt = shared[0]
+        for _ in range(3):  # a conversation: each turn continues the previous answer
+            out = engine.generate([prompt], sp)[0]
+            outs.append(out)
+            prompt = prompt + out.token_ids + [11, 12]
+        return outs
+
+    ref = Engine(**kw, disable_prefix_cache=True)
+    try:
+        expected = [o.token_ids for o in serve(ref)]
+    finally:
+        ref.shutdown()
+    eng = Engine(**kw)
+    try:
+        outs = serve(eng)
+        assert [o.token_ids for o in outs] == expected
+        cache = eng.runner.prefix_cache
+        first_hit = next(i for i, o in enumerate(outs) if o.cached_tokens)
+        assert first_hit <= SAMPLE_EVERY
+        assert all(o.cached_tokens >= len(system) for o in outs[first_hit:])
+        turns = outs[len(shared):]
+        assert turns[1].cached_tokens >= len(shared[0]) + len(turns[0].token_ids) - 1
+        assert turns[2].cached_tokens > turns[1].cached_tokens
+        assert cache.filing and cache.unfiled_requests > 0
+        _accounted(eng)
+    finally:
+        eng.shutdown()
+
 def test_request_ids_array_is_all_ids():
     from constrained_spec.engine.request import Request
 

@@ -252,3 +252,40 @@ def test_insert_below_a_locked_node_equals_insert_from_the_root():
         assert sorted(trees[0].all_slots().tolist()) == sorted(trees[1].all_slots().tolist())
         for probe in [full, prompt, *others, base]:
             assert trees[0].match(probe)[0].tolist() == trees[1].match(probe)[0].tolist()
+
+
+def test_the_heads_set_follows_inserts_splits_and_evictions_and_answers_misses(monkeypatch):
+    """With `head_len`, the tree's set of its paths' first head_len tokens stays equal to a walk's
+    under random traffic (inserts from the root and below a locked node, splits, evictions), and a
+    lookup that needs head_len tokens or more answers as a tree without the set does, without a walk
+    where the head is not cached."""
+    rng = np.random.default_rng(2)
+    pool = SlotPool(200)
+    tree = RadixCache(pool.free, head_len=4)
+    pool.cache = tree
+    held = []
+    for step in range(1500):
+        r = rng.random()
+        if held and r < 0.4:
+            node, tokens, own = held.pop(int(rng.integers(len(held))))
+            cached = len(tokens) - len(own)
+            # from the locked node, as `PrefixCache.release` does
+            dup = tree.insert(tokens[cached:], own, below=node if cached else None)
+            pool.free(own[:dup])
+            tree.unlock(node)
+        elif r < 0.5 and tree.evictable_size:
+            tree.evict(int(rng.integers(1, 6)))
+        else:
+            _start_one(tree, pool, held, rng.integers(0, 3, size=int(rng.integers(2, 12))).tolist())
+        assert tree.heads() == tree.all_heads(), f"step {step}"
+        probe = rng.integers(0, 3, size=int(rng.integers(1, 10))).tolist()
+        walked = tree.match_length(probe)  # min_length 0: a walk
+        for min_length in (4, 5):
+            assert tree.match_length(probe, min_length) == (walked if walked >= min_length else 0)
+    assert tree.all_heads(), "the traffic cached paths of 4 tokens or more"
+    small = RadixCache(lambda s: None, head_len=4)
+    small.insert([1, 2, 3, 4, 5], np.arange(10, 15))
+    from constrained_spec.engine import radix_cache
+    monkeypatch.setattr(radix_cache, "_edge_match", None)  # a walk past the root would fail
+    assert small.match([1, 2, 3, 9, 9], 4)[0].tolist() == [] and small.match_length([1, 2, 3, 9, 9], 4) == 0
+    assert small.num_nodes() == 1  # not split

@@ -16,7 +16,10 @@ reference on: `req.cache_node`, `req.cache_len`) followed by its own slots. Thre
   shares goes into the tree once, with its answer, at release.
 - **release** (`release`: finish, abort, retraction): the verified context (prompt and output
   tokens whose K/V were computed) goes into the tree; duplicates and slots past it go back to the
-  pool; the reference is dropped. A request that failed (an engine error) caches nothing.
+  pool; the reference is dropped. A request that failed (an engine error) caches nothing. While the
+  cache misses (no first admission among the last MISS_WINDOW found a prefix), only every
+  SAMPLE_EVERY-th finished request is filed; the others' slots go straight back to the pool, as
+  without the cache (`release`).
 Speculative decoding needs nothing here: a verify step frees its rejected draft slots and trims the
 row before anything can read the row for caching.
 """
@@ -39,6 +42,20 @@ RUNNING_SHARE = 32
 # that runs anyway (on the H200, a 7-token prefix made a 300-token prompt's extend attention up to
 # 8% slower, by the pass over the prefix before the causal part).
 MIN_MATCH = 32
+# Filing while the cache misses. Where prompts share nothing (distinct system prompts), every
+# finished request's insert is wasted: nothing ever matches it, and its leaf is evicted later. On
+# the dev VM (`benchmarks/prefix_cache_loop.py`, the engine thread's CPU timed in place) a release
+# that inserts cost ~39 us a request (the insert ~16, its answer's ids made an array ~10) and each
+# eviction ~10.5 us a call, of the ~55-75 us a ~375 us step the cache added; on the H200 the served
+# distinct workload ran at 0.93 of the cache-off engine's tok/s. So once no first admission among
+# the last MISS_WINDOW found a cached prefix, a finished request's context is filed only if it is
+# the SAMPLE_EVERY-th so passed over (or it was admitted while filing was on, or it is a retraction,
+# whose re-prefill matches it); the others' slots go straight to the pool. The sample keeps the tree
+# learning: a system prompt many requests share is cached within ~SAMPLE_EVERY of them (sooner while
+# they overlap: the running-prompt sharing above does not depend on filing), and the first hit
+# files everything again, before the next turn of a conversation can miss its previous answer.
+MISS_WINDOW = 64
+SAMPLE_EVERY = 8
 
 
 def min_match(length: int) -> int:
@@ -50,7 +67,7 @@ class PrefixCache:
     def __init__(self, runner):
         self.runner = runner
         self.pool, self.table = runner.pool, runner.table
-        self.tree = RadixCache(self.pool.free)
+        self.tree = RadixCache(self.pool.free, head_len=MIN_MATCH)  # a miss is known without a walk
         self.pool.cache = self.tree
         self._prefilled: list = []  # requests whose prompt's last chunk was scheduled
         # computed prompts not in the tree yet, by (locked node, next RUNNING_SHARE tokens) (`cache_prompts`)
@@ -58,6 +75,9 @@ class PrefixCache:
         self._writes: list[tuple[int, int, np.ndarray]] = []  # table rows to mirror on the device
         self.lookup_tokens = 0  # prompt tokens of first admissions
         self.hit_tokens = 0  # of those, found in the cache
+        self._misses = 0  # first admissions since the last that found a cached prefix
+        self._passed = 0  # finished requests released while the cache missed (the sample's counter)
+        self.unfiled_requests = 0  # finished requests whose context was freed, not cached (`release`)
         self._uploads = GrowingStaging(runner.device)
         self._ramp = np.arange(self.table.max_context, dtype=np.int64)
 
@@ -91,11 +111,22 @@ class PrefixCache:
 
     def admitted(self, req) -> None:
         """The request runs: count its hit (first admission only: a retracted request's second
-        match is no prompt served from cache)."""
+        match is no prompt served from cache), and whether the cache is missing (MISS_WINDOW)."""
         if req.cached_tokens is None:
             req.cached_tokens = min(req.cache_len, len(req.prompt_ids))
             self.lookup_tokens += len(req.prompt_ids)
             self.hit_tokens += req.cached_tokens
+            if req.cache_len:
+                self._misses = 0
+            else:
+                self._misses += 1
+            req.file_context = self._misses < MISS_WINDOW
+
+    @property
+    def filing(self) -> bool:
+        """Whether every finished request's context goes into the tree (a first admission among
+        the last MISS_WINDOW found a cached prefix), not only a sample."""
+        return self._misses < MISS_WINDOW
 
     def place_prefix(self, req) -> None:
         """Writes the admitted request's prefix slots into its new table row (host and device)."""
@@ -153,7 +184,13 @@ class PrefixCache:
 
     def release(self, req, keep: bool) -> None:
         """Frees the request's row: its computed context into the tree (`keep`), the rest to the
-        pool, its reference dropped."""
+        pool, its reference dropped. While the cache misses, a finished request outside the sample
+        keeps nothing (MISS_WINDOW)."""
+        if keep and self._misses >= MISS_WINDOW and not req.file_context and req.finish_reason is not None:
+            self._passed += 1
+            if self._passed % SAMPLE_EVERY:
+                keep = False
+                self.unfiled_requests += 1
         if req.uncached_key is not None:
             self._forget_uncached(req)
         row = req.row
@@ -185,7 +222,8 @@ class PrefixCache:
         return {"hit_tokens": self.hit_tokens, "lookup_tokens": self.lookup_tokens,
                 "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
                 "evicted_tokens": tree.evicted_tokens, "tree_tokens": tree.size,
-                "evictable_tokens": tree.evictable_size}
+                "evictable_tokens": tree.evictable_size, "unfiled_requests": self.unfiled_requests,
+                "filing": self.filing}
 
     def take_writes(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The table entries placed or repointed since the last call, as (flat table indices,

@@ -80,6 +80,9 @@ class Request:
     prefix_slots: Any = None
     uncached_key: Any = None  # where its computed prompt waits to be cached (`PrefixCache.cache_prompts`)
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    # its context goes into the tree at release even while the cache misses (filing was on when it
+    # was first admitted: `PrefixCache.admitted`)
+    file_context: bool = True
     skips: int = 0  # times a request with a longer cached prefix was admitted before this one
     # a request its caller takes whole (`add_request(each_step=False)`): after its first update, its
     # tokens (and logprobs) wait here and go out with its last update. None: every step's go out

@@ -141,21 +141,27 @@ _ENGINE_COUNTERS = [
 
 def _prefix_cache_metrics(pc: dict | None):
     """Prefix caching (engine/prefix_cache.py): prompt tokens served from the cache, the hit rate,
-    evictions and the tree's size. Absent with --disable-prefix-cache."""
+    evictions, the tree's size, and whether finished requests are all cached or only a sample
+    (`PrefixCache.release`). Absent with --disable-prefix-cache."""
     if pc is None:
         return
     for name, key, doc in (("prefix_cache_hit_tokens", "hit_tokens", "Prompt tokens whose K/V came from the prefix cache"),
                            ("prefix_cache_lookup_tokens", "lookup_tokens",
                             "Prompt tokens of admitted requests (the hit rate's denominator)"),
                            ("prefix_cache_evicted_tokens", "evicted_tokens",
-                            "Cached tokens evicted to make room in the KV pool")):
+                            "Cached tokens evicted to make room in the KV pool"),
+                           ("prefix_cache_unfiled_requests", "unfiled_requests",
+                            "Finished requests whose context was freed, not cached, while the cache missed")):
         c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
         c.add_metric([], float(pc[key]))
         yield c
     for name, key, doc in (("prefix_cache_hit_rate", "hit_rate", "Cached share of admitted prompt tokens (0..1)"),
                            ("prefix_cache_tokens", "tree_tokens", "Tokens (KV slots) held by the prefix cache"),
                            ("prefix_cache_evictable_tokens", "evictable_tokens",
-                            "Of those, tokens no running request uses (free for eviction)")):
+                            "Of those, tokens no running request uses (free for eviction)"),
+                           ("prefix_cache_filing", "filing",
+                            "1 while every finished request is cached; 0 while the cache misses and only a "
+                            "sample is")):
         g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
         g.add_metric([], float(pc[key]))
         yield g
