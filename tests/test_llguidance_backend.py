@@ -678,3 +678,19 @@ def test_one_matcher_checks_an_llguidance_grammar(tokenizer, monkeypatch):
             assert len(built) == 2, spec  # the template, and one matcher for both checks
     finally:
         b.close()
+
+
+def test_a_first_mask_past_llguidances_limits_is_not_an_empty_language(tokenizer):
+    """20,000 alternatives and a recursion: llguidance's first mask fails ("Too many items") and
+    allows no token. That was read as a grammar that accepts no string (a 400 saying so under
+    llguidance, and under auto no fallback to xgrammar); it is llguidance that cannot serve it."""
+    grammar = "root ::= " + " | ".join(f'"w{i}"' for i in range(20000)) + ' | "(" root ")"'
+    b = GrammarBackend(tokenizer, VOCAB, max_whitespace_cnt=16)
+    try:
+        with pytest.raises(GrammarError, match="llguidance cannot serve"):
+            b.compile(llg(GrammarSpec.ebnf(grammar)))
+        m = b.matcher(b.compile(GrammarSpec.ebnf(grammar).with_backend("xgrammar")))
+        text = ids(tokenizer, "(w7)")
+        assert m.accept_tokens(text) == len(text) and m.can_terminate()
+    finally:
+        b.close()

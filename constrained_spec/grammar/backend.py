@@ -300,6 +300,9 @@ class GrammarBackend:
         ends = m.can_terminate()
         first = self._first_token(m)
         if first is None:  # nothing to accept
+            failed = m.error()  # "NoExtensionBias" is llguidance's word for an empty mask, which is ours to read;
+            if failed and "NoExtensionBias" not in failed:  # another (a limit of its parser) says nothing of the language
+                return failed
             if ends:
                 return None
             raise self._empty_refusal(compiled.spec)
