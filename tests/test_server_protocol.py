@@ -206,3 +206,13 @@ def test_boolean_schemas():
     with pytest.raises(APIError) as api:
         responses.parse(data)
     assert api.value.param == "text.format.schema" and "false accepts no JSON value" in api.value.message
+
+    # a tool's parameters: `true` takes any arguments object, `false` is the same 400 naming the field
+    anything = [{"type": "function", "function": {"name": "f", "parameters": True}}]
+    assert tool_call_plan(chat(tools=anything, tool_choice="required")).functions[0].parameters == {"type": "object"}
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": False}}]}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error_to_api(e.value.errors(include_url=False), body)
+    assert err.param == "tools.0.function.parameters" and "false accepts no JSON value" in err.message

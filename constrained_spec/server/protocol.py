@@ -152,6 +152,12 @@ class ToolFunction(_Lenient):
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
     strict: bool | None = None
 
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _boolean_parameters(cls, value: Any) -> Any:
+        # `true`: any arguments, an object as every call's arguments are (clients pass them as keywords)
+        return {"type": "object"} if value is True else boolean_schema(value)
+
 
 class Tool(_Lenient):
     type: Literal["function"]
