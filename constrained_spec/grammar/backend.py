@@ -328,8 +328,11 @@ class GrammarBackend:
         if not dead:
             return
         if spec.kind == "json_schema":
-            why = ("each value would have to contain another without end: a required property or array item "
-                   "leads through '$ref' back to a schema that requires it again (or a pattern matches no string)")
+            recursion = ("each value would have to contain another without end: a required property or array "
+                         "item leads through '$ref' back to a schema that requires it again")
+            # a schema that does not recurse can only be refused here for a pattern
+            why = (recursion + " (or a pattern matches no string)" if _recursive_schema(spec)
+                   else "a 'pattern' in it matches no string where the value needs one")
         elif spec.kind == "ebnf":
             named = [r for r in dead if re.search(r"(?m)^\s*" + re.escape(r) + r"\s*::=", spec.value)] or dead[:1]
             why = (f"rule {named[0]} never ends: each of its alternatives needs it again" if len(named) == 1 else
