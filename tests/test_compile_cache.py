@@ -501,7 +501,7 @@ def test_caches_keyed_by_schema_text_are_bounded_by_its_memory(tok, monkeypatch)
         held = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert held < 6 << 20, held
-        assert b._front_bytes <= 2 << 20 and b.stats["cache_bytes"] <= 2 << 20 and len(b._auto_seen) == 81
+        assert b._front.bytes <= 2 << 20 and b.stats["cache_bytes"] <= 2 << 20 and len(b._auto_seen) == 81
     finally:
         b.close()
 

@@ -32,6 +32,7 @@ import xgrammar as xgr
 from ..cpus import available_cores
 from . import llguidance_backend, xgrammar_backend
 from .compile_queue import CompiledGrammar, CompileQueue, Latency, SlowLane  # noqa: F401 (re-exported)
+from .bounded_lru import BoundedLRU
 from .compile_queue import text_bytes
 from .errors import GrammarBusy, GrammarError
 from .llguidance_backend import LLGuidanceCompiler, LLGuidanceMatcher
@@ -88,10 +89,9 @@ class GrammarBackend:
         self.queue = CompileQueue(self.compile_workers, self.compile_timeout_s, cache_size, max_queue, cache_bytes)
         self._lock = threading.Lock()
         # raw spec key -> (normalized xgrammar key, prepared text) or the schema's GrammarError: repeats
-        # skip prepare_schema. Bounded by count and by the texts held (`_front_bytes`)
-        self._front: "OrderedDict[tuple, object]" = OrderedDict()
+        # skip prepare_schema. Bounded by count and by the texts held
+        self._front = BoundedLRU(4 * cache_size, FRONT_CACHE_BYTES, text_bytes)
         self._front_size = 4 * cache_size
-        self._front_bytes = 0
         self._stats = {"schema_refusals": 0, "served_by_xgrammar": 0, "served_by_llguidance": 0,
                        "llguidance_fallbacks": 0, "auto_served_by_xgrammar": 0}
         # auto: how often each grammar came, by a digest of its text (`_digest`): a count needs no text
@@ -221,21 +221,13 @@ class GrammarBackend:
         keyword, if `count`) where the normalizer refuses."""
         with self._lock:
             hit = self._front.get(spec.key)
-            if hit is not None:
-                self._front.move_to_end(spec.key)
         if hit is None:
             try:
                 hit = self.xgrammar.normalize(spec)
             except GrammarError as e:
                 hit = e
             with self._lock:
-                old = self._front.pop(spec.key, None)  # another thread's, normalized meanwhile
-                if old is not None:
-                    self._front_bytes -= text_bytes(spec.key, old)
-                self._front[spec.key] = hit
-                self._front_bytes += text_bytes(spec.key, hit)
-                while len(self._front) > self._front_size or self._front_bytes > FRONT_CACHE_BYTES:
-                    self._front_bytes -= text_bytes(*self._front.popitem(last=False))
+                self._front.put(spec.key, hit)  # replaces another thread's, normalized meanwhile
         if isinstance(hit, GrammarError):
             if count and spec.kind == "json_schema":  # /metrics counts schema refusals by keyword
                 self._count_refusal(hit)

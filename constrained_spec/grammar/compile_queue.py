@@ -32,13 +32,14 @@ import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..cpus import name_os_thread
 from .errors import GrammarBusy, GrammarError, GrammarTooComplex
+from .bounded_lru import BoundedLRU
 from .spec import GrammarSpec
 
 log = logging.getLogger("constrained_spec.grammar")
@@ -126,10 +127,8 @@ class CompileQueue:
                  cache_bytes: int = 512 << 20):
         self.workers = max(1, int(workers))
         self.timeout_s = float(timeout_s)
-        self._cache: "OrderedDict[Any, Any]" = OrderedDict()  # key -> CompiledGrammar | GrammarError
-        self.cache_size = cache_size
-        self.cache_bytes = cache_bytes
-        self._cached_bytes = 0  # what the entries of `_cache` hold (`_bytes`)
+        # key -> CompiledGrammar | GrammarError
+        self._cache = BoundedLRU(cache_size, cache_bytes, _bytes)
         self._jobs: dict = {}  # key -> _Job, queued or compiling
         self._queue: deque = deque()  # fast jobs
         self._slow: deque = deque()  # slow jobs
@@ -166,7 +165,7 @@ class CompileQueue:
         with self._lock:
             d = dict(self._stats)
             d["cache_size"] = len(self._cache)
-            d["cache_bytes"] = self._cached_bytes
+            d["cache_bytes"] = self._cache.bytes
             d["inflight"] = len(self._jobs)
             d["queue_depth"] = len(self._queue) + len(self._slow)
             d["compiling"] = len(self._running)
@@ -194,7 +193,6 @@ class CompileQueue:
             hit = self._cache.get(key)
             if hit is None or isinstance(hit, GrammarError):
                 return None
-            self._cache.move_to_end(key)
             self._stats["cache_hits"] += 1
         return _for(hit, spec)
 
@@ -213,7 +211,6 @@ class CompileQueue:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(key)
                 self._stats["cache_hits"] += 1
             else:
                 job = self._jobs.get(key)
@@ -413,16 +410,7 @@ class CompileQueue:
         """Least recently used out first, past either bound. A grammar larger than the whole byte
         bound is not kept, nor does it push the others out: the requests waiting for it have it,
         later ones compile it again."""
-        old = self._cache.pop(key, None)
-        if old is not None:
-            self._cached_bytes -= _bytes(key, old)
-        size = _bytes(key, value)
-        if size > self.cache_bytes:
-            return
-        self._cache[key] = value
-        self._cached_bytes += size
-        while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
-            self._cached_bytes -= _bytes(*self._cache.popitem(last=False))
+        self._cache.put(key, value)
 
     def _overran(self, job: _Job) -> None:
         with self._lock:
