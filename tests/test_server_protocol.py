@@ -216,3 +216,30 @@ def test_boolean_schemas():
         ChatCompletionRequest.model_validate(body)
     err = validation_error_to_api(e.value.errors(include_url=False), body)
     assert err.param == "tools.0.function.parameters" and "false accepts no JSON value" in err.message
+
+
+def test_the_schema_false_is_one_400_wherever_it_comes():
+    """`false` as a schema is refused with code `invalid_schema` and the field in `param`, the same
+    whether it comes as response_format's schema, as vLLM's guided_json (the boolean, or its JSON
+    text), in a Responses text.format or as a tool's parameters (guided_json's text said
+    `invalid_schema` and the others `invalid_value`)."""
+    from constrained_spec.server import responses
+    from constrained_spec.server.json_io import parse
+
+    def refusal(**kw) -> APIError:
+        with pytest.raises(APIError) as e:
+            grammar_spec_for(parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **kw}))
+        return e.value
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": False}}
+    for kw, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+                       "response_format.json_schema.schema"),
+                      ({"guided_json": False}, "guided_json"), ({"guided_json": "false"}, "guided_json"),
+                      ({"guided_json": " false "}, "guided_json"), ({"tools": [tool]}, "tools.0.function.parameters")):
+        err = refusal(**kw)
+        assert (err.status, err.code, err.param) == (400, "invalid_schema", param), (kw, err.body())
+        assert "the schema false accepts no JSON value" in err.message
+    data = {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": False}}}
+    with pytest.raises(APIError) as e:
+        responses.parse(data)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_schema", "text.format.schema")

@@ -62,7 +62,8 @@ def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> A
         text = f"invalid value for '{param}': {msg}"
     else:
         text = msg
-    return bad_request(text, param=param, code="invalid_value" if kind != "missing" else "missing_field")
+    code = {"missing": "missing_field", "invalid_schema": "invalid_schema"}.get(kind, "invalid_value")
+    return bad_request(text, param=param, code=code)
 
 
 def _field_path(loc: list, body: Any) -> list:

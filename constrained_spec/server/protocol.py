@@ -20,6 +20,7 @@ import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # -- requests --------------------------------------------------------------------------------------
 
@@ -101,14 +102,19 @@ class ChatMessage(_Lenient):
         return _text_of(self.content)
 
 
+INVALID_SCHEMA = "invalid_schema"  # the error code (and pydantic error type) of a schema refused
+
+
 def boolean_schema(schema: Any) -> Any:
     """JSON Schema's boolean schemas: `true` accepts any JSON value, as `{}` does (and is served as
     `{}`: one grammar, one cache entry); `false` accepts none, refused here with its reason, before
-    the tool envelopes read the schema as an object."""
+    the tool envelopes read the schema as an object: a 400 with code `invalid_schema` wherever the
+    schema came (response_format, guided_json as JSON or as text, a tool's parameters), as the
+    grammar's own refusals of a schema have."""
     if schema is True:
         return {}
-    if schema is False:
-        raise ValueError("the schema false accepts no JSON value")
+    if schema is False:  # a ValueError whose pydantic error type says what the 400's code says
+        raise PydanticCustomError(INVALID_SCHEMA, "the schema false accepts no JSON value")
     return schema
 
 
