@@ -37,6 +37,7 @@ import torch
 from .. import long_lived
 from ..grammar import GrammarBackend, GrammarBusy, GrammarError, GrammarSpec
 from ..grammar.disk_cache import resolve_dir as resolve_cache_dir
+from ..grammar.errors import GrammarTooComplex
 from ..models import load_model
 from ..sampling_params import SamplingParams
 from ..speculative.grammar_draft import stable_forced_tokens
@@ -48,7 +49,8 @@ from . import mask_audit
 from .mask_filler import MaskFill, MaskFiller
 from .model_runner import ModelRunner, StepResult
 from .omp_pool import on_fresh_thread
-from .request import FinishReason, Request, RequestOutput, Status
+from .request import (ERROR_BUSY, ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX, FinishReason, Request, RequestOutput,
+                      Status)
 from .scheduler import Scheduler
 from ..speculative.worker import SpeculativeWorker, make_drafter
 from ..attention import ForwardMode
@@ -409,7 +411,7 @@ class Engine:
             try:
                 req.matcher = self.grammar.matcher(fut.result())
             except (GrammarError, GrammarBusy) as e:  # busy: its grammar waited too long for a compile thread
-                self._finish(req, FinishReason.ERROR, error=str(e))
+                self._finish(req, FinishReason.ERROR, error=str(e), error_kind=grammar_error_kind(e))
                 continue
             self.scheduler.add(req)
         self._compiling = still
@@ -688,13 +690,14 @@ class Engine:
             request_id=req.request_id, new_text=text, new_token_ids=new_ids, finished=finished,
             finish_reason=reason, error=req.error, prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids), logprobs=logprobs, matched_stop=matched,
-            cached_tokens=req.cached_tokens or 0))
+            cached_tokens=req.cached_tokens or 0, error_kind=req.error_kind))
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None, matched=None,
-                new_ids: list[int] | None = None, logprobs=None) -> None:
+                new_ids: list[int] | None = None, logprobs=None, error_kind: str | None = None) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
+        req.error_kind = error_kind
         self.scheduler.remove(req)
         if self.spec is not None:
             self.spec.forget(req)
@@ -735,6 +738,17 @@ class Engine:
         changed, end with `message`; the waiting ones hold nothing the step touched and go on."""
         for req in list(self.scheduler.running):
             self._finish(req, FinishReason.ERROR, error=message)
+
+
+def grammar_error_kind(e: BaseException) -> str | None:
+    """The `RequestOutput.error_kind` of a grammar's compile failure (None: not one)."""
+    if isinstance(e, GrammarBusy):
+        return ERROR_BUSY
+    if isinstance(e, GrammarTooComplex):
+        return ERROR_GRAMMAR_TOO_COMPLEX
+    if isinstance(e, GrammarError):
+        return ERROR_GRAMMAR
+    return None
 
 
 def _violation(token: int) -> str:

@@ -26,6 +26,13 @@ class FinishReason(str, Enum):
     ERROR = "error"
 
 
+# What kind of failure a request that ended "error" had (`RequestOutput.error_kind`), for the server
+# to answer it as it answers the same failure caught before the request was queued; None: the
+# engine's own failure (a 500)
+ERROR_BUSY = "busy"  # its grammar waited too long for a compile thread (GrammarBusy): retry later
+ERROR_GRAMMAR = "grammar"  # its grammar was refused (GrammarError): the request's fault
+ERROR_GRAMMAR_TOO_COMPLEX = "grammar_too_complex"  # its grammar compiled past the timeout (GrammarTooComplex)
+
 _ids = itertools.count()
 
 
@@ -43,6 +50,7 @@ class RequestOutput:
     logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": [(id, logprob)]}
     matched_stop: str | int | None = None
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
+    error_kind: str | None = None  # with finish_reason ERROR: ERROR_BUSY, ERROR_GRAMMAR..., or None
 
 
 @dataclass(eq=False)  # identity: `req in running`, `running.remove(req)` must not compare every field
@@ -65,6 +73,7 @@ class Request:
     mask_fill_seconds: float = 0.0  # how long its last off-thread mask fill took
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: str | None = None  # `RequestOutput.error_kind`
     arrival: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # first admission into the running batch
     first_token_time: float | None = None

@@ -41,7 +41,7 @@ from .info_routes import add_info_routes
 from .json_io import parse
 from .protocol import ChatCompletionRequest
 from .responses_routes import add_responses_routes
-from .service import Service
+from .service import ClientGone, Service
 
 log = logging.getLogger("constrained_spec.server")
 
@@ -123,6 +123,11 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     async def _gone(request: Request, exc: ClientDisconnect):
         # the client left before its body arrived: nobody to answer, nothing the server did wrong
         log.debug("client disconnected while sending %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        # the client left while its request waited (its grammar's compile, its first update): nobody to answer
         return Response(status_code=499)
 
     @app.exception_handler(Exception)

@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from .generation import Generation, SSEResponse, finish_str, sse_body, sse_event, stream_chunk
 from .json_io import json_response, parse, read_json
+from .constraints import constraint_param
 from .protocol import ChatCompletionRequest, new_id
 from .service import ClientGone, Service, answer_message, collect, now, once, usage
 from .tokens import logprob_chunk
@@ -28,15 +29,17 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
             cid = new_id("chatcmpl")
             gen = service.start([run.prompt] * req.n, run.params_list, run.grammar, cid, req.stream)
             model = served
+            param = constraint_param(req)  # the field an error of the request's grammar names
             if req.stream:
+                await service.open_stream(gen, request, run.grammar, param)
                 admitted = False  # the stream releases it
-                return SSEResponse(chat_stream(gen, req, cid, model, len(run.prompt), run.top_n, run.plan),
+                return SSEResponse(chat_stream(gen, req, cid, model, len(run.prompt), run.top_n, run.plan, param),
                                    cleanup=once(lambda: (gen.abort(), service.release(req.n))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, req.n)
             except ClientGone:
                 return Response(status_code=499)
-            service.raise_engine_errors(finals)
+            service.raise_engine_errors(finals, param)
             choices = []
             for i in range(req.n):
                 message, reason = answer_message(run, req, outs[i], finals[i])
@@ -52,7 +55,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
                 service.release(req.n)
 
     async def chat_stream(gen: Generation, req: ChatCompletionRequest, cid: str, model: str, prompt_len: int,
-                          top_n: int, plan: ToolCallPlan | None):
+                          top_n: int, plan: ToolCallPlan | None, param: str | None):
         created = now()
         include_usage = req.include_usage_in_stream
         finals: list[Any] = [None] * req.n
@@ -81,7 +84,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
                     reason = calls[i].finish_reason(reason, complete)
                 ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
                 if reason == "error":  # the choice ends "error", then the error itself
-                    ev.append(sse_event(service.generation_error(out).body()))
+                    ev.append(sse_event(service.generation_error(out, param).body()))
             return ev
 
         try:

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from .constraints import constraint_param
 from .errors import bad_request
 from .generation import Generation, SSEResponse, finish_str, sse_body, sse_event, stream_chunk
 from .json_io import json_response, parse, read_json
@@ -52,15 +53,17 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
             cid = new_id("cmpl")
             gen = service.start(all_prompts, params_list, grammar, cid, req.stream)
             prompt_tokens = sum(len(p) for p in prompts)
+            param = constraint_param(req)  # the field an error of the request's grammar names
             if req.stream:
+                await service.open_stream(gen, request, grammar, param)
                 admitted = False
-                return SSEResponse(completion_stream(gen, req, cid, total, prompt_tokens, top_n),
+                return SSEResponse(completion_stream(gen, req, cid, total, prompt_tokens, top_n, param),
                                    cleanup=once(lambda: (gen.abort(), service.release(total))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, total)
             except ClientGone:
                 return Response(status_code=499)
-            service.raise_engine_errors(finals)
+            service.raise_engine_errors(finals, param)
             choices = [{"index": i, "text": outs[i],
                         "logprobs": texts.completion_logprobs(lps[i], top_n) if req.logprobs is not None else None,
                         "finish_reason": finish_str(finals[i].finish_reason)} for i in range(total)]
@@ -72,7 +75,7 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
                 service.release(total)
 
     async def completion_stream(gen: Generation, req: CompletionRequest, cid: str, total: int, prompt_tokens: int,
-                                top_n: int):
+                                top_n: int, param: str | None):
         created = now()
         include_usage = req.include_usage_in_stream
         finals: list[Any] = [None] * total
@@ -86,7 +89,7 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
             if out.finished:
                 finals[i] = out
             if reason == "error":
-                return [sse_event(service.generation_error(out).body())]
+                return [sse_event(service.generation_error(out, param).body())]
             if not (out.new_text or out.finished):
                 return []
             lp = None

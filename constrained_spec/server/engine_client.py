@@ -242,10 +242,10 @@ class EngineClient:
     def _on_updates(self, tokens: list[tuple], updates: list[tuple]) -> None:
         """A step's message: streamed tokens (key, token, logprob, tokens so far), then updates."""
         if tokens:
-            updates = [(key, [token], False, None, None, None, n, [lp] if lp else None, 0)
+            updates = [(key, [token], False, None, None, None, n, [lp] if lp else None, 0, None)
                        for key, token, lp, n in tokens] + updates
         by_key = self._by_key
-        for key, ids, finished, reason, error, matched, n_out, lps, cached in updates:
+        for key, ids, finished, reason, error, matched, n_out, lps, cached, error_kind in updates:
             p = by_key.get(key)
             if p is None:  # aborted here, or ended here on a stop string
                 continue
@@ -285,7 +285,7 @@ class EngineClient:
                 ids, lps = detok.release(ids, lps, finished)
             out = RequestOutput(p.request_id, text, ids, finished,
                                 None if reason is None else FinishReason(reason), error, len(p.prompt_ids), n_out,
-                                lps, matched, cached)
+                                lps, matched, cached, error_kind)
             self._deliver(p, out)
 
     @staticmethod

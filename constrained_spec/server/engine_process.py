@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cpus import name_os_thread
+from ..engine.engine import grammar_error_kind
 from . import ipc
 from .response_store import ResponseStore
 
@@ -98,7 +99,9 @@ class _Connection:
                                         step_tokens=None if whole else self.tokens, stream_key=key)
             except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
                 self.live.pop(key, None)
-                self.outbox.put(("out", [], [(key, [], True, "error", f"{type(e).__name__}: {e}", None, 0, None, 0)]))
+                kind = grammar_error_kind(e)  # the compile queue full (busy), or the grammar refused
+                error = str(e) if kind is not None else f"{type(e).__name__}: {e}"
+                self.outbox.put(("out", [], [(key, [], True, "error", error, None, 0, None, 0, kind)]))
         elif kind == "abort":
             request_id = self.live.get(msg[1])
             if request_id is not None:
@@ -113,7 +116,7 @@ class _Connection:
             reason = out.finish_reason  # into this step's list (swapped each step: looked up now)
             self.updates.append((key, out.new_token_ids, out.finished, None if reason is None else reason.value,
                                  out.error, out.matched_stop, out.completion_tokens, out.logprobs,
-                                 out.cached_tokens))
+                                 out.cached_tokens, out.error_kind))
             if out.finished:
                 self.live.pop(key, None)
         return on_output

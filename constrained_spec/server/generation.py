@@ -33,6 +33,7 @@ class Generation:
         self.request_ids: list[str] = []
         self.done = [False] * len(prompts)
         self.closed = False
+        self._head: list[tuple[int, Any]] = []  # updates taken by `first`, not yet iterated
 
         def make_cb(i):
             def cb(out):
@@ -48,9 +49,15 @@ class Generation:
             self.abort()
             raise
 
+    async def first(self) -> Any:
+        """The first update (of any choice), waited for; the iteration still yields it."""
+        if not self._head:
+            self._head.append(await self.queue.get())
+        return self._head[0][1]
+
     async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         while not all(self.done):
-            i, out = await self.queue.get()
+            i, out = self._head.pop(0) if self._head else await self.queue.get()
             if out.finished:
                 self.done[i] = True
             yield i, out
@@ -62,7 +69,7 @@ class Generation:
         otherwise fall further behind (and its client parses fewer events)."""
         queue = self.queue
         while not all(self.done):
-            items = [await queue.get()]
+            items, self._head = self._head or [await queue.get()], []
             while not queue.empty():
                 items.append(queue.get_nowait())
             for i, out in items:
@@ -93,7 +100,7 @@ def join_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
     return RequestOutput(b.request_id, a.new_text + b.new_text, a.new_token_ids + b.new_token_ids,
                          b.finished, b.finish_reason, b.error, b.prompt_tokens, b.completion_tokens, logprobs,
-                         b.matched_stop, b.cached_tokens)
+                         b.matched_stop, b.cached_tokens, b.error_kind)
 
 
 class SSEResponse(StreamingResponse):

@@ -18,8 +18,10 @@ Engine -> front-end:
 
 `key` is the front-end's number for a request on its connection. An Update is the tuple
 (key, new_token_ids, finished, finish_reason | None, error | None, matched_stop, completion_tokens,
-logprobs | None, cached_tokens): token ids only; the front-end detokenizes and finds stop strings.
-cached_tokens: the prompt tokens the engine's prefix cache served (usage.prompt_tokens_details).
+logprobs | None, cached_tokens, error_kind | None): token ids only; the front-end detokenizes and
+finds stop strings. cached_tokens: the prompt tokens the engine's prefix cache served
+(usage.prompt_tokens_details). error_kind: what an "error" end was (`RequestOutput.error_kind`: its
+grammar busy in the compile queue, or refused), so the front-end answers 503 or 400, not 500.
 A Token, (key, token_id, logprob | None, completion_tokens), is a streamed request's update of one
 more token that does not end it, the most common one, kept small (`Engine.add_request(step_tokens=)`).
 """
@@ -34,7 +36,7 @@ from typing import Any
 _HEADER = struct.Struct("<I")
 
 # positions in an Update tuple
-KEY, TOKENS, FINISHED, REASON, ERROR, MATCHED, COMPLETION_TOKENS, LOGPROBS, CACHED_TOKENS = range(9)
+KEY, TOKENS, FINISHED, REASON, ERROR, MATCHED, COMPLETION_TOKENS, LOGPROBS, CACHED_TOKENS, ERROR_KIND = range(10)
 
 
 class Channel:

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from . import responses
+from .constraints import constraint_param
 from .errors import APIError, bad_request
 from .generation import Generation, SSEResponse, finish_str
 from .json_io import json_response, read_json
@@ -43,15 +44,25 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             rid = new_id("resp", "_")
             gen = service.start([run.prompt], run.params_list, run.grammar, rid, rreq.stream)
             created = responses.now()
+            param = constraint_param(req)  # the field an error of its grammar names (the chat request's)
             if rreq.stream:
+                try:
+                    await service.open_stream(gen, request, run.grammar, param)
+                except APIError as e:
+                    e.param = responses.param_name(e.param)
+                    raise
                 admitted = False  # the stream releases it
-                return SSEResponse(response_stream(gen, rreq, req, rid, created, run, history),
+                return SSEResponse(response_stream(gen, rreq, req, rid, created, run, history, param),
                                    cleanup=once(lambda: (gen.abort(), service.release(1))))
             try:
                 outs, _ids, lps, finals = await collect(gen, request, 1)
             except ClientGone:
                 return Response(status_code=499)
-            service.raise_engine_errors(finals)
+            try:
+                service.raise_engine_errors(finals, param)
+            except APIError as e:  # named as the Responses request has it
+                e.param = responses.param_name(e.param)
+                raise
             message, reason = answer_message(run, req, outs[0], finals[0])
             logprobs = texts.chat_logprobs(lps[0], run.top_n)["content"] if req.logprobs else None
             status = responses.status_of(reason)
@@ -102,7 +113,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             log.exception("storing response %s failed", response["id"])
 
     async def response_stream(gen: Generation, rreq, req: ChatCompletionRequest, rid: str, created: int,
-                              run: ChatRun, history: list[dict]):
+                              run: ChatRun, history: list[dict], param: str | None):
         shell = responses.response_object(rid, created, served, rreq, req, "in_progress", [], None)
         events = responses.ResponseEvents(shell)
         call = None if run.plan is None else run.plan.stream()
@@ -122,7 +133,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                     if not out.finished:
                         continue
                     if reason == "error":
-                        error = service.generation_error(out)
+                        error = service.generation_error(out, param)
                         failed = {**shell, "status": "failed", "error": {"code": error.code or "server_error",
                                                                          "message": error.message}}
                         out_events.append(events.failed(failed))

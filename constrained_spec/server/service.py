@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from ..engine.request import ERROR_BUSY, ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX
 from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
 from .engine_client import EngineClient
 from .errors import APIError, bad_request
@@ -204,16 +205,44 @@ class Service:
                 raise grammar_error(e, None)
             raise
 
-    def generation_error(self, out) -> APIError:
-        """What a request that ended in an error answers: 503 if the engine is gone, else 500."""
+    def generation_error(self, out, param: str | None = None) -> APIError:
+        """What a request that ended in an error answers: as its grammar's failure in the engine's
+        compile is answered up front (`compile_grammar`), 503 with Retry-After when it waited too
+        long for a compile thread and 400 (naming `param`, the constraint's field) when it was
+        refused; else 503 if the engine is gone, else 500."""
+        kind = getattr(out, "error_kind", None)
+        if kind == ERROR_BUSY:
+            return self.busy(out.error or "the grammar waited too long to compile; retry later")
+        if kind in (ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX):
+            from ..grammar.errors import GrammarError, GrammarTooComplex  # deferred, as in constraints.py
+            refusal = GrammarTooComplex if kind == ERROR_GRAMMAR_TOO_COMPLEX else GrammarError
+            return grammar_error(refusal(out.error or "the grammar was refused"), param)
         if not self.healthy():
             return self.unavailable()
         return APIError(500, f"generation failed: {out.error or 'engine error'}", code="engine_error")
 
-    def raise_engine_errors(self, finals) -> None:
+    def raise_engine_errors(self, finals, param: str | None = None) -> None:
         for f in finals:
             if f is not None and finish_str(f.finish_reason) == "error":
-                raise self.generation_error(f)
+                raise self.generation_error(f, param)
+
+    async def open_stream(self, gen: Generation, request: Request, grammar, param: str | None = None) -> None:
+        """Before a streamed answer's 200 goes out, for a request with a grammar: waits for the
+        engine's first update, so that a grammar the engine could not compile (busy in the compile
+        queue, or refused: the up-front check passed, or was skipped for a grammar seen before)
+        answers the status a non-streamed request gets, 503 with Retry-After or 400, instead of an
+        error event in a 200 stream. The update stays in `gen` for the stream. Raises that
+        APIError, or ClientGone if the client left meanwhile (the generation is aborted then)."""
+        if grammar is None:
+            return
+        try:
+            out = await until_disconnect(request, gen.first())
+        except BaseException:
+            gen.abort()
+            raise
+        if out.finished and finish_str(out.finish_reason) == "error" and getattr(out, "error_kind", None):
+            gen.abort()
+            raise self.generation_error(out, param)
 
 
 # -- a generation's answer ----------------------------------------------------------------------------
@@ -254,6 +283,22 @@ async def collect(gen: Generation, request: Request, n: int):
             runner.cancel()
         gen.abort()
     return ["".join(t) for t in texts_out], ids, lps, finals
+
+
+async def until_disconnect(request: Request, awaitable):
+    """`await awaitable`, unless the client disconnects first: then it is cancelled (a compile
+    future's cancel reaches the compile queue, or the engine process) and ClientGone is raised."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientGone()
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,0 +1,209 @@
+"""A request's grammar that fails in the engine (not at the server's up-front check: that one passed,
+or was skipped for a grammar the front-end saw compile before, since evicted from the engine's
+cache) is answered as the same failure up front is: busy in the compile queue, 503 with
+Retry-After; refused, 400 naming the field. Streamed: the same status while nothing was sent, an
+error event with that code after. Both servers: the single process (the app over an in-process
+Engine) and the split one, whose engine process is here an `EngineServer` in this process over
+the same Engine (so that its grammar backend can be made to fail), behind a real `EngineClient`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from concurrent.futures import Future
+
+import httpx
+import pytest
+
+from constrained_spec.engine import Engine, EngineConfig
+from constrained_spec.grammar import GrammarBusy, GrammarError
+from constrained_spec.server.app import ServerConfig, create_app
+from constrained_spec.server.engine_client import EngineClient
+from constrained_spec.server.engine_process import EngineInfo, EngineServer
+from constrained_spec.server.runner import start_server_thread
+
+MODEL = "tiny"
+BUSY = "the grammar waited 60s for a compile thread behind slower compiles (2 x the 30s compile timeout); retry later"
+
+
+class Servers:
+    def __init__(self, engine, single, split, client, engine_server):
+        self.engine, self.single, self.split, self.client, self.engine_server = (engine, single, split, client,
+                                                                                 engine_server)
+
+    def url(self, which: str) -> str:
+        return (self.single if which == "single" else self.split).url
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, device="cpu", dtype="float32", grammar_cache_dir="none",
+                                 max_running_requests=8))
+    address = os.path.join(tempfile.mkdtemp(prefix="cs-test-"), "engine.sock")
+    engine_server = EngineServer(engine, address)
+    runner = engine.runner
+    engine_server.info = EngineInfo(
+        address=address, pid=os.getpid(), model_name=engine.model_name, tokenizer=engine.tokenizer,
+        max_context=int(engine.max_context), kv_capacity=int(runner.pool.capacity),
+        max_running_requests=engine.config.max_running_requests,
+        max_queued_requests=engine.config.max_queued_requests, device=str(engine.device), dtype="float32")
+    client = EngineClient(engine_server.info)
+    single = start_server_thread(create_app(engine, ServerConfig(served_model_name=MODEL)))
+    split = start_server_thread(create_app(client, ServerConfig(served_model_name=MODEL)))
+    yield Servers(engine, single, split, client, engine_server)
+    split.stop()
+    single.stop()
+    client.shutdown()
+    engine_server.close()
+    engine.shutdown()
+
+
+class RequestCompiles:
+    """The engine's grammar backend with each request's own compile (not the up-front check) answered
+    by `fail(n)` (n counts those compiles from 0): a Future, an exception to raise, or None for the
+    real compile."""
+
+    def __init__(self, engine, fail):
+        self.grammar, self.fail, self.n = engine.grammar, fail, 0
+
+    def __enter__(self):
+        real = self.real = self.grammar.compile_async
+
+        def compile_async(spec, timeout_s=None, check_only=False):
+            if check_only:
+                return real(spec, timeout_s, check_only=True)
+            answer, self.n = self.fail(self.n), self.n + 1
+            if answer is None:
+                return real(spec, timeout_s)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        self.grammar.compile_async = compile_async
+        return self
+
+    def __exit__(self, *exc):
+        self.grammar.compile_async = self.real
+
+
+def failed(exc: BaseException) -> Future:
+    f = Future()
+    f.set_exception(exc)
+    return f
+
+
+def body(schema: dict, **kw) -> dict:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Give JSON."}], "max_tokens": 8,
+            "temperature": 0, "response_format": fmt, **kw}
+
+
+def schema(name: str) -> dict:  # a schema of its own per test: the front-end skips the check of one seen
+    return {"type": "object", "properties": {name: {"type": "boolean"}}}
+
+
+def error_of(r: httpx.Response, status: int, code: str, param=...) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code, err
+    if param is not ...:
+        assert err["param"] == param, err
+    return err
+
+
+WHICH = ["single", "split"]
+
+
+@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("how", ["waited", "queue full"])
+def test_a_grammar_busy_in_the_engine_is_a_503_with_retry_after(servers, which, how):
+    """The request's compile failed with GrammarBusy: after waiting in the compile queue (its future)
+    or at once, the queue full (raised by the engine's add_request). It was a 500 `engine_error`
+    (split: both; single process: the first)."""
+    answer = failed(GrammarBusy(BUSY)) if how == "waited" else GrammarBusy("4096 grammars are waiting to compile")
+    with RequestCompiles(servers.engine, lambda n: answer):
+        r = httpx.post(servers.url(which) + "/v1/chat/completions", json=body(schema(f"busy_{how[0]}_{which}")),
+                       timeout=60)
+    err = error_of(r, 503, "server_busy")
+    assert r.headers.get("retry-after") == "1"
+    assert ("waited 60s" if how == "waited" else "4096 grammars") in err["message"]
+
+
+@pytest.mark.parametrize("which", WHICH)
+def test_a_grammar_busy_in_the_engine_before_a_streamed_answer_began_is_a_503(servers, which):
+    """Streamed, nothing sent yet: the same 503 with Retry-After, not a 200 stream ending in an error."""
+    with RequestCompiles(servers.engine, lambda n: failed(GrammarBusy(BUSY))):
+        with httpx.stream("POST", servers.url(which) + "/v1/chat/completions",
+                          json=body(schema(f"busy_stream_{which}"), stream=True), timeout=60) as r:
+            r.read()
+    error_of(r, 503, "server_busy")
+    assert r.headers.get("retry-after") == "1"
+    _still_serving(servers, which)
+
+
+@pytest.mark.parametrize("which", WHICH)
+def test_a_grammar_busy_in_the_engine_after_a_streamed_answer_began_is_a_server_busy_event(servers, which):
+    """n=2: the first choice streams; the second's compile then fails busy. The 200 went out: the
+    second choice ends "error" and the error event says `server_busy` (it said `engine_error`)."""
+    late = Future()
+    with RequestCompiles(servers.engine, lambda n: None if n == 0 else late):
+        events = []
+        with httpx.stream("POST", servers.url(which) + "/v1/chat/completions",
+                          json=body(schema(f"busy_late_{which}"), stream=True, n=2, max_tokens=64,
+                                    ignore_eos=True), timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if not late.done() and any(c.get("delta", {}).get("content") for c in events[-1].get("choices", ())):
+                    late.set_exception(GrammarBusy(BUSY))
+    assert late.done()
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == "server_busy" and "waited 60s" in errors[0]["message"]
+    ends = {c["index"]: c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")}
+    assert ends[1] == "error" and ends[0] in ("stop", "length")
+
+
+@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_refused_in_the_engine_is_a_400_naming_the_field(servers, which, stream):
+    """The request's compile refused its grammar (the up-front check passed, or was skipped): a 400
+    `invalid_schema` naming the field, streamed or not (it was a 500). The refusal's keyword and
+    path do not cross from the engine: its message does."""
+    refusal = GrammarError("the pattern at /properties/later matches no string")
+    with RequestCompiles(servers.engine, lambda n: failed(refusal)):
+        with httpx.stream("POST", servers.url(which) + "/v1/chat/completions",
+                          json=body(schema(f"refused_{which}_{stream}"), stream=stream), timeout=60) as r:
+            r.read()
+    err = error_of(r, 400, "invalid_schema", param="response_format.json_schema.schema")
+    assert "matches no string" in err["message"]
+
+
+def _still_serving(servers, which) -> None:
+    r = httpx.post(servers.url(which) + "/v1/chat/completions", json=body(schema("still_serving")), timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["completions", "responses"])
+def test_the_other_routes_answer_the_engines_grammar_failures_alike(servers, route, stream):
+    """/v1/completions and /v1/responses (split server): busy is the 503, a refusal the 400 naming
+    their own field."""
+    if route == "completions":
+        path, make = "/v1/completions", lambda tag: {"model": MODEL, "prompt": "Say", "max_tokens": 8,
+                                                     "regex": f"{tag}[a-z]+", "stream": stream}
+        param = "regex"
+    else:
+        path = "/v1/responses"
+        make = lambda tag: {"model": MODEL, "input": "Give JSON.", "max_output_tokens": 16, "stream": stream,
+                            "text": {"format": {"type": "json_schema", "name": "x", "schema": schema(tag)}}}
+        param = "text.format.schema"
+    for tag, answer, status, code in (("busy", GrammarBusy(BUSY), 503, "server_busy"),
+                                      ("refused", GrammarError("no string matches it"), 400, None)):
+        with RequestCompiles(servers.engine, lambda n: failed(answer)):
+            with httpx.stream("POST", servers.split.url + path, json=make(f"{tag}{route}{stream}"), timeout=60) as r:
+                r.read()
+        err = error_of(r, status, code or ("invalid_regex" if route == "completions" else "invalid_schema"))
+        assert err["param"] == (None if status == 503 else param), err
