@@ -426,6 +426,42 @@ def test_while_the_cache_misses_only_a_sample_of_finished_requests_is_cached(tin
     assert tree.evictable_size == tree.size
 
 
+def test_a_turn_that_starts_like_an_unfiled_context_turns_filing_back_on(tiny_llama_dir):
+    """While the cache misses, a conversation's first turn is not filed (outside the sample); its
+    next turn misses too, but starts like it, so filing resumes: that turn is filed and the turn
+    after it finds it cached. A prompt sharing fewer than MIN_MATCH first tokens does not count."""
+    from constrained_spec.engine.prefix_cache import MIN_MATCH, MISS_WINDOW, SAMPLE_EVERY
+    from constrained_spec.engine.request import Request
+    sched, runner = _scheduler(tiny_llama_dir)
+    cache, tree, pool = runner.prefix_cache, runner.prefix_cache.tree, runner.pool
+    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+
+    def serve(req):
+        sched.add(req)
+        batch = sched.schedule(can_retract=True)
+        assert batch.requests == [req]
+        runner.forward(batch)
+        req.num_cached = req.total_len
+        size = tree.size
+        req.finish_reason = FinishReason.LENGTH
+        sched.remove(req)
+        return tree.size > size  # filed
+
+    for i in range(MISS_WINDOW + 1):  # past the window, and the next request is not the sample's
+        serve(new(range(1000 + 50 * i, 1040 + 50 * i)))
+    assert not cache.filing and cache._passed % SAMPLE_EVERY
+    near = list(range(20000, 20000 + MIN_MATCH - 1))
+    assert not serve(new(near + [1, 2, 3]))  # turn 1 of an unrelated prompt, unfiled
+    assert not serve(new(near + [4, 5, 6])) and not cache.filing  # 31 tokens in common: no recurrence
+    turn1 = new(range(30000, 30040))
+    assert not serve(turn1) and not cache.filing
+    turn2 = new(turn1.prompt_ids + [7, 8, 9])
+    assert serve(turn2) and turn2.cached_tokens == 0 and cache.filing
+    turn3 = new(turn2.prompt_ids + [10, 11])
+    assert serve(turn3) and turn3.cached_tokens == len(turn2.prompt_ids)
+    assert pool.num_unused + tree.size == pool.capacity
+
+
 def test_a_shared_system_prompt_is_cached_within_a_sample_while_the_cache_misses(tiny_llama_dir):
     """Through the engine: after MISS_WINDOW distinct requests, requests sharing a system prompt one
     after another (never overlapping, so the running-prompt sharing cannot help) find it cached from
