@@ -1,8 +1,10 @@
 """The productivity check (`GrammarBackend._refuse_if_unproductive`: does the grammar accept a finite
 string?) over every schema under schemas/, as the backend runs it, gates included: what it refuses
-(it should refuse none of them) and what it costs on the xgrammar path (after the normalizer, which
-that path runs anyway) and on llguidance's (normalizing first, as a schema's first request does).
-With --compile, each schema it checks on the xgrammar path is also compiled, for comparison.
+(it should refuse none of them), how many have dead branches (alternatives the root reaches that
+derive no finite string: served without them), and what it costs on the xgrammar path (after the
+normalizer, which that path runs anyway) and on llguidance's (normalizing first, as a schema's first
+request does). With --compile, each schema it checks on the xgrammar path is also compiled (without
+its dead branches where it has some, as served), for comparison.
 SmolLM2's tokenizer, CPU; long-lived objects frozen as in the engine process (`long_lived.py`).
 
     python benchmarks/bench_productivity_check.py [--compile]
@@ -53,7 +55,7 @@ def main() -> None:
     try:
         for name in FILES:
             rows = [json.loads(line) for line in (SCHEMAS / name).read_text().splitlines() if line.strip()]
-            xgr_path, llg_path, compiles, refused = [], [], [], []
+            xgr_path, llg_path, compiles, refused, pruned = [], [], [], [], []
             for row in rows:
                 try:
                     spec = GrammarSpec.json_schema(row["schema"])
@@ -66,20 +68,24 @@ def main() -> None:
                     prepared = None
                 # xgrammar's path: the gate of `_build_xgrammar_checked`, then the check
                 if prepared is not None and ('"pattern' in prepared or _recursive_schema(spec)):
-                    seconds, error = timed(lambda: b._refuse_if_unproductive(spec, prepared))
+                    out = []
+                    seconds, error = timed(lambda: out.append(b._refuse_if_unproductive(spec, prepared)))
                     xgr_path.append(seconds)
                     if error is not None:
                         refused.append((label, "xgrammar", str(error)))
+                    elif out[0] is not None:
+                        pruned.append(label)
                     if args.compile:
-                        compiles.append(timed(lambda: b.xgrammar.compile(spec, prepared))[0])
+                        compiles.append(timed(lambda: b.xgrammar.compile(spec, prepared, out and out[0]))[0])
                 # llguidance's path: a recursive schema, normalized first
                 if _recursive_schema(spec):
-                    b._front.clear()
+                    b._front = type(b._front)(b._front.max_count, b._front.max_bytes, b._front._size_of)
                     seconds, error = timed(lambda: b._refuse_if_unproductive(spec))
                     llg_path.append(seconds)
                     if error is not None:
                         refused.append((label, "llguidance", str(error)))
-            print(f"{name}: {len(rows)} schemas, {len(refused)} refusals by the check {refused[:5]}")
+            print(f"{name}: {len(rows)} schemas, {len(refused)} refusals by the check {refused[:5]}, "
+                  f"{len(pruned)} with dead branches {pruned[:5]}")
             print(f"  xgrammar path, checked: {summary(xgr_path)}")
             if args.compile:
                 print(f"    their xgrammar compiles: {summary(compiles)}")

@@ -41,7 +41,7 @@ from .schema import prepare_schema
 from .schema_refs import has_ref_cycle
 from .spec import BACKENDS, GrammarSpec
 from .xgrammar_backend import (XGrammarCompiler, XGrammarMatcher, canonical_schema,  # noqa: F401
-                               special_token_ids, tokenizer_info_without_specials, unproductive_rules)
+                               productivity, special_token_ids, tokenizer_info_without_specials)
 
 log = logging.getLogger("constrained_spec.grammar")
 
@@ -93,7 +93,7 @@ class GrammarBackend:
         self._front = BoundedLRU(4 * cache_size, FRONT_CACHE_BYTES, text_bytes)
         self._front_size = 4 * cache_size
         self._stats = {"schema_refusals": 0, "served_by_xgrammar": 0, "served_by_llguidance": 0,
-                       "llguidance_fallbacks": 0, "auto_served_by_xgrammar": 0}
+                       "llguidance_fallbacks": 0, "auto_served_by_xgrammar": 0, "dead_branches_pruned": 0}
         # auto: how often each grammar came, by a digest of its text (`_digest`): a count needs no text
         self._auto_seen: "OrderedDict[bytes, int]" = OrderedDict()
         self._background: set = set()  # xgrammar keys compiling in the background (auto)
@@ -247,9 +247,12 @@ class GrammarBackend:
         backend = key[0]
         if backend == XGRAMMAR:
             return self._build_xgrammar_checked(spec, prepared, key)
-        # llguidance refuses by itself a regex, or a schema without recursion, that accepts nothing
+        # llguidance refuses by itself a regex, or a schema without recursion, that accepts nothing,
+        # and masks out their dead branches (its lexer sees a pattern or a class match nothing)
         if spec.kind == "ebnf" or _recursive_schema(spec):
-            self._refuse_if_unproductive(spec)
+            pruned = self._refuse_if_unproductive(spec)
+            if pruned is not None:
+                raise self._served_pruned(spec, pruned)
         try:
             compiled = self._build_llguidance(spec)
         except GrammarError as refusal:
@@ -273,11 +276,34 @@ class GrammarBackend:
         xkey, prepared = self._normalize(spec)
         return SlowLane(lambda: self._build_xgrammar_checked(spec, prepared, xkey))
 
+    def _served_pruned(self, spec: GrammarSpec, pruned) -> SlowLane:
+        """Under llguidance or auto, a grammar with dead branches (`_refuse_if_unproductive`) is
+        served by xgrammar's grammar of it without them, in the slow lane (an xgrammar compile).
+
+        Why not llguidance's: it builds its own grammar from the spec (its JSON-schema converter;
+        for EBNF its GBNF-to-Lark conversion, which makes some rules lexemes), whose rules we cannot
+        reach to prune, and its masks, like xgrammar's, let a request into a branch it can never
+        leave (finish "length", the output never valid). xgrammar's pruned grammar accepts the same
+        strings as the spec: the dead branches held none, and a schema checked here is one the
+        normalizer accepted, which it only does where xgrammar enforces it exactly (EBNF is
+        xgrammar's dialect). So the answer a demanding user wants, a complete and valid output for
+        a grammar that has one, is served, where a 400 would refuse a grammar that the other
+        backends serve; what changes is the compile's cost (xgrammar's, once per grammar, cached
+        in memory under the request's key; saved to disk only where xgrammar's own key compiles it,
+        as auto's second use of a grammar does) and the metrics' backend (served_by_xgrammar, and
+        dead_branches_pruned in the stats). A regex or a schema without recursion
+        never comes here: llguidance masks out their dead branches by itself (a pattern or class
+        that matches nothing is an empty lexeme to it)."""
+        xkey, prepared = self._normalize(spec)
+        return SlowLane(lambda: self._refuse_if_empty(self._build_xgrammar(spec, prepared, xkey, pruned)))
+
     def _build_xgrammar_checked(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
         # the normalizer or xgrammar refuses a schema's other contradictions (min > max, an empty
         # enum, ...): what is left to check is recursion and a pattern that matches nothing
         if spec.kind != "json_schema" or '"pattern' in prepared or _recursive_schema(spec):
-            self._refuse_if_unproductive(spec, prepared)  # before the compile it would spare
+            pruned = self._refuse_if_unproductive(spec, prepared)  # before the compile it would spare
+            if pruned is not None:
+                return self._refuse_if_empty(self._build_xgrammar(spec, prepared, key, pruned))
         return self._refuse_if_empty(self._build_xgrammar(spec, prepared, key))
 
     def _probe_llguidance(self, compiled: CompiledGrammar) -> Optional[str]:
@@ -302,23 +328,28 @@ class GrammarBackend:
             m.accept_token(first)
         return m.error() or None
 
-    def _refuse_if_unproductive(self, spec: GrammarSpec, prepared: Optional[str] = None) -> None:
+    def _refuse_if_unproductive(self, spec: GrammarSpec, prepared: Optional[str] = None) -> Optional["xgr.Grammar"]:
         """GrammarError if the grammar accepts no finite string (`root ::= "a" root`; a schema whose
         required property is a `$ref` to the schema itself): its masks always allow a token, so
         `_refuse_if_empty` lets it through, and its requests wrote until max_tokens, their output
-        never complete. Checked on xgrammar's grammar of the spec (`unproductive_rules`; 2.4 ms for
+        never complete. Checked on xgrammar's grammar of the spec (`productivity`; 2.4 ms for
         the median dev schema checked, 57 ms for the largest) before either backend compiles it. A
         JSON schema is checked as the normalizer rewrites it (`prepared`, else normalized here);
-        one the normalizer refuses, which only llguidance serves, is not checked."""
+        one the normalizer refuses, which only llguidance serves, is not checked.
+
+        Returns xgrammar's grammar of the spec without its dead branches where the root can end but
+        reaches alternatives that cannot (`root ::= "a" | d`, `d ::= "b" d`; an anyOf branch that
+        requires itself, or needs a pattern that matches nothing), which is what its requests are
+        to be served (`_build_xgrammar`, `_served_pruned`); else None: the spec compiles as it is."""
         if prepared is None and spec.kind == "json_schema":
             try:
                 _, prepared = self._normalize(spec, count=False)
             except GrammarError:
-                return
+                return None
         grammar = self.xgrammar.grammar(spec, prepared)
-        dead = unproductive_rules(grammar) if grammar is not None else []
+        dead, pruned = productivity(grammar) if grammar is not None else ([], None)
         if not dead:
-            return
+            return pruned
         if spec.kind == "json_schema":
             recursion = ("each value would have to contain another without end: a required property or array "
                          "item leads through '$ref' back to a schema that requires it again")
@@ -372,13 +403,18 @@ class GrammarBackend:
             return self.matcher(compiled)
         return self._llguidance_matcher(compiled, self.llguidance.new_matcher(compiled.prepared))
 
-    def _build_xgrammar(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
-        loaded = self.xgrammar.load(spec, prepared, key)
+    def _build_xgrammar(self, spec: GrammarSpec, prepared: Optional[str], key, pruned=None) -> CompiledGrammar:
+        """`pruned`: the spec's grammar without its dead branches (`_refuse_if_unproductive`), to
+        compile (or load) instead of the spec's."""
+        if pruned is not None:
+            with self._lock:
+                self._stats["dead_branches_pruned"] += 1
+        loaded = self.xgrammar.load(spec, prepared, key, pruned is not None)
         if loaded is not None:
             return loaded
         t0 = time.perf_counter()
         try:
-            cg = self.xgrammar.compile(spec, prepared)
+            cg = self.xgrammar.compile(spec, prepared, pruned)
         except GrammarError:
             self.queue.count_error()
             raise
@@ -386,7 +422,7 @@ class GrammarBackend:
         self.queue.observe_compile(dt)
         with self._lock:
             self._stats["served_by_xgrammar"] += 1
-        return self.xgrammar.wrap(spec, cg, dt, prepared)
+        return self.xgrammar.wrap(spec, cg, dt, prepared, pruned is not None)
 
     def _build_llguidance(self, spec: GrammarSpec) -> CompiledGrammar:
         compiler = self.llguidance  # its tokenizer is built on first use: not part of the compile

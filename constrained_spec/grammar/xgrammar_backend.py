@@ -165,20 +165,38 @@ def _memory(cg) -> int:
 # xgrammar 0.2.8's grammar expression types (`Grammar::GrammarExprType`, serialization "v16"); the
 # types after REPEAT (tokens, structural-tag dispatch, regex, substring) are taken to be productive
 GRAMMAR_FORMAT = "v16"
+PRUNED = "dead branches pruned"  # in the disk cache's name of a grammar compiled without them
 BYTES, CLASS, CLASS_STAR, EMPTY_STR, RULE_REF, SEQUENCE, CHOICES, TAG_DISPATCH, REPEAT = range(9)
 
 
 def unproductive_rules(grammar: "xgr.Grammar") -> List[str]:
     """If the grammar's root derives no finite string (`root ::= "a" root`), the names of its rules
-    that derive none, the root's first; else []. The classic fixed point, over xgrammar's structure
-    of the grammar (its serialized form: the printed EBNF would have to be parsed again). A sequence
-    is productive once all its parts are, a choice once one is, a rule once its body is, `x{0,n}`
-    always and `x{m,n}` once `x` is; a character class is unless it matches no character. Neither
-    xgrammar nor llguidance checks this (0.2.8, 1.9.1): such a grammar compiles, and its requests
-    write until max_tokens. Another serialization version is not read (nothing is unproductive)."""
+    that derive none, the root's first; else [] (`productivity`'s first answer)."""
+    return productivity(grammar)[0]
+
+
+def productivity(grammar: "xgr.Grammar", prune: bool = True):
+    """(dead, pruned) for xgrammar's grammar of a spec.
+
+    dead: if the grammar's root derives no finite string (`root ::= "a" root`), the names of its
+    rules that derive none, the root's first; else []. The classic fixed point, over xgrammar's
+    structure of the grammar (its serialized form: the printed EBNF would have to be parsed again).
+    A sequence is productive once all its parts are, a choice once one is, a rule once its body is,
+    `x{0,n}` always and `x{m,n}` once `x` is; a character class is unless it matches no character.
+    Neither xgrammar nor llguidance checks this (0.2.8, 1.9.1): such a grammar compiles, and its
+    requests write until max_tokens.
+
+    pruned: where the root can end but an alternative reachable from it cannot (a dead branch:
+    `root ::= "a" | d`, `d ::= "b" d`; a schema's anyOf branch that requires itself), the grammar
+    without them (`prune_dead_branches`), else None. The masks of the grammar as written allow the
+    dead branch's first token (xgrammar's and llguidance's alike: neither asks whether a branch
+    can end), and a request that takes it can never end. None too where nothing is dead (the common
+    case, one `in` over the fixed point's answer) or with `prune` false.
+
+    Another serialization version is not read (nothing is unproductive, nothing pruned)."""
     d = json.loads(grammar.serialize_json())
     if d.get("__VERSION__") != GRAMMAR_FORMAT:
-        return []
+        return [], None
     data, starts, rules = d["grammar_expr_data"], d["grammar_expr_indptr"], d["rules"]
     n = len(starts)
     # nodes: expression i is node i, rule r node n + r; an expression is productive once `need` of
@@ -217,9 +235,89 @@ def unproductive_rules(grammar: "xgr.Grammar") -> List[str]:
             if need[u] == 0:
                 ready.append(u)
     root = d["root_rule_id"]
-    if productive[n + root]:
-        return []
-    return [rules[root][0]] + [rule[0] for r, rule in enumerate(rules) if r != root and not productive[n + r]]
+    if not productive[n + root]:
+        return [rules[root][0]] + [rule[0] for r, rule in enumerate(rules)
+                                   if r != root and not productive[n + r]], None
+    if not prune or 0 not in productive:
+        return [], None
+    return [], prune_dead_branches(d, productive)
+
+
+def prune_dead_branches(d: dict, productive: bytearray) -> Optional["xgr.Grammar"]:
+    """The grammar (`d`, its serialized form, and `productive`, `productivity`'s fixed point over
+    it, its root productive) without what its root reaches but derives no finite string, or None
+    where its root reaches nothing dead (every unproductive rule is unused).
+
+    The rewrite keeps each expression's id (rewritten ones get new contents) and each rule, so
+    every reference stays valid: a choice reached from the root keeps only its productive
+    alternatives (a sequence that needs a dead rule, or a character class that matches nothing,
+    is such an alternative), and `x{0,n}` of a dead rule `x` becomes the empty string (dropped
+    from its sequence). Each rewrite leaves the expression's finite strings as they were, so the
+    grammar accepts the same strings, and a dead rule is no longer reached (xgrammar's optimizer
+    drops unreached rules when it compiles; kept or not, a matcher never enters one). Not rewritten: a rule's lookahead
+    assertion (a JSON schema's are of whitespace and punctuation) and a tag dispatch's rules (none
+    in a JSON schema's, a regex's or an EBNF's without one)."""
+    data, starts, rules = d["grammar_expr_data"], d["grammar_expr_indptr"], d["rules"]
+    n = len(starts)
+    ends = starts[1:] + [len(data)]
+    # what the root reaches through productive expressions; xgrammar's normal form: a rule's body
+    # is a choice of sequences (and "" first), a sequence's parts are strings, classes, rule
+    # references and repeats
+    reached = bytearray(n)
+    choices, sequences, emptied = [], [], set()  # emptied: x{0,n} of a dead rule x
+    dead_alternative = False
+    stack = [rules[d["root_rule_id"]][1]]
+    while stack:
+        i = stack.pop()
+        if reached[i]:
+            continue
+        reached[i] = 1
+        s = starts[i]
+        kind = data[s]
+        if kind == RULE_REF or kind == REPEAT:
+            rule = data[s + 2]
+            if productive[n + rule]:
+                stack.append(rules[rule][1])
+            else:  # a repeat that may be empty (it is productive): no reference to a dead rule is
+                emptied.add(i)
+        elif kind == SEQUENCE:
+            sequences.append(i)
+            stack.extend(data[s + 2:ends[i]])  # all productive, as the sequence is
+        elif kind == CHOICES:
+            choices.append(i)
+            for c in data[s + 2:ends[i]]:
+                if productive[c]:
+                    stack.append(c)
+                else:
+                    dead_alternative = True
+    if not dead_alternative and not emptied:
+        return None
+    body: dict = {}
+    empty = set(emptied)  # what becomes "": those, and sequences of nothing else
+    for i in sequences:
+        parts = data[starts[i] + 2:ends[i]]
+        kept = [e for e in parts if e not in emptied]
+        if not kept:
+            empty.add(i)
+        elif len(kept) < len(parts):
+            body[i] = [SEQUENCE, len(kept)] + kept
+    for i in empty:
+        body[i] = [EMPTY_STR, 0]
+    for i in choices:
+        alternatives = data[starts[i] + 2:ends[i]]
+        live = [c for c in alternatives if productive[c]]
+        kept = [c for c in live if c not in empty and data[starts[c]] != EMPTY_STR]
+        if len(kept) == len(alternatives):
+            continue
+        if len(kept) < len(live):  # one "", first
+            kept.insert(0, next(c for c in live if c in empty or data[starts[c]] == EMPTY_STR))
+        body[i] = [CHOICES, len(kept)] + kept
+    new_data, new_starts = [], []
+    for i in range(n):
+        new_starts.append(len(new_data))
+        new_data.extend(body.get(i) or data[starts[i]:ends[i]])
+    d = dict(d, grammar_expr_data=new_data, grammar_expr_indptr=new_starts)
+    return xgr.Grammar.deserialize_json(json.dumps(d, separators=(",", ":"), ensure_ascii=False))
 
 
 def _matches_nothing(cls: List[int]) -> bool:
@@ -287,9 +385,13 @@ class XGrammarCompiler:
         prepared = json.dumps(canonical_schema(prepared), separators=(",", ":"), ensure_ascii=False)
         return (NAME, "json_schema", prepared, spec.strict), prepared
 
-    def compile(self, spec: GrammarSpec, prepared: Optional[str]):
-        """xgrammar's CompiledGrammar; GrammarError if xgrammar fails."""
+    def compile(self, spec: GrammarSpec, prepared: Optional[str], pruned: Optional["xgr.Grammar"] = None):
+        """xgrammar's CompiledGrammar; GrammarError if xgrammar fails. `pruned`: the spec's grammar
+        without its dead branches (`productivity`), compiled instead of the spec's (the same path:
+        xgrammar compiles a schema, a regex or an EBNF as its grammar)."""
         try:
+            if pruned is not None:
+                return self.compiler.compile_grammar(pruned)
             if spec.kind == "json_schema":
                 return self.compiler.compile_json_schema(
                     prepared, any_whitespace=self.any_whitespace, strict_mode=spec.strict,
@@ -329,15 +431,18 @@ class XGrammarCompiler:
             return None
         return None
 
-    def disk_name(self, key) -> str:
-        """The cache file of a compile key (`normalize`); named as before the key named its backend."""
-        return self.disk.name(key[1:])
+    def disk_name(self, key, pruned: bool = False) -> str:
+        """The cache file of a compile key (`normalize`); named as before the key named its backend.
+        A grammar compiled without its dead branches has a name of its own: a cache written before
+        they were pruned holds the grammar with them under the key's name."""
+        return self.disk.name(key[1:] + (PRUNED,) if pruned else key[1:])
 
-    def load(self, spec: GrammarSpec, prepared: Optional[str], key) -> Optional[CompiledGrammar]:
-        """The compiled grammar from the disk cache, or None."""
+    def load(self, spec: GrammarSpec, prepared: Optional[str], key, pruned: bool = False) -> Optional[CompiledGrammar]:
+        """The compiled grammar from the disk cache, or None. `pruned`: the spec's grammar without
+        its dead branches is the one to load."""
         if self.disk is None or key is None:
             return None
-        name = self.disk_name(key)
+        name = self.disk_name(key, pruned)
         text = self.disk.get(name)
         if text is None:
             return None
@@ -350,10 +455,11 @@ class XGrammarCompiler:
             self.disk_stats["disk_errors"] += 1
             return None
         self.disk_stats["disk_hits"] += 1
-        return CompiledGrammar(spec, NAME, cg, time.perf_counter() - t0, prepared, _memory(cg), True)
+        return CompiledGrammar(spec, NAME, cg, time.perf_counter() - t0, prepared, _memory(cg), True, pruned)
 
-    def wrap(self, spec: GrammarSpec, cg, seconds: float, prepared: Optional[str]) -> CompiledGrammar:
-        return CompiledGrammar(spec, NAME, cg, seconds, prepared, _memory(cg))
+    def wrap(self, spec: GrammarSpec, cg, seconds: float, prepared: Optional[str],
+             pruned: bool = False) -> CompiledGrammar:
+        return CompiledGrammar(spec, NAME, cg, seconds, prepared, _memory(cg), pruned=pruned)
 
     def persist_call(self, key):
         """What the compile queue runs after a compile: saves it if it is worth saving, or None."""
@@ -383,7 +489,7 @@ class XGrammarCompiler:
             text = compiled.grammar.serialize_json()
             if self.persist_min_s and len(text) > compiled.compile_seconds * 30e6:
                 return
-            self.disk.put(self.disk_name(key), text)
+            self.disk.put(self.disk_name(key, compiled.pruned), text)
         except Exception as e:  # noqa: BLE001
             log.warning("grammar cache: cannot save a compiled grammar: %s", e)
             self.disk_stats["disk_errors"] += 1
