@@ -2,7 +2,8 @@
 or was skipped for a grammar the front-end saw compile before, since evicted from the engine's
 cache) is answered as the same failure up front is: busy in the compile queue, 503 with
 Retry-After; refused, 400 naming the field. Streamed: the same status while nothing was sent, an
-error event with that code after. Both servers: the single process (the app over an in-process
+error event with that code after. And a client that leaves while its grammar waits in the compile
+queue leaves no waiter there (in the engine process too), so the job leaves the queue as nobody's. Both servers: the single process (the app over an in-process
 Engine) and the split one, whose engine process is here an `EngineServer` in this process over
 the same Engine (so that its grammar backend can be made to fail), behind a real `EngineClient`.
 """
@@ -10,15 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 
 import httpx
 import pytest
 
 from constrained_spec.engine import Engine, EngineConfig
-from constrained_spec.grammar import GrammarBusy, GrammarError
+from constrained_spec.grammar import GrammarBusy, GrammarError, GrammarSpec
 from constrained_spec.server.app import ServerConfig, create_app
 from constrained_spec.server.engine_client import EngineClient
 from constrained_spec.server.engine_process import EngineInfo, EngineServer
@@ -39,8 +42,10 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir):
+    # one compile worker (two threads), and a compile timeout that puts the queue's deadline
+    # (2 x the timeout) within a test's time
     engine = Engine(EngineConfig(model=tiny_llama_dir, device="cpu", dtype="float32", grammar_cache_dir="none",
-                                 max_running_requests=8))
+                                 max_running_requests=8, grammar_threads=1, grammar_compile_timeout_s=3.0))
     address = os.path.join(tempfile.mkdtemp(prefix="cs-test-"), "engine.sock")
     engine_server = EngineServer(engine, address)
     runner = engine.runner
@@ -207,3 +212,76 @@ def test_the_other_routes_answer_the_engines_grammar_failures_alike(servers, rou
                 r.read()
         err = error_of(r, status, code or ("invalid_regex" if route == "completions" else "invalid_schema"))
         assert err["param"] == (None if status == 503 else param), err
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return float(re.search(rf"^constrained_spec_{name}(?:_total)? (\S+)$", text, re.M).group(1))
+
+
+def _until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("stage", ["check", "request", "request-stream"])
+def test_a_client_gone_while_its_grammar_waits_to_compile_leaves_no_waiter(servers, which, stage):
+    """Two compiles hold both compile threads; a request's grammar waits in the queue behind them,
+    at the server's up-front check (`check`) or, that check passed, at the request's own compile in
+    the engine (`request`, `request-stream`). Its client gives up: its wait ends within moments
+    (the compile future cancelled; split: the front-end tells the engine process, which had kept
+    the up-front check's waiter until the queue's deadline), and at the deadline the job leaves the
+    queue as one nobody waits for: no queue timeout counted, no 503 for a client gone."""
+    grammar = servers.engine.grammar
+    queue, url = grammar.queue, servers.url(which)
+    release = threading.Event()
+    build, compile_async = grammar._build, grammar.compile_async
+
+    def blocking_build(spec, prepared=None, key=None):
+        if "blocker" in spec.value:
+            release.wait(60)
+        return build(spec, prepared, key)
+
+    def checked(spec, timeout_s=None, check_only=False):  # `request`: the up-front check passed
+        if check_only:
+            done = Future()
+            done.set_result(None)
+            return done
+        return compile_async(spec, timeout_s)
+
+    grammar._build = blocking_build
+    tag = f"{which}_{stage}"
+    blockers = [compile_async(GrammarSpec.json_schema(schema(f"blocker{i}_{tag}")), timeout_s=0, check_only=True)
+                for i in range(2)]  # no timeout: they hold their threads, and no spare starts
+    try:
+        _until(lambda: queue.stats["compiling"] == 2, 10, "the blockers hold both compile threads")
+        timeouts = _metric(url, "grammar_compile_queue_timeouts")
+        if stage != "check":
+            grammar.compile_async = checked
+        with httpx.Client(base_url=url, timeout=1.0) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                if stage == "request-stream":
+                    with c.stream("POST", "/v1/chat/completions", json=body(schema(f"target_{tag}"), stream=True)) as r:
+                        r.read()
+                else:
+                    c.post("/v1/chat/completions", json=body(schema(f"target_{tag}")))
+        gone = time.monotonic()
+        job = next(j for j in list(queue._jobs.values()) if f"target_{tag}" in j.spec.value)
+        assert job.started is None and _metric(url, "grammar_compile_queue_depth") == 1
+        _until(lambda: job.waiters and all(w.done() for w, _ in job.waiters), 1.5,
+               "the compile queue still has a waiter for a client gone")
+        assert all(w.cancelled() for w, _ in job.waiters)
+        _until(lambda: queue.stats["queue_depth"] == 0, 2 * queue.timeout_s + 5, "the job left the queue")
+        assert job.key not in queue._jobs and not job.done.done() or job.done.exception() is not None
+        assert _metric(url, "grammar_compile_queue_timeouts") == timeouts  # nobody was refused
+        assert time.monotonic() - gone < 2 * queue.timeout_s + 5
+    finally:
+        grammar.compile_async = compile_async
+        grammar._build = build
+        release.set()
+        for f in blockers:
+            f.result(30)
+    assert httpx.post(url + "/v1/chat/completions", json=body(schema(f"target_{tag}")), timeout=60).status_code == 200

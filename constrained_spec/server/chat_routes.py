@@ -22,7 +22,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
-        run = await service.prepare_chat(req)
+        run = await service.prepare_chat(req, request)
         service.admit(req.n)
         admitted = True
         try:

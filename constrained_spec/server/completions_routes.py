@@ -38,7 +38,7 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
                 raise bad_request("the prompt is empty", param="prompt")
             prompts.append(ids)
         budgets = [params.token_budget(len(p), req.token_limit(), "prompt") for p in prompts]
-        grammar = await service.compile_grammar(req)
+        grammar = await service.compile_grammar(req, request=request)
         n = req.n
         top_n = req.logprobs or 0
         all_prompts, params_list = [], []

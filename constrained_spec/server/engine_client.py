@@ -75,8 +75,10 @@ class _RemoteGrammar:
     def compile_async(self, spec, check_only: bool = True) -> Future:
         """Compiles (or finds in the engine's cache) in the engine process: resolves to None, or
         raises GrammarError / GrammarBusy as an in-process compile would. Always the server's
-        up-front check (`check_only`): the request's own compile is the engine's."""
-        return self._client._call("compile", spec)
+        up-front check (`check_only`): the request's own compile is the engine's. Cancelling the
+        future (its client left) cancels the compile's future in the engine process, so the
+        compile queue has no waiter left on the job there."""
+        return self._client._call("compile", spec, cancellable=True)
 
 
 class EngineClient:
@@ -190,14 +192,14 @@ class EngineClient:
             raise RequestError(f"the prompt has {len(ids)} tokens; the KV cache holds {self.info.kv_capacity}",
                                param="messages", code="context_length_exceeded")
 
-    def _call(self, name: str, arg) -> Future:
+    def _call(self, name: str, arg, cancellable: bool = False) -> Future:
         if not self.healthy:
             future: Future = Future()
             future.set_exception(EngineUnavailable("the engine process is not running"))
             return future
-        return self._send_call(name, arg)
+        return self._send_call(name, arg, cancellable)
 
-    def _send_call(self, name: str, arg) -> Future:
+    def _send_call(self, name: str, arg, cancellable: bool = False) -> Future:
         future: Future = Future()
         with self._lock:
             call_id = next(self._call_ids)
@@ -206,7 +208,15 @@ class EngineClient:
             with self._lock:
                 self._calls.pop(call_id, None)
             future.set_exception(EngineUnavailable("the engine process is not running"))
+        elif cancellable:
+            future.add_done_callback(lambda f: f.cancelled() and self._cancel_call(call_id))
         return future
+
+    def _cancel_call(self, call_id: int) -> None:
+        """A call its caller cancelled: forgotten here, and cancelled in the engine process."""
+        with self._lock:
+            self._calls.pop(call_id, None)
+        self._send_quietly(("cancel", call_id))
 
     def _send_quietly(self, message: tuple) -> bool:
         try:

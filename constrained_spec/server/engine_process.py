@@ -70,6 +70,10 @@ class _Connection:
         self.tokens: list[tuple] = []  # this step's streamed tokens: (key, token, logprob, n) (engine thread)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
+        # "compile" calls in flight: call id -> the compile's future (None until it is made); a
+        # "cancel" for one cancels it, so the compile queue keeps no waiter for a client gone
+        self.compiles: dict[int, Any] = {}
+        self.compiles_lock = threading.Lock()
         threading.Thread(target=self._read_loop, name=f"engine-conn{number}-reader", daemon=True).start()
         threading.Thread(target=self._send_loop, name=f"engine-conn{number}-sender", daemon=True).start()
 
@@ -108,6 +112,8 @@ class _Connection:
                 self.engine.abort(request_id)
         elif kind == "call":
             self._call(*msg[1:])
+        elif kind == "cancel":
+            self._cancel_compile(msg[1])
         else:
             log.error("connection %d: unknown message %r", self.number, kind)
 
@@ -130,7 +136,9 @@ class _Connection:
 
         try:
             if name == "compile":  # normalizing a schema may take a while: not on this reader thread
-                self.server.calls.submit(self._compile, arg, reply)
+                with self.compiles_lock:
+                    self.compiles[call_id] = None
+                self.server.calls.submit(self._compile, call_id, arg, reply)
             elif name == "snapshot":
                 from .metrics import engine_snapshot
                 reply(True, {**engine_snapshot(self.engine), "stored_responses": self.server.responses.snapshot()})
@@ -143,13 +151,39 @@ class _Connection:
         except Exception as e:
             reply(False, e)
 
-    def _compile(self, spec, reply) -> None:
+    def _compile(self, call_id: int, spec, reply) -> None:
+        with self.compiles_lock:
+            if call_id not in self.compiles:  # cancelled before it began
+                return
         try:
             future = self.engine.grammar.compile_async(spec, check_only=True)
         except Exception as e:
+            self._compile_done(call_id)
             reply(False, e)
             return
-        future.add_done_callback(lambda f: reply(True, None) if f.exception() is None else reply(False, f.exception()))
+        with self.compiles_lock:
+            cancelled = call_id not in self.compiles
+            if not cancelled:
+                self.compiles[call_id] = future
+        if cancelled:  # while it was being submitted
+            future.cancel()
+
+        def done(f) -> None:
+            self._compile_done(call_id)
+            if f.cancelled():  # its caller gave up: nobody to answer
+                return
+            reply(True, None) if f.exception() is None else reply(False, f.exception())
+        future.add_done_callback(done)
+
+    def _compile_done(self, call_id: int) -> None:
+        with self.compiles_lock:
+            self.compiles.pop(call_id, None)
+
+    def _cancel_compile(self, call_id: int) -> None:
+        with self.compiles_lock:
+            future = self.compiles.pop(call_id, None)
+        if future is not None:
+            future.cancel()
 
     # -- engine -> front-end ---------------------------------------------------------------------
     def flush(self) -> None:
@@ -185,6 +219,8 @@ class _Connection:
         self.closed = True
         for request_id in list(self.live.values()):  # the front-end is gone: free its requests' KV
             self.engine.abort(request_id)
+        for call_id in list(self.compiles):  # and wait for no compile of its
+            self._cancel_compile(call_id)
         self.outbox.put(None)
         self.channel.close()
         self.server.forget(self)

@@ -11,6 +11,8 @@ Front-end -> engine:
                                           update and the last, which carries every token since)
     ("abort", key)
     ("call", call_id, name, arg)          name: "compile" (arg: GrammarSpec) or "snapshot" (arg: None)
+    ("cancel", call_id)                   a "compile" its caller gave up on (its client left): the
+                                          compile's future there is cancelled (no reply comes)
 Engine -> front-end:
     ("out", [Token, ...], [Update, ...])  one message per engine step: its streamed tokens, then
                                           every other update of the step

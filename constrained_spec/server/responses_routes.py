@@ -34,7 +34,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             history = (await stored(rreq.previous_response_id, "previous_response_id"))[1]
         req = responses.chat_request(rreq, data, history)
         try:
-            run = await service.prepare_chat(req)
+            run = await service.prepare_chat(req, request)
         except APIError as e:  # named as the Responses request has it
             e.param = responses.param_name(e.param)
             raise

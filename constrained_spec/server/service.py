@@ -116,7 +116,12 @@ class Service:
 
     # -- a request made ready to queue ----------------------------------------------------------------
 
-    async def compile_grammar(self, req: _GenerationRequest, plan: ToolCallPlan | None = None):
+    async def compile_grammar(self, req: _GenerationRequest, plan: ToolCallPlan | None = None,
+                              request: Request | None = None):
+        """The request's GrammarSpec, seen to compile (the up-front check). With `request`, a client
+        that disconnects meanwhile stops the wait (ClientGone): its compile future is cancelled, so
+        the compile queue (in the engine process too: `EngineClient` tells it) has no waiter left
+        on the job, which leaves the queue as one nobody waits for."""
         try:
             spec = grammar_spec_for(req, plan)
             if spec is None or spec in self.checked:
@@ -124,7 +129,10 @@ class Service:
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
             # request waiting in the compile queue holds no thread
             future = await run_in_threadpool(lambda: self.engine.grammar.compile_async(spec, check_only=True))
-            await asyncio.wrap_future(future)
+            if request is None:
+                await asyncio.wrap_future(future)
+            else:
+                await until_disconnect(request, asyncio.wrap_future(future))
             self.checked.add(spec)
         except Exception as e:
             if _is_grammar_busy(e):
@@ -143,9 +151,10 @@ class Service:
         encode = lambda: self.engine.tokenizer.encode(text, add_special_tokens=False)[:self.max_context]
         return encode() if len(text) <= INLINE_PROMPT_CHARS else await run_in_threadpool(encode)
 
-    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
+    async def prepare_chat(self, req: ChatCompletionRequest, request: Request | None = None) -> ChatRun:
         """A chat request's prompt, tool-call plan, compiled grammar and sampling parameters (the
-        400s of a bad request come from here, before anything is queued)."""
+        400s of a bad request come from here, before anything is queued). `request`: the HTTP
+        request, whose client leaving stops the grammar's compile wait (ClientGone)."""
         self.check_model(req.model)
         plan = tool_call_plan(req)
         if plan is not None and req.logprobs:
@@ -168,7 +177,7 @@ class Service:
         except Exception as e:
             raise bad_request(f"cannot apply the chat template to these messages: {e}", param="messages")
         budget = self.params.token_budget(len(prompt), req.token_limit(), "messages")
-        grammar = await self.compile_grammar(req, plan)
+        grammar = await self.compile_grammar(req, plan, request)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         params_list = self.params.sampling(req, budget, top_n if req.logprobs else None,
                                            await self.prediction_ids(req))
