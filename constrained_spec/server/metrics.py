@@ -96,6 +96,10 @@ class _EngineCollector:
                                     "JSON schemas llguidance refused that auto handed to the normalizer + xgrammar")
             c.add_metric([], float(gstats.get("llguidance_fallbacks", 0)))
             yield c
+            c = CounterMetricFamily(f"{PREFIX}_grammar_dead_branches_pruned",
+                                    "Grammars compiled without alternatives that can never end (dead branches)")
+            c.add_metric([], float(gstats.get("dead_branches_pruned", 0)))
+            yield c
             c = CounterMetricFamily(f"{PREFIX}_grammar_cache_hits", "Grammar compile-cache hits")
             c.add_metric([], float(gstats.get("cache_hits", 0)))
             yield c
