@@ -218,7 +218,8 @@ def test_an_aborted_request_reaches_the_metrics(shared_process):
 
 def test_a_request_the_engine_refuses_fails_alone(full_process):
     """Two front-ends share the engine's room for 2 (running + queued): A fills it, B's request is
-    refused by the engine itself; that request alone fails, A's finish, and B keeps serving."""
+    refused by the engine itself, a 503 with Retry-After as a full single-process server answers;
+    that request alone fails, A's finish, and B keeps serving."""
     client_a, server_a = _front_end(full_process)
     client_b, server_b = _front_end(full_process)
     try:
@@ -228,8 +229,8 @@ def test_a_request_the_engine_refuses_fails_alone(full_process):
         for s in streams:
             s.first.wait(60)
         r = httpx.post(server_b.url + "/v1/chat/completions", json=_body(8), timeout=60)
-        assert r.status_code == 500, r.text
-        assert r.json()["error"]["code"] == "engine_error" and "queue is full" in r.json()["error"]["message"]
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text  # as the single-process server
+        assert r.json()["error"]["code"] == "server_busy" and "queue is full" in r.json()["error"]["message"]
         for s in streams:
             s.join(120)
             assert s.error is None and s.done_marker, s.error

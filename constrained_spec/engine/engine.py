@@ -411,7 +411,7 @@ class Engine:
             try:
                 req.matcher = self.grammar.matcher(fut.result())
             except (GrammarError, GrammarBusy) as e:  # busy: its grammar waited too long for a compile thread
-                self._finish(req, FinishReason.ERROR, error=str(e), error_kind=grammar_error_kind(e))
+                self._finish(req, FinishReason.ERROR, error=str(e), error_kind=refusal_kind(e))
                 continue
             self.scheduler.add(req)
         self._compiling = still
@@ -740,9 +740,10 @@ class Engine:
             self._finish(req, FinishReason.ERROR, error=message)
 
 
-def grammar_error_kind(e: BaseException) -> str | None:
-    """The `RequestOutput.error_kind` of a grammar's compile failure (None: not one)."""
-    if isinstance(e, GrammarBusy):
+def refusal_kind(e: BaseException) -> str | None:
+    """The `RequestOutput.error_kind` of a request refused for load (the engine's queue full, its
+    grammar waiting too long for a compile thread) or for its grammar (None: neither)."""
+    if isinstance(e, GrammarBusy) or (isinstance(e, RequestError) and e.code == "queue_full"):
         return ERROR_BUSY
     if isinstance(e, GrammarTooComplex):
         return ERROR_GRAMMAR_TOO_COMPLEX

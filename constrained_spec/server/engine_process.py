@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cpus import name_os_thread
-from ..engine.engine import grammar_error_kind
+from ..engine.engine import refusal_kind
 from . import ipc
 from .response_store import ResponseStore
 
@@ -103,7 +103,7 @@ class _Connection:
                                         step_tokens=None if whole else self.tokens, stream_key=key)
             except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
                 self.live.pop(key, None)
-                kind = grammar_error_kind(e)  # the compile queue full (busy), or the grammar refused
+                kind = refusal_kind(e)  # the engine's or the compile queue full (busy), or the grammar refused
                 error = str(e) if kind is not None else f"{type(e).__name__}: {e}"
                 self.outbox.put(("out", [], [(key, [], True, "error", error, None, 0, None, 0, kind)]))
         elif kind == "abort":

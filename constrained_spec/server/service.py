@@ -217,7 +217,8 @@ class Service:
     def generation_error(self, out, param: str | None = None) -> APIError:
         """What a request that ended in an error answers: as its grammar's failure in the engine's
         compile is answered up front (`compile_grammar`), 503 with Retry-After when it waited too
-        long for a compile thread and 400 (naming `param`, the constraint's field) when it was
+        long for a compile thread or the engine's queue was full (the engine process's own check,
+        past this front-end's share) and 400 (naming `param`, the constraint's field) when it was
         refused; else 503 if the engine is gone, else 500."""
         kind = getattr(out, "error_kind", None)
         if kind == ERROR_BUSY:
