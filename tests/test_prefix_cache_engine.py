@@ -351,6 +351,20 @@ def _scheduler(tiny_llama_dir, slots=20000):
     return Scheduler(runner, config), runner
 
 
+def _request(ids):
+    from constrained_spec.engine.request import Request
+    return Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+
+
+def _start_alone(sched, runner, req):
+    """Admits the request and runs its prefill as the step's only request; its prompt is computed."""
+    sched.add(req)
+    batch = sched.schedule(can_retract=True)
+    assert batch.requests == [req]
+    runner.forward(batch)
+    req.num_cached = req.total_len
+
+
 def test_while_the_cache_misses_only_a_sample_of_finished_requests_is_cached(tiny_llama_dir):
     """Distinct prompts: once MISS_WINDOW first admissions in a row found nothing cached, a finished
     request's context goes into the tree only if it is the SAMPLE_EVERY-th (its slots otherwise go
@@ -359,17 +373,10 @@ def test_while_the_cache_misses_only_a_sample_of_finished_requests_is_cached(tin
     cached, and so is the next one. A retraction's context is always cached (its re-prefill
     matches it)."""
     from constrained_spec.engine.prefix_cache import MISS_WINDOW, SAMPLE_EVERY
-    from constrained_spec.engine.request import Request
     sched, runner = _scheduler(tiny_llama_dir)
     cache, tree, pool = runner.prefix_cache, runner.prefix_cache.tree, runner.pool
-    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
-
-    def start(req):
-        sched.add(req)
-        batch = sched.schedule(can_retract=True)
-        assert batch.requests == [req]
-        runner.forward(batch)
-        req.num_cached = req.total_len
+    new = _request
+    start = lambda req: _start_alone(sched, runner, req)
 
     def finish(req, reason=FinishReason.LENGTH):
         req.finish_reason = reason
@@ -431,17 +438,12 @@ def test_a_turn_that_starts_like_an_unfiled_context_turns_filing_back_on(tiny_ll
     next turn misses too, but starts like it, so filing resumes: that turn is filed and the turn
     after it finds it cached. A prompt sharing fewer than MIN_MATCH first tokens does not count."""
     from constrained_spec.engine.prefix_cache import MIN_MATCH, MISS_WINDOW, SAMPLE_EVERY
-    from constrained_spec.engine.request import Request
     sched, runner = _scheduler(tiny_llama_dir)
     cache, tree, pool = runner.prefix_cache, runner.prefix_cache.tree, runner.pool
-    new = lambda ids: Request(list(ids), SamplingParams(max_tokens=4), lambda out: None)
+    new = _request
 
     def serve(req):
-        sched.add(req)
-        batch = sched.schedule(can_retract=True)
-        assert batch.requests == [req]
-        runner.forward(batch)
-        req.num_cached = req.total_len
+        _start_alone(sched, runner, req)
         size = tree.size
         req.finish_reason = FinishReason.LENGTH
         sched.remove(req)
