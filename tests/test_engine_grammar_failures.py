@@ -285,3 +285,48 @@ def test_a_client_gone_while_its_grammar_waits_to_compile_leaves_no_waiter(serve
         for f in blockers:
             f.result(30)
     assert httpx.post(url + "/v1/chat/completions", json=body(schema(f"target_{tag}")), timeout=60).status_code == 200
+
+
+class LLGuidanceFailsAt:
+    """Every llguidance matcher fails on its `n`-th accepted token as llguidance does past one of
+    its lazily built limits (an enum of 60,000 strings: "lexer error: too many expressions
+    constructed" at its second mask): the token is refused and `error()` says why."""
+    ERROR = "lexer error: too many expressions constructed"
+
+    def __init__(self, n: int):
+        from constrained_spec.grammar.llguidance_backend import LLGuidanceMatcher
+        self.cls, self.n, self.accepted, self.failed = LLGuidanceMatcher, n, {}, set()
+
+    def __enter__(self):
+        real_accept, real_error = self.real = self.cls.accept_token, self.cls.error
+
+        def accept_token(m, tok):
+            k = self.accepted[id(m)] = self.accepted.get(id(m), 0) + 1
+            if k >= self.n:
+                self.failed.add(id(m))
+                return False
+            return real_accept(m, tok)
+
+        self.cls.accept_token = accept_token
+        self.cls.error = lambda m: self.ERROR if id(m) in self.failed else real_error(m)
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.accept_token, self.cls.error = self.real
+
+
+@pytest.mark.parametrize("which", WHICH)
+def test_a_grammar_backend_failing_mid_answer_is_grammar_too_complex_and_auto_moves_it_to_xgrammar(servers, which):
+    """llguidance failing on a token its own mask allowed (a limit past the compile's probe of two
+    masks) was a 500 `engine_error`: it is the 400 `grammar_too_complex` naming the field, and under
+    auto the grammar's next request is served by xgrammar."""
+    s = dict(schema(f"fails_mid_answer_{which}"), required=[f"fails_mid_answer_{which}"])  # no `{}` in 2 tokens
+    url = servers.url(which) + "/v1/chat/completions"
+    with LLGuidanceFailsAt(3) as patch:
+        r = httpx.post(url, json=body(s), timeout=60)
+        assert patch.failed, f"no llguidance matcher reached its third token: {r.text}"
+        err = error_of(r, 400, "grammar_too_complex", "response_format.json_schema.schema")
+        assert "too complex for the llguidance backend" in err["message"] and patch.ERROR in err["message"]
+        r = httpx.post(url, json=body(s), timeout=60)
+    assert r.status_code == 200, r.text  # llguidance, still failing at the third token, did not serve it
+    assert servers.engine.grammar.compile(GrammarSpec.json_schema(s)).backend == "xgrammar"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from constrained_spec.grammar import GrammarBackend, GrammarError, GrammarSpec
-from constrained_spec.grammar.llguidance_backend import LLGuidanceFill, refusal_keyword
+from constrained_spec.grammar.llguidance_backend import LLGuidanceFill, error_text, refusal_keyword
 from constrained_spec.grammar.llguidance_schema import close_objects
 from constrained_spec.grammar.xgrammar_backend import special_token_ids
 
@@ -679,6 +679,32 @@ def test_one_matcher_checks_an_llguidance_grammar(tokenizer, monkeypatch):
             assert len(built) == 2, spec  # the template, and one matcher for both checks
     finally:
         b.close()
+
+
+def test_a_second_mask_past_llguidances_limits_is_found_at_compile(tokenizer):
+    """An enum of 60,000 strings: llguidance's first mask allows the opening quote and its second
+    fails ("too many expressions constructed"); the compile's probe accepted one token only, so the
+    grammar was served and its requests failed at their second token (a 500). The probe computes
+    the next mask too: llguidance cannot serve it (under auto: xgrammar's turn)."""
+    import random
+    rnd = random.Random(2)
+    enum = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(40)) for _ in range(60000)]
+    b = GrammarBackend(tokenizer, VOCAB, max_whitespace_cnt=16)
+    try:
+        with pytest.raises(GrammarError, match="llguidance cannot serve.*too many expressions"):
+            b.compile(llg(GrammarSpec.json_schema({"enum": enum})))
+    finally:
+        b.close()
+
+
+def test_llguidance_errors_read_as_one_line():
+    """A regex's error was cut at its first line, "regex parse error:"; the reason is kept now, the
+    caret lines and the grammar's quoted source left out."""
+    raw = ('at 1(8): invalid regex "(ab" (in regex): regex parse error:\n    (ab\n    ^\nerror: unclosed group\n'
+           '   1 | start: /(ab/\n              ^\n')
+    assert error_text(raw) == 'at 1(8): invalid regex "(ab" (in regex): regex parse error: (ab error: unclosed group'
+    assert error_text("lexer error: too many expressions constructed") == "lexer error: too many expressions constructed"
+    assert error_text("x" * 900) == "x" * 500
 
 
 def test_a_first_mask_past_llguidances_limits_is_not_an_empty_language(tokenizer):

@@ -709,16 +709,21 @@ class Engine:
 
     def _fail_refused(self, req: Request, token: int, where: str) -> None:
         """A sampled token the request's grammar refuses fails the request: a bug (the sample was
-        masked), or the grammar backend failing on a token its mask allowed (one of its limits);
-        the log says enough to replay it."""
+        masked), or the grammar backend failing on a token its mask allowed (one of its limits: the
+        request's grammar is too complex for it, a 400 `grammar_too_complex`, and under auto the
+        grammar's next requests go to xgrammar); the log says enough to replay it."""
         m = req.matcher
         failed = m.error() if m is not None else None
         log.error("request %s: %s refused token %d %r (%s grammar, %s backend%s) after %d tokens ending %r",
                   req.request_id, where, token, self.tokenizer.decode([token]),
                   m.compiled.spec.kind if m is not None else "-", getattr(m, "backend", "-"),
                   f": {failed}" if failed else "", len(req.output_ids), self.tokenizer.decode(req.output_ids[-40:]))
-        error = f"the {m.backend} grammar backend failed: {failed}" if failed else _violation(token)
-        self._finish(req, FinishReason.ERROR, error=error)
+        if not failed:
+            self._finish(req, FinishReason.ERROR, error=_violation(token))
+            return
+        self.grammar.runtime_failure(m.compiled)
+        self._finish(req, FinishReason.ERROR, error=f"the grammar is too complex for the {m.backend} backend: {failed}",
+                     error_kind=ERROR_GRAMMAR_TOO_COMPLEX)
 
     def _grammar_end_violation(self, req: Request, token: int, new_ids: list[int], logprobs) -> None:
         """An end of generation the request's grammar does not accept there: an engine bug (samples

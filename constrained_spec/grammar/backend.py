@@ -97,6 +97,8 @@ class GrammarBackend:
         # auto: how often each grammar came, by a digest of its text (`_digest`): a count needs no text
         self._auto_seen: "OrderedDict[bytes, int]" = OrderedDict()
         self._background: set = set()  # xgrammar keys compiling in the background (auto)
+        # auto: grammars whose llguidance matcher failed in a request (`runtime_failure`), by digest
+        self._llguidance_failed: "OrderedDict[bytes, None]" = OrderedDict()
         self.refusals_by_keyword: dict = {}
 
     # -- the backends ----------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class GrammarBackend:
         `check_only`: the server's up-front compile (a refusal answers 400 before the request is
         queued), not a use of the grammar: `auto` counts only the request's own compile."""
         choice = self.backend_for(spec)
-        if choice == XGRAMMAR or (choice == AUTO and spec.kind == "ebnf"):
+        if choice == XGRAMMAR or (choice == AUTO and (spec.kind == "ebnf" or self._failed_under_llguidance(spec))):
             try:
                 key, prepared = self._normalize(spec)
             except GrammarError as e:
@@ -161,6 +163,23 @@ class GrammarBackend:
                 return ready
         key = (choice,) + spec.key[:3]
         return self.queue.submit(key, spec, lambda: self._build(spec, None, key), None, timeout_s)
+
+    def runtime_failure(self, compiled: CompiledGrammar) -> None:
+        """A request's llguidance matcher failed on a token its own mask allowed: one of
+        llguidance's lazily built limits, reached later than `_probe_llguidance` looks. Under auto
+        the grammar's next requests go to xgrammar, as they would had the probe caught it."""
+        if compiled.backend != LLGUIDANCE or self.backend_for(compiled.spec) != AUTO:
+            return
+        with self._lock:
+            self._llguidance_failed[_digest(compiled.spec)] = None
+            while len(self._llguidance_failed) > self._front_size:
+                self._llguidance_failed.popitem(last=False)
+
+    def _failed_under_llguidance(self, spec: GrammarSpec) -> bool:
+        if not self._llguidance_failed:  # the common case: no digest to compute
+            return False
+        with self._lock:
+            return _digest(spec) in self._llguidance_failed
 
     def _xgrammar_if_compiled(self, spec: GrammarSpec) -> Optional[Future]:
         """Under auto, a grammar seen before is also compiled by xgrammar, in the background (never
@@ -309,9 +328,10 @@ class GrammarBackend:
     def _probe_llguidance(self, compiled: CompiledGrammar) -> Optional[str]:
         """Why llguidance cannot serve the grammar, or None. Its parser builds rows and lexer
         lazily: a grammar past their limits (a row of over 2,000 items, as a wide choice or anyOf
-        makes; a lexer of too many expressions, as `a{1000000}`) compiled, then failed at a
-        request's first token, a 500 in mid-answer. One token accepted on a matcher of its own finds
-        that here, where auto falls back to xgrammar. The same matcher's start says whether the
+        makes; a lexer of too many expressions, as `a{1000000}` or an enum of 60,000 strings)
+        compiled, then failed at a request's first or second token, an error in mid-answer. One
+        token accepted and the next mask computed on a matcher of its own find that here, where
+        auto falls back to xgrammar (a later failure: `runtime_failure`). The same matcher's start says whether the
         grammar accepts any string (`_refuse_if_empty`'s check, which raises its refusal here): a
         matcher costs ~0.4 ms to build, most of what each check cost when each built its own."""
         m = self.fresh_matcher(compiled)
@@ -326,6 +346,8 @@ class GrammarBackend:
             raise self._empty_refusal(compiled.spec)
         if m.error() is None:
             m.accept_token(first)
+        if m.error() is None and not m.is_terminated():
+            self._first_token(m)  # the second mask: a huge enum's lexer overflows past its opening quote
         return m.error() or None
 
     def _refuse_if_unproductive(self, spec: GrammarSpec, prepared: Optional[str] = None) -> Optional["xgr.Grammar"]:

@@ -96,6 +96,18 @@ def refusal_keyword(message: str) -> Optional[str]:
     return None
 
 
+def error_text(error: str, limit: int = 500) -> str:
+    """llguidance's error as one line: its lines joined, without the caret lines and the echo of
+    the grammar's source under them (the first line alone was "regex parse error:", the reason two
+    lines further down)."""
+    lines = (line.strip() for line in error.splitlines())
+    kept = [line for line in lines if line and line.strip("^~ ") and not _SOURCE_LINE.match(line)]
+    return " ".join(kept)[:limit]
+
+
+_SOURCE_LINE = re.compile(r"\d+ \|")  # "1 | start: /(ab/": llguidance quoting the grammar's line
+
+
 def memory_estimate(text: str) -> int:
     """The memory a compiled grammar holds, estimated from its text: llguidance tells no size. On the
     dev VM a cached template kept ~128 KB for a dev schema (2.7 KB of text) and 6.7 MB for a
@@ -155,8 +167,7 @@ class LLGuidanceCompiler:
             raise GrammarError(f"{spec.kind} failed to compile: {e}") from None
         template = self.new_matcher(text)
         if template.is_error():
-            message = template.get_error().strip().splitlines()
-            message = message[0] if message else "llguidance refused the grammar"
+            message = error_text(template.get_error()) or "llguidance refused the grammar"
             keyword = refusal_keyword(message) if spec.kind == "json_schema" else None
             raise GrammarError(f"{spec.kind} not supported by llguidance: {message}", keyword=keyword,
                                path="" if keyword else None)
@@ -242,8 +253,7 @@ class LLGuidanceMatcher(RequestMatcher):
     def error(self) -> str | None:
         if not self._m.is_error():
             return None
-        lines = self._m.get_error().strip().splitlines()
-        return lines[0] if lines else "llguidance failed"
+        return error_text(self._m.get_error()) or "llguidance failed"
 
     def fork(self) -> "LLGuidanceMatcher":
         new = LLGuidanceMatcher(self.compiled, self._m.deep_copy(), self.vocab_size, self._stops, self._specials)
