@@ -364,6 +364,28 @@ def test_refused_tool_requests(http, extra, param):
         assert "'if'" in r.json()["error"]["message"] and r.json()["error"]["code"] == "unsupported_schema", r.json()
 
 
+NEVER_ENDS = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}  # each x needs another
+TREE = {"type": "object", "properties": {"value": {"type": "integer"},
+                                         "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["value"]}
+
+
+@pytest.mark.parametrize("backend", [None, "xgrammar", "llguidance"])
+@pytest.mark.parametrize("choice", ["required", "auto", _named("loop")])
+def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(http, choice, backend):
+    """Its call was a dead branch of the calls' grammar, pruned: the function silently never
+    called (named, a 400 naming only `tools`). A recursive function that can end is served."""
+    tools = TOOLS[:1] + [{"type": "function", "function": {"name": "loop", "parameters": NEVER_ENDS}}]
+    extra = {} if backend is None else {"grammar_backend": backend}
+    r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.1.function.parameters" and err["code"] == "invalid_schema", err
+    tools[1]["function"]["parameters"] = TREE
+    r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_nested_models_compile_in_envelopes(tokenizer, backend):
     openai = pytest.importorskip("openai")

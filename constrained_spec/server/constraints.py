@@ -169,7 +169,7 @@ def grammar_error(err: Exception, param: str | None) -> APIError:
     from ..grammar.errors import GrammarTooComplex  # deferred, as above
     if isinstance(err, GrammarTooComplex):  # valid, but not compiled in time: not "invalid"
         prefix, code = "", "grammar_too_complex"
-    elif param and param.startswith("response_format") or param in ("guided_json", "tools"):
+    elif param and param.startswith(("response_format", "tools")) or param == "guided_json":
         prefix, code = "invalid JSON schema: ", "invalid_schema"
         if keyword and ("unsupported" in message.lower() or "not supported" in message.lower()):
             code = "unsupported_schema"

@@ -123,9 +123,21 @@ class Service:
         the compile queue (in the engine process too: `EngineClient` tells it) has no waiter left
         on the job, which leaves the queue as one nobody waits for."""
         try:
-            spec = grammar_spec_for(req, plan)
-            if spec is None or spec in self.checked:
-                return spec
+            spec = grammar_spec_for(req, plan)  # a schema too deep or not JSON is refused here
+        except Exception as e:
+            if _is_grammar_error(e):
+                raise grammar_error(e, constraint_param(req))
+            raise
+        if spec is None or spec in self.checked:
+            return spec
+        if plan is not None:
+            await self._check_tool_parameters(req, plan, request)
+        await self._checked(spec, constraint_param(req), request)
+        return spec
+
+    async def _checked(self, spec, param: str | None, request: Request | None) -> None:
+        """Waits for the grammar's up-front compile; its refusal is the 400 naming `param`."""
+        try:
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
             # request waiting in the compile queue holds no thread
             future = await run_in_threadpool(lambda: self.engine.grammar.compile_async(spec, check_only=True))
@@ -138,9 +150,34 @@ class Service:
             if _is_grammar_busy(e):
                 raise self.busy(str(e))
             if _is_grammar_error(e):
-                raise grammar_error(e, constraint_param(req))
+                raise grammar_error(e, param)
             raise
-        return spec
+
+    async def _check_tool_parameters(self, req: _GenerationRequest, plan: ToolCallPlan,
+                                     request: Request | None) -> None:
+        """Each function the calls may name whose parameters could accept no arguments object (a
+        schema the normalizer takes is empty only through a `$ref` cycle or a `pattern`) is
+        compiled alone first: one that accepts none is the 400 naming its parameters. Among the
+        calls it is a dead branch, which the grammar backend prunes: that function was silently
+        never called."""
+        from ..grammar import GrammarSpec  # deferred, as in constraints.py
+        from ..grammar.schema_refs import has_ref_cycle
+        for i, f in enumerate(plan.functions):
+            if plan.forced is not None and f.name != plan.forced:
+                continue
+            params, param = plan.parameters(f), f"tools.{i}.function.parameters"
+            try:  # (the calls' grammar, built first, holds these parameters: refused there already)
+                spec = GrammarSpec.json_schema(params, strict=plan.strict)
+            except Exception as e:
+                if _is_grammar_error(e):
+                    raise grammar_error(e, param)
+                raise
+            if '"pattern"' not in spec.value and not ('"$ref"' in spec.value and has_ref_cycle(params)):
+                continue
+            if req.grammar_backend is not None:
+                spec = spec.with_backend(req.grammar_backend)
+            if spec not in self.checked:
+                await self._checked(spec, param, request)
 
     async def prediction_ids(self, req: _GenerationRequest) -> list[int] | None:
         """The predicted output's tokens (no more than the context holds: the rest could not be

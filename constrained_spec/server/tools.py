@@ -59,10 +59,10 @@ class ToolCallPlan:
     @property
     def schema(self) -> dict:
         if self.forced is not None:
-            return self._parameters(self._function(self.forced))
+            return self.parameters(self._function(self.forced))
         calls, defs = [], {}
         for f in self.functions:
-            arguments, needed = _envelope_parameters(f.name, self._parameters(f))
+            arguments, needed = _envelope_parameters(f.name, self.parameters(f))
             defs.update(needed)
             calls.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
                           "required": ["name", "arguments"], "additionalProperties": False})
@@ -83,7 +83,7 @@ class ToolCallPlan:
     # -- the prompt ------------------------------------------------------------------------------
     def tools_for_template(self) -> list[dict]:
         return [{"type": "function", "function": {"name": f.name, "description": f.description or "",
-                                                  "parameters": self._parameters(f)}} for f in self.functions]
+                                                  "parameters": self.parameters(f)}} for f in self.functions]
 
     def with_instructions(self, messages: list[dict], list_tools: bool = True) -> list[dict]:
         """The messages with the answer's format in the system prompt, and the tools listed there
@@ -92,7 +92,7 @@ class ToolCallPlan:
         if list_tools:
             lines.append("You can call these functions:")
             lines += [orjson.dumps({"name": f.name, "description": f.description or "",
-                                    "parameters": self._parameters(f)}).decode() for f in self.functions]
+                                    "parameters": self.parameters(f)}).decode() for f in self.functions]
         if self.forced is not None:
             lines.append(f"Call the function {self.forced}: answer with its arguments as one JSON object.")
         elif self.allow_text and self.answer_schema is not None:
@@ -140,7 +140,8 @@ class ToolCallPlan:
         return next(f for f in self.functions if f.name == name)
 
     @staticmethod
-    def _parameters(f) -> dict:
+    def parameters(f) -> dict:
+        """A function's parameters schema (none given: any arguments object)."""
         return f.parameters if f.parameters is not None else NO_PARAMETERS
 
 
