@@ -99,8 +99,8 @@ def refusal_keyword(message: str) -> Optional[str]:
 def error_text(error: str, limit: int = 500) -> str:
     """llguidance's error as one line: its lines joined, without the caret lines and the echo of
     the grammar's source under them (the first line alone was "regex parse error:", the reason two
-    lines further down)."""
-    lines = (line.strip() for line in error.splitlines())
+    lines further down), and without the parser's state that a parser error goes on with."""
+    lines = (line.strip() for line in error.split("<state>", 1)[0].splitlines())  # not its parser's state dump
     kept = [line for line in lines if line and line.strip("^~ ") and not _SOURCE_LINE.match(line)]
     return " ".join(kept)[:limit]
 
