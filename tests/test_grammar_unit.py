@@ -171,6 +171,25 @@ def test_rewrites_are_exact(backend, tokenizer):
             assert not accepts(backend, tokenizer, cg, b), (schema, b)
 
 
+def test_a_property_with_the_schema_false_must_be_absent(backend, tokenizer):
+    """`{"a": false}` among properties: `a` must be absent. xgrammar refused the `false` ("Schema
+    'false' cannot accept any value", no path; llguidance served it); in a closed object it is left
+    out, in an open one a 400 naming the property and the way out, and required it is no object."""
+    closed = {"type": "object", "properties": {"a": False, "b": {"type": "integer"}}}
+    cg = backend.compile(GrammarSpec.json_schema(closed, strict=True))
+    assert accepts(backend, tokenizer, cg, '{"b": 1}') and accepts(backend, tokenizer, cg, '{}')
+    assert not accepts(backend, tokenizer, cg, '{"a": 1}') and not accepts(backend, tokenizer, cg, '{"b": 1, "a": 1}')
+    pattern = {"type": "object", "properties": {"b": {"type": "integer"}}, "patternProperties": {"^x": False},
+               "additionalProperties": False}
+    cg = backend.compile(GrammarSpec.json_schema(pattern, strict=True))
+    assert accepts(backend, tokenizer, cg, '{"b": 1}') and not accepts(backend, tokenizer, cg, '{"x1": 1}')
+    with pytest.raises(GrammarError, match="property 'a' has the schema false") as e:
+        backend.compile(GrammarSpec.json_schema(closed, strict=False))
+    assert e.value.keyword == "properties" and e.value.path == ""
+    with pytest.raises(GrammarError, match="required property 'a' has the schema false"):
+        backend.compile(GrammarSpec.json_schema(dict(closed, required=["a"]), strict=True))
+
+
 def test_handwritten_schemas_all_accepted(backend, tokenizer):
     path = os.path.join(ROOT, "schemas", "handwritten", "handwritten.jsonl")
     rows = [json.loads(l) for l in open(path)]

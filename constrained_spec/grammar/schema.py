@@ -419,6 +419,7 @@ class _Normalizer:
                 else:
                     new_props[name] = addl_n if isinstance(addl_n, dict) else {}
         open_obj = addl_n is not False and not (self.strict and addl is None and "patternProperties" not in node)
+        self._drop_absent(new_props, required, out, open_obj, path)
         escaped = [n for n in new_props if any(json_must_escape(ord(c)) for c in n)]
         if open_obj and escaped:
             # xgrammar lets such a name's own spelling through the other-properties branch too, where
@@ -438,6 +439,28 @@ class _Normalizer:
         for k in ("minProperties", "maxProperties"):
             if k in node:
                 out[k] = node[k]
+
+    def _drop_absent(self, props: dict, required: list, out: dict, open_obj: bool, path: str) -> None:
+        """Properties (and patternProperties) whose schema is `false` must be absent. xgrammar
+        refuses the `false` ("cannot accept any value", no path); in a closed object leaving them
+        out is the same, in an open one it would let them in with any value."""
+        absent = [name for name, sub in props.items() if sub is False]
+        pattern_absent = out.get("patternProperties") and next(iter(out["patternProperties"].values())) is False
+        if not absent and not pattern_absent:
+            return
+        for name in absent:
+            if name in required:
+                raise GrammarError(f"required property '{name}' has the schema false: no object satisfies it "
+                                   f"{at(path)}", "required", path)
+        if open_obj:
+            what = f"property '{absent[0]}'" if absent else "patternProperties"
+            raise unsupported("properties" if absent else "patternProperties", path,
+                              f"{what} has the schema false (must be absent) in an object open to other properties; "
+                              "close it with additionalProperties false, or use the llguidance backend")
+        for name in absent:
+            del props[name]
+        if pattern_absent:
+            del out["patternProperties"]
 
     def _check_names(self, pn: Any, names: list, path: str) -> None:
         """xgrammar does not apply propertyNames to declared properties: check them here."""
