@@ -330,3 +330,44 @@ def test_a_grammar_backend_failing_mid_answer_is_grammar_too_complex_and_auto_mo
         r = httpx.post(url, json=body(s), timeout=60)
     assert r.status_code == 200, r.text  # llguidance, still failing at the third token, did not serve it
     assert servers.engine.grammar.compile(GrammarSpec.json_schema(s)).backend == "xgrammar"
+
+
+def test_a_streamed_grammar_request_gets_its_headers_once_its_grammar_compiled(servers):
+    """The 200 waits for the engine's word on the grammar, not for the first token: the engine
+    announces the request once its grammar compiled. Here the first forward is held: the headers
+    come while it is (they had waited for the first token), and the stream then completes."""
+    engine = servers.engine
+    release, entered = threading.Event(), threading.Event()
+    real = engine.runner.forward
+
+    def held_forward(*a, **k):
+        entered.set()
+        release.wait(30)
+        return real(*a, **k)
+
+    engine.runner.forward = held_forward
+    got: dict = {}
+
+    def client():
+        with httpx.stream("POST", servers.url("single") + "/v1/chat/completions",
+                          json=body(schema("announced"), stream=True), timeout=60) as r:
+            got["status"] = r.status_code
+            got["headers_at"] = time.monotonic()
+            got["text"] = r.read().decode()
+
+    t = threading.Thread(target=client)
+    try:
+        t.start()
+        assert entered.wait(30), "no forward ran"
+        deadline = time.monotonic() + 10
+        while "status" not in got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got.get("status") == 200 and not release.is_set(), got  # headers with the forward still held
+    finally:
+        release.set()
+        engine.runner.forward = real
+        t.join(60)
+    assert got["text"].rstrip().endswith("data: [DONE]"), got["text"][-300:]
+    events = [json.loads(line[6:]) for line in got["text"].splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length"), events[-1]

@@ -158,7 +158,7 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     grammar: GrammarSpec | None = None, on_output: Callable[[RequestOutput], None] | None = None,
                     request_id: str | None = None, detokenize: bool = True, each_step: bool = True,
-                    step_tokens: list | None = None, stream_key=None) -> Request:
+                    step_tokens: list | None = None, stream_key=None, announce: bool = False) -> Request:
         """Queues a request; `on_output` is called with each update from the engine thread (or its
         step thread, which runs while the engine thread fills grammar masks: never both at once).
         `detokenize=False`: updates carry token ids only, no text, and stop strings are the caller's
@@ -170,7 +170,10 @@ class Engine:
         (stream_key, token, logprob or None, tokens so far) appended to this list, which the caller
         empties in `step_hook` (the engine thread, once per loop iteration: a step's entries come before
         its other updates). The engine process streams that way: ~0.1 µs a request a step instead of
-        an update object and a callback on the engine's thread."""
+        an update object and a callback on the engine's thread.
+        `announce` (a request with a grammar, `each_step`): one empty update once the grammar has
+        compiled and the request is queued, before its first token; a failed compile is the usual
+        finished "error" update instead."""
         if self._stopped:  # nothing would ever run it: a caller waiting on it would wait forever
             raise RequestError("the engine is shut down", code="engine_shut_down")
         params = params or SamplingParams()
@@ -181,7 +184,7 @@ class Engine:
         if step_tokens is not None and (detokenize or not each_step):
             raise ValueError("step_tokens is for streamed requests without detokenization")
         req = Request(ids, params, on_output or (lambda out: None), each_step=each_step, step_tokens=step_tokens,
-                      stream_key=stream_key)
+                      stream_key=stream_key, announce=announce and grammar is not None and each_step)
         if request_id:
             req.request_id = request_id
         req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
@@ -414,6 +417,8 @@ class Engine:
                 self._finish(req, FinishReason.ERROR, error=str(e), error_kind=refusal_kind(e))
                 continue
             self.scheduler.add(req)
+            if req.announce:
+                self._emit(req, [], None, finished=False)
         self._compiling = still
 
     def _fill_bitmask(self, batch) -> MaskFill:

@@ -102,6 +102,9 @@ class Request:
     # an update that is one more token and not the end goes there as (stream_key, token, logprob, n)
     step_tokens: list | None = None
     stream_key: Any = None
+    # an empty update once its grammar compiled (`add_request(announce=True)`): a server holding a
+    # stream's status until its grammar is known good sends its headers then, not at the first token
+    announce: bool = False
     _prompt_array: np.ndarray = field(init=False, repr=False)  # prompt_ids as int64 (`__post_init__`)
 
     def __post_init__(self):

@@ -100,7 +100,8 @@ class _Connection:
                 self.live[key] = request_id
                 self.engine.add_request(prompt, params, grammar, self._callback(key), request_id=request_id,
                                         detokenize=False, each_step=not whole,
-                                        step_tokens=None if whole else self.tokens, stream_key=key)
+                                        step_tokens=None if whole else self.tokens, stream_key=key,
+                                        announce=not whole)
             except Exception as e:  # refused (queue full, too long) or broken: this request alone fails
                 self.live.pop(key, None)
                 kind = refusal_kind(e)  # the engine's or the compile queue full (busy), or the grammar refused

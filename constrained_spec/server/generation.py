@@ -26,8 +26,9 @@ class Generation:
 
     def __init__(self, engine, prompts: list[list[int]], params_list: list, grammar, base_id: str, stream: bool):
         delivery = LoopDelivery.for_loop(asyncio.get_running_loop())
-        # the engine process's client sends a non-streamed request's output in one piece at its end
-        options = {"stream": stream} if isinstance(engine, EngineClient) else {}
+        # the engine process's client sends a non-streamed request's output in one piece at its end;
+        # a streamed one with a grammar is announced once its grammar compiled (`Service.open_stream`)
+        options = {"stream": stream} if isinstance(engine, EngineClient) else {"announce": stream}
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
