@@ -65,6 +65,11 @@ SAMPLE_EVERY = 8
 RECENT_HEADS = 4096
 
 
+def _head(req) -> bytes | None:
+    """The request's first MIN_MATCH tokens as bytes (RECENT_HEADS), None if it has fewer."""
+    return req.ids_array(MIN_MATCH).tobytes() if req.total_len >= MIN_MATCH else None
+
+
 def min_match(length: int) -> int:
     """The shortest cached prefix worth using for a context of `length` matchable tokens."""
     return min(MIN_MATCH, (length + 1) // 2)
@@ -128,13 +133,11 @@ class PrefixCache:
                 self._misses = 0
             else:
                 self._misses += 1
-            req.file_context = self._misses < MISS_WINDOW
+            req.file_context = self.filing
 
     def _recurring_head(self, req) -> bool:
         """Whether a request the cache missed while not filing starts like a recently unfiled one."""
-        if self._misses < MISS_WINDOW or req.total_len <= MIN_MATCH:
-            return False
-        return req.ids_array(MIN_MATCH).tobytes() in self._unfiled_heads
+        return not self.filing and _head(req) in self._unfiled_heads
 
     @property
     def filing(self) -> bool:
@@ -200,7 +203,7 @@ class PrefixCache:
         """Frees the request's row: its computed context into the tree (`keep`), the rest to the
         pool, its reference dropped. While the cache misses, a finished request outside the sample
         keeps nothing (MISS_WINDOW)."""
-        if keep and self._misses >= MISS_WINDOW and not req.file_context and req.finish_reason is not None:
+        if keep and not self.filing and not req.file_context and req.finish_reason is not None:
             self._passed += 1
             if self._passed % SAMPLE_EVERY:
                 keep = False
@@ -227,10 +230,10 @@ class PrefixCache:
         self._drop_reference(req)
 
     def _remember_head(self, req) -> None:
-        if req.total_len < MIN_MATCH:
+        head, heads = _head(req), self._unfiled_heads
+        if head is None:
             return
-        heads = self._unfiled_heads
-        heads[req.ids_array(MIN_MATCH).tobytes()] = None
+        heads[head] = None
         if len(heads) > RECENT_HEADS:
             del heads[next(iter(heads))]
 

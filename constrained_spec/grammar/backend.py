@@ -511,9 +511,16 @@ def _digest(spec: GrammarSpec) -> bytes:
     return h.digest()
 
 
+def may_accept_nothing(spec: GrammarSpec) -> bool:
+    """Whether a JSON schema may accept no value though nothing in it says so outright: only a
+    `$ref` cycle or a `pattern` can make one (the keywords' other contradictions are refused as
+    such), so only those pay a compile check of their own (tools' parameters, in the server)."""
+    return spec.kind == "json_schema" and ('"pattern"' in spec.value or _recursive_schema(spec))
+
+
 def _recursive_schema(spec: GrammarSpec) -> bool:
     return spec.kind == "json_schema" and '"$ref"' in spec.value and has_ref_cycle(spec.schema())
 
 
 __all__ = ["GrammarBackend", "CompiledGrammar", "RequestMatcher", "XGrammarMatcher", "LLGuidanceMatcher",
-           "legal_draft_nodes", "REFUSED_DRAFT", "llguidance_backend", "xgrammar_backend"]
+           "legal_draft_nodes", "REFUSED_DRAFT", "llguidance_backend", "xgrammar_backend", "may_accept_nothing"]

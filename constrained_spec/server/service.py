@@ -155,13 +155,12 @@ class Service:
 
     async def _check_tool_parameters(self, req: _GenerationRequest, plan: ToolCallPlan,
                                      request: Request | None) -> None:
-        """Each function the calls may name whose parameters could accept no arguments object (a
-        schema the normalizer takes is empty only through a `$ref` cycle or a `pattern`) is
-        compiled alone first: one that accepts none is the 400 naming its parameters. Among the
+        """Each function the calls may name whose parameters could accept no arguments object
+        (`may_accept_nothing`) is compiled alone first: one that accepts none is the 400 naming its parameters. Among the
         calls it is a dead branch, which the grammar backend prunes: that function was silently
         never called."""
         from ..grammar import GrammarSpec  # deferred, as in constraints.py
-        from ..grammar.schema_refs import has_ref_cycle
+        from ..grammar.backend import may_accept_nothing
         for i, f in enumerate(plan.functions):
             if plan.forced is not None and f.name != plan.forced:
                 continue
@@ -172,7 +171,7 @@ class Service:
                 if _is_grammar_error(e):
                     raise grammar_error(e, param)
                 raise
-            if '"pattern"' not in spec.value and not ('"$ref"' in spec.value and has_ref_cycle(params)):
+            if not may_accept_nothing(spec):
                 continue
             if req.grammar_backend is not None:
                 spec = spec.with_backend(req.grammar_backend)
