@@ -375,15 +375,40 @@ TREE = {"type": "object", "properties": {"value": {"type": "integer"},
 def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(http, choice, backend):
     """Its call was a dead branch of the calls' grammar, pruned: the function silently never
     called (named, a 400 naming only `tools`). A recursive function that can end is served."""
-    tools = TOOLS[:1] + [{"type": "function", "function": {"name": "loop", "parameters": NEVER_ENDS}}]
     extra = {} if backend is None else {"grammar_backend": backend}
-    r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == "tools.1.function.parameters" and err["code"] == "invalid_schema", err
+    untyped = {k: v for k, v in NEVER_ENDS.items() if k != "type"}  # an object all the same: arguments are one
+    for never_ends in (NEVER_ENDS, untyped):
+        tools = TOOLS[:1] + [{"type": "function", "function": {"name": "loop", "parameters": never_ends}}]
+        r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tools.1.function.parameters" and err["code"] == "invalid_schema", err
     tools[1]["function"]["parameters"] = TREE
     r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"city": {"type": "string"}}, "required": ["city"]},
+                                        {"type": ["object", "null"], "properties": {"city": {"type": "string"}}}])
+def test_arguments_are_an_object_whatever_the_parameters_leave_out(tokenizer, backend, parameters):
+    """A schema with no `type` (`{}`, `properties` alone) also accepts a string or an array: the
+    model wrote `"Paris"` as a call's arguments. Every call's arguments are an object."""
+    from constrained_spec.grammar import GrammarBackend
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir="none")
+    try:
+        for choice in (_named("get_weather"), "required", "auto"):
+            plan = tool_call_plan(_request(tools=tools, tool_choice=choice))
+            compiled = grammars.compile(plan.grammar().with_backend(backend), timeout_s=60)
+            head = "" if plan.forced else '{"name": "get_weather", "arguments": '
+            for arguments, legal in (('"Paris"', False), ('["Paris"]', False), ('null', False),
+                                     ('{"city": "Paris"}', True)):
+                ids = tokenizer.encode(head + arguments, add_special_tokens=False)
+                matcher = grammars.matcher(compiled)
+                assert (matcher.accept_tokens(ids) == len(ids)) == legal, (choice, arguments)
+    finally:
+        grammars.close()
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])

@@ -141,8 +141,13 @@ class ToolCallPlan:
 
     @staticmethod
     def parameters(f) -> dict:
-        """A function's parameters schema (none given: any arguments object)."""
-        return f.parameters if f.parameters is not None else NO_PARAMETERS
+        """A function's parameters schema, of an object: arguments are one (clients pass them as
+        keywords), and a schema that does not say so (`{}`, `properties` alone, a type list with
+        "object") would let the model write a string or an array. None given: no arguments."""
+        p = f.parameters
+        if p is None:
+            return NO_PARAMETERS
+        return p if p.get("type") == "object" else {**p, "type": "object"}
 
 
 def _call_message(name: str, arguments: str) -> dict:
@@ -353,7 +358,7 @@ def tool_call_plan(req) -> ToolCallPlan | None:
         raise bad_request("tools must have distinct function names", param="tools")
     for i, f in enumerate(functions):  # arguments are a JSON object (what clients json.loads into keywords)
         kind = f.parameters.get("type", "object") if isinstance(f.parameters, dict) else "object"
-        if kind != "object":
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
             raise bad_request(f"the parameters of function {f.name!r} must be a JSON schema of an object; its type "
                               f"is {kind!r}", param=f"tools.{i}.function.parameters", code="invalid_schema")
     if choice == "none":
