@@ -161,11 +161,17 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                                "(the step's thread and N - 1 workers); default: "
                                                                "the cores available but two, and but one per "
                                                                "front-end process in a split server, at most 16")),
-    "grammar_paths_per_walk": ("grammar", dict(metavar="N", help="draft paths a grammar walk at least: an EAGLE "
+    "grammar_paths_per_walk": ("grammar", dict(metavar="N", help="fewest draft paths per grammar walk: an EAGLE "
                                                                  "frontier's or verify tree's rows are cut into walks "
                                                                  "of N paths or more, each on its own fork of the "
                                                                  "request's matcher, while mask threads are free "
                                                                  "(default: %(default)s)")),
+    "grammar_max_whitespace": ("grammar", dict(metavar="N", help="most whitespace characters in a row that "
+                                                                 "JSON grammars (schemas, json_object) allow "
+                                                                 "between JSON's tokens (after a brace, comma or "
+                                                                 "colon); 0: compact JSON. A bound keeps a "
+                                                                 "small model from looping on whitespace until "
+                                                                 "max_tokens (default: %(default)s)")),
     "grammar_mask_budget_ms": ("grammar", dict(metavar="MS",
                                                help="per-step time limit for filling grammar masks: a request whose "
                                                     "mask is not ready by then skips the step (its output does not "
@@ -347,7 +353,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         default = f.default
         kind = _auto_type(default, f.type) if default is not None else str
         text = f.metadata["help"]  # (a field without a default value says what None means)
-        parser.add_argument(_flag(f.name), type=kind, default=default,
+        choices = _ENGINE_HELP.get(f.name, (None, {}))[1].get("choices")  # --dtype: serve's choices
+        parser.add_argument(_flag(f.name), type=kind, default=default, choices=choices,
                             help=text if default is None else f"{text} (default: %(default)s)")
 
 
@@ -435,11 +442,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         info = process.info
         log.info("engine ready in process %d: model %s, device %s, dtype %s, KV capacity %d tokens, max context %d",
                  info.pid, info.model_name, info.device, info.dtype, info.kv_capacity, info.max_context)
-    pending = args.max_pending_requests
-    if pending is not None and n_frontends > 1:  # the limit is the server's: each front-end holds its share
-        pending = -(-pending // n_frontends)
     server_config = ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
-                                 max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_pending_requests=pending,
+                                 max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                                 max_pending_requests=args.max_pending_requests,  # each front-end admits its share
                                  default_max_tokens=args.default_max_tokens, frontends=n_frontends,
                                  response_store=args.response_store)
     # with other front-ends, the engine stops after them (below), not with this app
@@ -493,13 +498,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bad_flag(problem: str) -> SystemExit:
+    """Exit 2 with one line, as check_args' refusals: for what only reading a file finds."""
+    print(f"constrained-spec: error: {problem}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def _grammar_from_args(args: argparse.Namespace):
     from .grammar import GrammarSpec
     if args.schema:
         try:
             schema = json.loads(Path(args.schema).read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"constrained-spec: cannot read the schema {args.schema}: {e}")
+        except OSError as e:
+            raise _bad_flag(f"--schema {args.schema}: cannot read it: {e.strerror or e}")
+        except ValueError as e:
+            raise _bad_flag(f"--schema {args.schema}: not JSON: {e}")
         return GrammarSpec.json_schema(schema, strict=True), schema
     if args.json:
         return GrammarSpec.json_object(), None
@@ -509,7 +522,7 @@ def _grammar_from_args(args: argparse.Namespace):
         try:
             return GrammarSpec.ebnf(Path(args.ebnf).read_text()), None
         except OSError as e:
-            raise SystemExit(f"constrained-spec: cannot read the grammar {args.ebnf}: {e}")
+            raise _bad_flag(f"--ebnf {args.ebnf}: cannot read it: {e.strerror or e}")
     if args.choice:
         return GrammarSpec.choice(list(args.choice)), None
     return None, None
@@ -527,7 +540,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.request_seed)
     except ValueError as e:
-        raise SystemExit(f"constrained-spec: {e}")
+        raise _bad_flag(str(e))
     engine = Engine(engine_config_from_args(args))
     try:
         log.info("engine ready: %s", describe_engine(engine))
@@ -575,17 +588,22 @@ _AT_LEAST = {"port": 0, "frontends": 1, "max_running_requests": 1, "max_queued_r
              "max_model_len": 1, "grammar_threads": 1, "grammar_mask_threads": 1, "grammar_paths_per_walk": 1,
              "grammar_max_whitespace": 0, "speculative_num_draft_tokens": 1, "speculative_max_batch": 1,
              "eagle_topk": 1, "eagle_depth": 1, "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1,
-             "ngram_min_match": 1, "ngram_capacity": 1, "temperature": 0.0, "top_p": 0.0}
-_AT_MOST = {"port": 65535, "top_p": 1.0, "temperature": 2.0}
+             "ngram_min_match": 1, "ngram_capacity": 1, "temperature": 0.0, "top_p": 0.0,
+             "speculative_min_accept": 0.0,
+             # train-eagle's: fewer than 2 answers (prompts), or sequences of a token, leave nothing to train on
+             "prompts": 2, "json_share": 0.0, "gen_batch": 1, "gen_minutes": 0.0, "max_len": 2, "batch_tokens": 1,
+             "max_steps": 0, "p_weight": 0.0, "noise": 0.0, "unroll": 1, "eval_prompts": 0, "draft_tokens": 2}
+_AT_LEAST_IN = {"train-eagle": {"max_tokens": 2}}  # a subcommand's own smallest values, over the above
+_AT_MOST = {"port": 65535, "top_p": 1.0, "temperature": 2.0, "json_share": 1.0}
 _POSITIVE = ("max_body_mb", "kv_cache_memory_gb", "grammar_mask_budget_ms", "grammar_compile_timeout_s",
-             "grammar_cache_mb")
+             "grammar_cache_mb", "train_minutes", "lr")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?|auto")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
     """What argparse's types cannot say, checked before anything loads: ranges, a model that is a
     path or an alias, CUDA where a CUDA device is asked for. Returns the problem, or None."""
-    for name, low in _AT_LEAST.items():
+    for name, low in {**_AT_LEAST, **_AT_LEAST_IN.get(getattr(args, "command", None), {})}.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
             return f"--{name.replace('_', '-')} must be at least {low}; got {value}"
@@ -597,6 +615,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             return f"--{name.replace('_', '-')} must be positive; got {value}"
+    problem = _check_combinations(args)
+    if problem is not None:
+        return problem
     model = getattr(args, "model", None)
     if model and model.strip():
         from .models.registry import MODELS, lookup_alias
@@ -609,6 +630,43 @@ def check_args(args: argparse.Namespace) -> str | None:
         import torch
         if not torch.cuda.is_available():
             return f"--device {device}: CUDA is not available here (torch {torch.__version__})"
+    return None
+
+
+def _check_combinations(args: argparse.Namespace) -> str | None:
+    """Flags whose valid range depends on another's (the engine's own rules, which it raised only
+    once the model had loaded), and paths that are not there: a draft head folder, the folder of a
+    --response-store file (which would be created, folders and all, under a mistyped path)."""
+    store = getattr(args, "response_store", None)
+    if store and not Path(os.path.expanduser(store)).parent.is_dir():
+        return f"--response-store {store}: the folder {Path(os.path.expanduser(store)).parent} does not exist"
+    ngram_min, ngram_max = getattr(args, "ngram_min_match", None), getattr(args, "ngram_max_match", None)
+    if ngram_min is not None and ngram_max is not None and ngram_min > ngram_max:
+        return f"--ngram-min-match ({ngram_min}) must not exceed --ngram-max-match ({ngram_max})"
+    head = getattr(args, "eagle_head", None)
+    if head:
+        folder = Path(os.path.expanduser(head))
+        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+            return f"--eagle-head {head}: no EAGLE head there (expected a folder with config.json and model.safetensors)"
+    if getattr(args, "command", None) == "train-eagle":  # its acceptance check's tree: --draft-tokens
+        if not args.eagle_depth < args.draft_tokens:
+            return f"--eagle-depth must be below --draft-tokens ({args.draft_tokens}); got {args.eagle_depth}"
+        return None
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm is None:
+        return None
+    nodes = args.speculative_num_draft_tokens  # the tree's root (the last verified token) included
+    if nodes < 2:
+        return f"--speculative-num-draft-tokens must be at least 2 with --speculative-algorithm; got {nodes}"
+    if algorithm == "eagle" and not args.eagle_depth < nodes:
+        return f"--eagle-depth must be below --speculative-num-draft-tokens ({nodes}); got {args.eagle_depth}"
+    # it is compared with the mean accepted drafts per request-step: a step accepts at most the tree's
+    # nodes but its root, and an EAGLE step one a depth; above that, speculation would always pause
+    most = args.eagle_depth if algorithm == "eagle" else nodes - 1
+    if args.speculative_min_accept > most:
+        return (f"--speculative-min-accept must be at most {most}, the most drafts a step accepts "
+                f"({'--eagle-depth' if algorithm == 'eagle' else '--speculative-num-draft-tokens - 1'}); "
+                f"got {args.speculative_min_accept}")
     return None
 
 

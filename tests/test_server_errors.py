@@ -61,7 +61,7 @@ def test_malformed_json_body(http, content):
     (chat_body(logit_bias={"99999999": 1}), "logit_bias"),
     (chat_body(logit_bias={"12": 250}), "logit_bias"),
     (chat_body(logit_bias={"12": "a lot"}), "logit_bias.12"),
-    (chat_body(functions=[{"name": "f", "parameters": {"type": "object"}}]), None),
+    (chat_body(functions=[{"name": "f", "parameters": {"type": "object"}}]), "functions"),
 ])
 def test_invalid_fields(http, body, param):
     err = assert_error(http.post("/v1/chat/completions", json=body), 400)

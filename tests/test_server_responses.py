@@ -250,8 +250,8 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0]"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object",
                                                                                         "minProperties": "a"}}}},
      "text.format.schema"),
@@ -259,7 +259,7 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
                                                                                         "$defs": {"a": {"$ref": "#/$defs/a"}}}}}},
      "text.format.schema"),
     ({"input": []}, "input"),
-    ({"input": [{"role": "user", "content": 5}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": 5}]}, "input.0"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
 ])

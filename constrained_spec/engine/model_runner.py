@@ -75,6 +75,12 @@ class ModelRunner:
         self.vocab_size = self.mcfg.vocab_size
         self.backend = get_attention_backend(config.attention_backend, str(device))
         self.max_context = min(config.max_model_len or self.mcfg.max_position, self.mcfg.max_position)
+        if config.max_model_len is not None and config.max_model_len > self.max_context:
+            # the model has no positions past its own (its RoPE table ends there): capped, said, and
+            # the config (the engine's own copy) reports the context in use
+            log.warning("max_model_len %d is longer than the model's %d positions; capped at %d",
+                        config.max_model_len, self.mcfg.max_position, self.max_context)
+            config.max_model_len = self.max_context
         num_slots = self._num_kv_slots(config)
         self.kv = KVCache(self.mcfg.num_layers, num_slots, self.mcfg.num_kv_heads, self.mcfg.head_dim, dtype, device)
         self.pool = SlotPool(num_slots)

@@ -54,10 +54,12 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication; else /v1/* needs `Authorization: Bearer <key>`
     served_model_name: str | None = None  # the model id clients use; default: the engine's model name
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
-    max_pending_requests: int | None = None  # admitted generation requests (n counts n); None: engine running+queued
+    # admitted generation requests (n counts n), the server's: each front-end admits its share;
+    # None: the engine's running + queued
+    max_pending_requests: int | None = None
     retry_after_s: int = 1  # Retry-After on 503
     default_max_tokens: int | None = None  # chat requests without max_tokens; None: up to the context limit
-    frontends: int = 1  # front-end processes over the engine: each admits its share of the default limit
+    frontends: int = 1  # front-end processes over the engine: each admits its share of the pending limit
     frontend: int = 0  # this one's number (0: the `serve` process); /health says it
     response_store: str | None = None  # a SQLite file the stored Responses persist in; None: memory only
 

@@ -253,11 +253,12 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None  # one call per choice either way
     functions: list[Any] | None = None  # the deprecated form of tools
 
-    @model_validator(mode="after")
-    def _checks(self) -> "ChatCompletionRequest":
-        if self.functions:
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, v: Any) -> Any:
+        if v:  # (a field validator, so that the 400 names the field)
             raise ValueError("functions (deprecated by OpenAI) is not supported; use tools and tool_choice")
-        return self
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -295,11 +296,12 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
-    @model_validator(mode="after")
-    def _checks(self) -> "CompletionRequest":
-        if self.best_of is not None and self.best_of > self.n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: Any, info) -> Any:
+        if v is not None and v > info.data.get("n", 1):  # (`n` is declared before it, in the base class)
             raise ValueError("best_of is not supported (n completions are sampled and all returned)")
-        return self
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

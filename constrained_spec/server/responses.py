@@ -142,7 +142,7 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     """The request's `input` as chat messages."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
-    return [_message(item, f"input[{i}]") for i, item in enumerate(req.input)]
+    return [_message(item, f"input.{i}") for i, item in enumerate(req.input)]
 
 
 def _message(item: dict, param: str) -> dict:
@@ -189,8 +189,8 @@ def _response_format(fmt: TextFormat) -> dict:
 
 def _chat_tool(tool: dict, i: int) -> dict:
     if tool.get("type") != "function":
-        raise bad_request(f"tools[{i}] has type '{tool.get('type')}'; this server runs function tools only",
-                          param=f"tools[{i}]", code="unsupported_parameter")
+        raise bad_request(f"tools.{i} has type '{tool.get('type')}'; this server runs function tools only",
+                          param=f"tools.{i}", code="unsupported_parameter")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": function}
 

@@ -41,19 +41,19 @@ class ChatRun:
 
 
 class _ServerState:
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, server_limit: int | None = None):
         self.pending = 0
-        self.limit = limit
+        self.limit = limit  # this front-end's share
+        self.server_limit = limit if server_limit is None else server_limit  # all front-ends'
 
 
-def _pending_limit(engine, config) -> int:
+def _pending_limits(engine, config) -> tuple[int, int]:
     """Admitted generation requests: the configured limit, else the engine's running + queued
-    requests, shared out among the front-ends."""
+    requests, for the whole server; and this front-end's share of it."""
     limit = config.max_pending_requests
     if limit is None:
         limit = engine.config.max_held_requests
-        limit = -(-limit // max(1, config.frontends))
-    return limit
+    return -(-limit // max(1, config.frontends)), limit
 
 
 class Service:
@@ -62,7 +62,7 @@ class Service:
     def __init__(self, engine, config):
         self.engine = engine
         self.config = config
-        self.state = _ServerState(_pending_limit(engine, config))
+        self.state = _ServerState(*_pending_limits(engine, config))
         self.metrics = ServerMetrics(engine, self.state)
         self.served = config.served_model_name or engine.model_name
         self.model_names = {self.served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
@@ -226,8 +226,10 @@ class Service:
         if not self.healthy():
             raise self.unavailable()
         if state.pending + n > state.limit:
-            raise APIError(503, f"the server is at its limit of {state.limit} pending requests; retry later",
-                           code="server_busy", headers={"Retry-After": str(self.config.retry_after_s)})
+            frontends = max(1, self.config.frontends)
+            split = (f" ({state.limit} in each of its {frontends} front-end processes)" if frontends > 1 else "")
+            raise self.busy(f"the server is at its limit of {state.server_limit} pending requests{split}; "
+                            "retry later")
         state.pending += n
         self.metrics.in_flight.set(state.pending)
 

@@ -1,0 +1,92 @@
+"""What the server's refusals say, checked without a model: the 503's pending limit (the server's,
+not a front-end's share), the `param` of the functions and best_of 400s, and the Responses routes'
+params in the dotted form the rest of the API uses (docs/api.md, Errors)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from constrained_spec.server import responses
+from constrained_spec.server.app import ServerConfig
+from constrained_spec.server.errors import APIError
+from constrained_spec.server.json_io import parse
+from constrained_spec.server.protocol import ChatCompletionRequest, CompletionRequest
+from constrained_spec.server.service import Service
+
+
+class _Tokenizer:
+    vocab_size = 100
+
+    def __len__(self):
+        return 100
+
+
+def _service(**server) -> Service:
+    """A Service over an engine stand-in (all admit() reads: its model name and limits)."""
+    engine = SimpleNamespace(model_name="m", tokenizer=_Tokenizer(), max_context=64,
+                             config=SimpleNamespace(max_held_requests=8))
+    return Service(engine, ServerConfig(**server))
+
+
+def _busy(service: Service) -> str:
+    with pytest.raises(APIError) as e:
+        while True:
+            service.admit(1)
+    assert e.value.status == 503 and e.value.code == "server_busy"
+    return e.value.message
+
+
+def test_busy_names_the_servers_limit_split_over_front_ends():
+    """--max-pending-requests 2 --frontends 2: it said 'its limit of 1 pending requests'."""
+    service = _service(max_pending_requests=2, frontends=2)
+    service.admit(1)
+    message = _busy(service)
+    assert service.state.pending == 1  # each front-end admits its share
+    assert message == ("the server is at its limit of 2 pending requests (1 in each of its 2 front-end "
+                       "processes); retry later"), message
+
+
+def test_busy_default_limit_with_front_ends():
+    service = _service(frontends=3)  # the engine's 8 running + queued, 3 each
+    assert "its limit of 8 pending requests (3 in each of its 3 front-end processes)" in _busy(service)
+    assert service.state.pending == 3
+
+
+def test_busy_one_front_end():
+    service = _service(max_pending_requests=2)
+    assert _busy(service) == "the server is at its limit of 2 pending requests; retry later"
+    assert service.state.pending == 2
+
+
+@pytest.mark.parametrize("cls, body, param", [
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+     "functions"),
+    (CompletionRequest, {"prompt": "hi", "best_of": 3}, "best_of"),
+    (CompletionRequest, {"prompt": "hi", "best_of": 3, "n": 2}, "best_of"),
+])
+def test_refused_fields_are_named(cls, body, param):
+    with pytest.raises(APIError) as e:
+        parse(cls, body)
+    assert e.value.status == 400 and e.value.param == param, e.value.body()
+
+
+def test_best_of_up_to_n_is_taken():
+    assert parse(CompletionRequest, {"prompt": "hi", "best_of": 2, "n": 2}).best_of == 2
+
+
+@pytest.mark.parametrize("data, param, code", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0",
+     "unsupported_parameter"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning"}]}, "input.1", "unsupported_parameter"),
+    ({"input": [{"role": "wizard", "content": "a"}]}, "input.0", "invalid_request"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}, {"type": "web_search"}]}, "tools.1",
+     "unsupported_parameter"),
+])
+def test_responses_params_are_dotted(data, param, code):
+    """They were `input[0]` and `tools[0]`, where errors elsewhere say `tools.0.name`."""
+    req = responses.parse({"model": "m", **data})
+    with pytest.raises(APIError) as e:
+        responses.chat_request(req, data)
+    assert (e.value.param, e.value.code) == (param, code), e.value.body()
+    assert e.value.message.startswith(param + " ") or e.value.message.startswith(param + "."), e.value.message
