@@ -477,3 +477,50 @@ def test_an_engine_leaves_its_callers_config_as_it_was(tiny_llama_dir):
         assert (config.dtype, config.max_running_requests) == (EngineConfig().dtype, EngineConfig().max_running_requests)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("options", [{}, {"disable_prefix_cache": True}, {"speculative_algorithm": "ngram"}])
+def test_requests_longer_than_the_kv_cache_end_at_its_size(tiny_llama_dir, options):
+    """A request the model's context holds but the KV pool does not waited forever (alone past the
+    pool's end it could neither grow nor be retracted): the pool is its context, as the model's is."""
+    eng = Engine(model=tiny_llama_dir, device="cpu", kv_cache_slots=16, **options)
+    try:
+        assert eng.max_context == 16
+        sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        outs = eng.generate([[5, 6, 7, 8], [9, 10, 11]], sp)
+        assert [(o.finish_reason, o.completion_tokens) for o in outs] == [(FinishReason.LENGTH, 12),
+                                                                          (FinishReason.LENGTH, 13)]
+        with pytest.raises(RequestError, match="the KV cache holds 16"):
+            eng.generate([list(range(5, 21))], sp)
+        _wait_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_bad_arguments_are_refused_up_front_and_fail_no_other_request(tiny_llama_dir):
+    """A prompt token id past the vocabulary failed the engine step in its embedding lookup, and
+    with it every request in the step; the Engine API checks ids as the server does."""
+    from constrained_spec.grammar import GrammarSpec
+    eng = Engine(model=tiny_llama_dir, device="cpu")
+    try:
+        vocab = eng.runner.vocab_size
+        running = eng.stream([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
+        first = next(running)
+        for prompt, params, match in (([5, vocab], None, f"token id {vocab}, outside"),
+                                      ([5, -1], None, "token id -1, outside"),
+                                      ([5, 6], SamplingParams(stop_token_ids=[vocab + 7]), "stop_token_ids")):
+            with pytest.raises(RequestError, match=match):
+                eng.generate(prompt, params)
+        with pytest.raises(TypeError, match="a string, a list of token ids"):
+            eng.generate(123)
+        with pytest.raises(TypeError, match="a string or a list of token ids"):
+            eng.generate([[5, "x"]])
+        with pytest.raises(TypeError, match="grammar must be a GrammarSpec"):
+            eng.generate([5, 6], grammar={"type": "object"})
+        rest = list(running)
+        assert rest[-1].finish_reason is FinishReason.LENGTH and rest[-1].completion_tokens == 30, rest[-1]
+        assert eng.generate([5, 6], grammar=GrammarSpec.regex("[ab]{3}"),
+                            params=SamplingParams(max_tokens=8))[0].finish_reason is FinishReason.STOP
+        assert first is not None
+    finally:
+        eng.shutdown()

@@ -109,7 +109,9 @@ class Engine:
         self.eos_token_ids = set(loaded.eos_token_ids)
         dtype = next(loaded.model.parameters()).dtype
         self.runner = setup(lambda: ModelRunner(loaded, config, self.device, dtype))
-        self.max_context = self.runner.max_context
+        # the most tokens one request holds: the model's context, or the KV pool where that is smaller
+        # (a request alone past the pool's end could neither grow nor be retracted: it waited forever)
+        self.max_context = min(self.runner.max_context, self.runner.pool.capacity)
         self.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size, compile_workers=config.grammar_threads,
                                       compile_timeout_s=config.grammar_compile_timeout_s,
                                       max_whitespace_cnt=config.grammar_max_whitespace,
@@ -177,14 +179,26 @@ class Engine:
         if self._stopped:  # nothing would ever run it: a caller waiting on it would wait forever
             raise RequestError("the engine is shut down", code="engine_shut_down")
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if grammar is not None and not isinstance(grammar, GrammarSpec):
+            raise TypeError(f"grammar must be a GrammarSpec (GrammarSpec.json_schema(schema), .regex(...), ...); "
+                            f"got {type(grammar).__name__}")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids; got {type(prompt).__name__}")
         self._check_request(ids, params)
         if self.num_queued() >= self.config.max_held_requests:
             raise RequestError("the engine's queue is full; retry later", code="queue_full")
         if step_tokens is not None and (detokenize or not each_step):
             raise ValueError("step_tokens is for streamed requests without detokenization")
-        req = Request(ids, params, on_output or (lambda out: None), each_step=each_step, step_tokens=step_tokens,
-                      stream_key=stream_key, announce=announce and grammar is not None and each_step)
+        try:
+            req = Request(ids, params, on_output or (lambda out: None), each_step=each_step, step_tokens=step_tokens,
+                          stream_key=stream_key, announce=announce and grammar is not None and each_step)
+        except (TypeError, ValueError, OverflowError):  # its ids as int64 (`Request.__post_init__`)
+            raise TypeError("a prompt is a string or a list of token ids") from None
+        self._check_vocabulary(req.ids_array(len(ids)))
         if request_id:
             req.request_id = request_id
         req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
@@ -212,6 +226,8 @@ class Engine:
                  grammar: GrammarSpec | list[GrammarSpec | None] | None = None) -> list[GenerationOutput]:
         """Blocking batch generation; all prompts run concurrently. `params` and `grammar` are one
         for all prompts, or lists with one entry per prompt."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise TypeError(f"prompts: a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         grammars = grammar if isinstance(grammar, list) else [grammar] * len(plist)
@@ -302,16 +318,25 @@ class Engine:
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         if len(ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context holds {self.max_context}",
+            holds = "this model's context" if self.max_context == self.runner.max_context else "the KV cache"
+            raise RequestError(f"the prompt has {len(ids)} tokens; {holds} holds {self.max_context}",
                                param="messages", code="context_length_exceeded")
-        if len(ids) + 1 > self.runner.pool.capacity:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the KV cache holds {self.runner.pool.capacity}",
-                               param="messages", code="context_length_exceeded")
-        for name, tokens in (("logit_bias", params.logit_bias), ("prediction", params.prediction)):
-            outside = [t for t in tokens or () if t >= self.runner.vocab_size]
+        vocab = self.runner.vocab_size
+        for name, tokens in (("logit_bias", params.logit_bias), ("prediction", params.prediction),
+                             ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in tokens or () if not 0 <= t < vocab]
             if outside:
-                raise RequestError(f"{name} names token id {outside[0]}, outside the model's vocabulary of "
-                                   f"{self.runner.vocab_size}", param=name, code="invalid_value")
+                raise RequestError(f"{name} names token id {outside[0]}, outside the model's vocabulary of {vocab}",
+                                   param=name, code="invalid_value")
+
+    def _check_vocabulary(self, ids) -> None:
+        """A prompt's ids (int64 array) are the model's: an embedding lookup past its table failed
+        the whole step, every request in it."""
+        vocab = self.runner.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise RequestError(f"the prompt has token id {bad}, outside the model's vocabulary of {vocab}",
+                               param="prompt", code="invalid_value")
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
