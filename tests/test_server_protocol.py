@@ -38,6 +38,21 @@ def test_chat_request_errors(bad, param):
         assert err.param == param
 
 
+@pytest.mark.parametrize("tool_choice, param, says", [
+    ({"type": "function"}, "tool_choice.function", "missing required field 'tool_choice.function'"),
+    ({"function": {"name": "f"}}, "tool_choice.type", "missing required field 'tool_choice.type'"),
+    ({"type": "allowed_tools"}, "tool_choice.type", "should be 'function'"),
+    ("sometimes", "tool_choice", "'none', 'auto' or 'required'")])
+def test_a_union_field_names_the_member_the_body_meant(tool_choice, param, says):
+    """A union's error is one per member: the first, tool_choice's "none"/"auto"/"required", was
+    answered for an object, with pydantic's tag `literal['none','auto','required']` as its param."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": tool_choice}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error_to_api(e.value.errors(include_url=False), body)
+    assert err.param == param and says in err.body()["error"]["message"], err.body()
+
+
 @pytest.mark.parametrize("bad", [{"echo": True}, {"suffix": "x"}])
 def test_unsupported_completion_fields_are_named(bad):
     with pytest.raises(ValidationError) as e:

@@ -49,9 +49,13 @@ def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> A
     the request as sent, where given)."""
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
-    loc = [x for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(str(x) for x in _field_path(loc, body)) or None
+    # a union's value is one error per member; the one that got furthest into the body says most
+    # (`{"type": "function"}` for tool_choice: its `function` is missing, not "none"/"auto"/"required")
+    paths = [_field_path([x for x in e.get("loc", ()) if x != "body"], body, e.get("type") == "missing")
+             for e in errors]
+    deepest = max(range(len(errors)), key=lambda i: (len(paths[i]), -i))
+    first = errors[deepest]
+    param = ".".join(str(x) for x in paths[deepest]) or None
     msg = first.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -66,10 +70,11 @@ def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> A
     return bad_request(text, param=param, code=code)
 
 
-def _field_path(loc: list, body: Any) -> list:
+def _field_path(loc: list, body: Any, missing: bool = True) -> list:
     """`loc` without pydantic's union tags ('str' for a union's string member, 'json_schema' for a
-    tagged union's member): followed through the body, an element that names no key or index there
-    is a tag, but for the last one, a missing field's name; past a scalar, all are tags."""
+    tagged union's member, "literal['none','auto']"): followed through the body, an element that
+    names no key or index there is a tag, but for the last one of a `missing` error, the missing
+    field's name; past a scalar, all are tags."""
     if body is None:
         return loc
     path, at = [], body
@@ -78,7 +83,7 @@ def _field_path(loc: list, body: Any) -> list:
             at = at[x]
         elif isinstance(at, list) and isinstance(x, int) and 0 <= x < len(at):
             at = at[x]
-        elif isinstance(at, dict) and i == len(loc) - 1:
+        elif missing and isinstance(at, dict) and i == len(loc) - 1:
             pass  # a required field the body lacks
         else:
             continue  # a tag
