@@ -465,9 +465,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("API key required on /v1/*: send 'Authorization: Bearer <key>'")
     elif args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    # uvicorn re-raises the SIGTERM it handled once it has drained: exit through the `finally` below
-    # (front-ends, then the engine) rather than die of it
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # uvicorn re-raises the SIGTERM or SIGINT (Ctrl-C) it handled once it has drained: exit through the
+    # `finally` below (front-ends, then the engine) rather than die of it
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     sock = others = None
     if n_frontends > 1:
         from .server.frontends import FrontendProcesses, bind_socket
@@ -484,8 +485,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  ", ".join(map(str, others.pids())))
     from .cpus import name_os_thread
     name_os_thread("cs-server" if args.single_process else "cs-frontend")  # front-end 0 (ps, top)
+
+    def on_shutdown(force: bool) -> None:  # the drain begins: no engine restart now, the others drain too
+        if not args.single_process:
+            process.begin_shutdown()
+        if others is not None:
+            others.begin_stop(force)
+
     try:
-        run_server(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
+        run_server(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock, on_shutdown=on_shutdown)
     finally:
         if others is not None:
             others.stop()

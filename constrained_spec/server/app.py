@@ -93,6 +93,7 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     app.state.server_config = config
     app.state.metrics = metrics
     app.state.server_state = service.state
+    app.state.end_requests = service.end_requests  # at the shutdown drain's deadline (`runner.Server`)
     _add_error_handlers(app, service)
     # on the app itself, not as included APIRouters (FastAPI matches an included router's routes in a
     # second pass, ~10 us a request), and in this order: paths match in the order they were added

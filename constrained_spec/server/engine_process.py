@@ -18,7 +18,9 @@ Lifecycles: a connection that closes (its front-end exited or restarted) aborts 
 only, so their KV slots return to the pool and other connections' requests go on. A request the
 engine refuses, or a call that fails, is answered on its own. The process lives as long as the
 pipe from the process that started it (`EngineProcess`): it stops when that pipe says "stop" or
-closes (the parent died), so no engine is left holding a GPU.
+closes (the parent died), so no engine is left holding a GPU. It ignores SIGINT and SIGTERM
+(`children.py`): Ctrl-C and the like reach a whole process group, and the `serve` process stops
+its engine itself, once its requests in flight have drained.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Any
 
 from ..cpus import name_os_thread
 from ..engine.engine import refusal_kind
-from . import ipc
+from . import children, ipc
 from .response_store import ResponseStore
 
 log = logging.getLogger("constrained_spec.engine_process")
@@ -281,6 +283,7 @@ class EngineServer:
 def _main(config, address: str, lifeline, response_store: str | None = None) -> None:
     """The engine process's body: build the engine, say ready (or why not), serve until told to stop
     or the parent is gone."""
+    children.ignore_stop_signals()  # first: a signal to the process group is the parent's to handle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
                         datefmt="%H:%M:%S")
     name_os_thread("cs-engine-proc")  # the process's name in ps and top
@@ -338,9 +341,15 @@ class EngineProcess:
         self._lifeline, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_main, args=(self._config, self.address, child_end, self._response_store),
                                    name="constrained-spec-engine", daemon=True)
-        self.process.start()
+        children.start(self.process)
         child_end.close()
-        return self._wait_ready(self._ready_timeout_s)
+        try:
+            return self._wait_ready(self._ready_timeout_s)
+        except BaseException:  # (Ctrl-C while it loads: it ignores the signal, and has served nothing)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+            raise
 
     def supervise(self, max_restarts: int = 5, window_s: float = 600.0) -> None:
         """Watches the process from a thread: if it dies unasked (a crash in native code, the OOM
@@ -401,6 +410,11 @@ class EngineProcess:
         """A new front-end connection. With `owns_process`, its `shutdown()` stops this process too."""
         from .engine_client import EngineClient
         return EngineClient(self.info, process=self if owns_process else None)
+
+    def begin_shutdown(self) -> None:
+        """The server's shutdown has begun: from now on the supervisor does not start the process
+        again (a model load during the shutdown). `stop` stops it, once the requests drained."""
+        self._stopping.set()
 
     def alive(self) -> bool:
         return self.process.is_alive()

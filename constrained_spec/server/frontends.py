@@ -12,7 +12,10 @@ most of the work). Elsewhere they share the `serve` process's socket. Each front
 `EngineClient` connection to the engine process, whose requests are its own.
 
 Lifecycles: a front-end lives as long as the pipe from the `serve` process; when that closes or
-says "stop", it stops serving (its connection closes and the engine aborts what it had in flight).
+says "stop", it stops serving (uvicorn's drain, then its connection closes and the engine aborts
+what it had in flight; "force": at once). It ignores SIGINT and SIGTERM (`children.py`): Ctrl-C
+reaches the whole process group, and the `serve` process tells each front-end to stop as its own
+drain begins, so that they drain together.
 A front-end that dies is restarted in its place; its clients' requests fail, no other's do. (With
 SO_REUSEPORT the connections the kernel had queued on its socket, not yet accepted, are reset with
 it; Linux's `net.ipv4.tcp_migrate_req=1` hands them to the other front-ends instead.)
@@ -35,6 +38,7 @@ import threading
 import time
 
 from .. import long_lived
+from . import children
 from ..cpus import available_cores, name_os_thread
 from ..log_setup import setup_logging
 
@@ -98,13 +102,12 @@ def use_shared_metrics() -> str:
 def _frontend_main(number: int, info, server_config, listen, log_level: str, lifeline) -> None:
     """A front-end process: one connection to the engine, the app, uvicorn on its socket (`listen`:
     the shared socket, or the (host, port) to bind its own on)."""
+    children.ignore_stop_signals()  # first: a signal to the process group is the parent's to handle
     setup_logging(log_level)
     name_os_thread("cs-frontend")
-    import uvicorn
-
     from .app import create_app
     from .engine_client import EngineClient
-    from .runner import uvicorn_config
+    from .runner import Server, uvicorn_config
 
     try:
         client = EngineClient(info)
@@ -113,16 +116,17 @@ def _frontend_main(number: int, info, server_config, listen, log_level: str, lif
         raise SystemExit(1)
     server_config = dataclasses.replace(server_config, frontend=number)
     app = create_app(client, server_config, owns_engine=True)  # owns its connection, not the engine process
-    server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
+    server = Server(uvicorn_config(app, log_level=log_level), handle_signals=False)
     sock = bind_socket(*listen, join=True) if isinstance(listen, tuple) else listen  # listens in server.run
     lifeline.send("ready")
 
     def watch_lifeline() -> None:
         try:
-            lifeline.recv()  # "stop", or EOFError: the serve process is gone
-        except (EOFError, OSError):
-            pass
-        server.should_exit = True
+            while lifeline.recv() != "force":  # "stop": drain; "force": stop at once
+                server.should_exit = True
+            server.force()
+        except (EOFError, OSError):  # the serve process is gone
+            server.should_exit = True
     threading.Thread(target=watch_lifeline, name="frontend-lifeline", daemon=True).start()
     log.info("front-end %d serving (pid %d)", number, os.getpid())
     long_lived.freeze()  # the app, its routes and tokenizer: for the process's life
@@ -153,7 +157,7 @@ class FrontendProcesses:
         ours, theirs = self._ctx.Pipe()
         proc = self._ctx.Process(target=_frontend_main, args=(number, *self._args, theirs),
                                  name=f"constrained-spec-frontend-{number}", daemon=True)
-        proc.start()
+        children.start(proc)
         theirs.close()
         self._procs[number] = (proc, ours)
 
@@ -184,14 +188,21 @@ class FrontendProcesses:
     def pids(self) -> list[int]:
         return [proc.pid for proc, _ in self._procs.values()]
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Asks every front-end to finish (uvicorn's graceful shutdown), then makes sure."""
+    def begin_stop(self, force: bool = False) -> None:
+        """Asks every front-end to finish: uvicorn's drain, as the `serve` process's own begins (so
+        all drain together, none taking new connections meanwhile), or with `force`, at once. None
+        is started again from now on."""
         self._stopping.set()
-        for proc, pipe in self._procs.values():
+        for proc, pipe in list(self._procs.values()):
             try:
-                pipe.send("stop")
+                pipe.send("force" if force else "stop")
             except (OSError, ValueError):
                 pass
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Asks every front-end to finish (if `begin_stop` did not already), then makes sure."""
+        if not self._stopping.is_set():
+            self.begin_stop()
         deadline = time.monotonic() + timeout_s
         for proc, pipe in self._procs.values():
             proc.join(max(0.1, deadline - time.monotonic()))

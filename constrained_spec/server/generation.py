@@ -9,7 +9,7 @@ import orjson
 from starlette.responses import StreamingResponse
 
 from ..engine.delivery import LoopDelivery
-from ..engine.request import RequestOutput
+from ..engine.request import FinishReason, RequestOutput
 from .engine_client import EngineClient
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -35,10 +35,12 @@ class Generation:
         self.done = [False] * len(prompts)
         self.closed = False
         self._head: list[tuple[int, Any]] = []  # updates taken by `first`, not yet iterated
+        self._ended = [False] * len(prompts)  # a choice's last update is queued (the event loop's)
+        self._made = [0] * len(prompts)  # its tokens so far, as its last update queued said
 
         def make_cb(i):
             def cb(out):
-                delivery.put(self.queue.put_nowait, (i, out))
+                delivery.put(self._put, (i, out))
             return cb
 
         try:
@@ -85,6 +87,28 @@ class Generation:
         for i, rid in enumerate(self.request_ids):
             if not self.done[i]:
                 self.engine.abort(rid)
+
+    def _put(self, item: tuple[int, Any]) -> None:
+        i, out = item
+        if self._ended[i]:  # ended by `end` (what the engine made since is dropped)
+            return
+        self._ended[i] = out.finished
+        self._made[i] = out.completion_tokens
+        self.queue.put_nowait(item)
+
+    def end(self, error: str, kind: str) -> None:
+        """Ends every choice still going with an error of `kind` (the event loop's; the server's
+        shutdown): aborted in the engine, and its last update, that error, queued, so the request
+        answers as a request the engine failed does (its route's error, or a stream's error event
+        and its end)."""
+        if self.closed:
+            return
+        for i, rid in enumerate(self.request_ids):
+            if not self._ended[i]:
+                self.engine.abort(rid)
+                self._ended[i] = True
+                self.queue.put_nowait((i, RequestOutput(rid, "", [], True, FinishReason.ERROR, error,
+                                                        completion_tokens=self._made[i], error_kind=kind)))
 
 
 def coalesce(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,11 @@ from .response_store import ResponseStore
 from .tokens import TokenTexts, logprob_chunk
 from .tools import ToolCallPlan, grammar_complete, history_text, tool_call_plan
 
+log = logging.getLogger("constrained_spec.server")
+
 INLINE_PROMPT_CHARS = 8000  # chat prompts up to this many characters are encoded on the event loop
+
+SHUTTING_DOWN = "server_shutting_down"  # the error code (and error kind) of a request the shutdown ended
 
 
 @dataclass
@@ -74,6 +80,44 @@ class Service:
         # stored Responses: the engine process's (shared by every front-end), or this process's own
         self._responses = (None if isinstance(engine, EngineClient)
                            else ResponseStore(path=getattr(config, "response_store", None)))
+        # the generations running (`start`), and the waits a request may be in before its generation
+        # starts (`wait`): what `end_requests` ends at the shutdown drain's deadline
+        self._generations: "weakref.WeakSet[Generation]" = weakref.WeakSet()
+        self._waits: set[asyncio.Future] = set()
+        self.ending = False
+
+    def end_requests(self) -> None:
+        """At the shutdown drain's deadline (`runner.Server`), on the event loop, just before uvicorn
+        would cancel the requests still running (a plain-text 500 and an ASGI traceback, a stream
+        cut with no end): each one ends here, as a 503 `server_shutting_down` (JSON), or in a
+        stream, its error event and the stream's end. Requests after this are refused the same way."""
+        self.ending = True
+        generations, waits = list(self._generations), list(self._waits)
+        if generations or waits:
+            log.warning("shutting down: ending %d requests still running", len(generations) + len(waits))
+        for gen in generations:
+            gen.end("the server is shutting down; the request was ended", SHUTTING_DOWN)
+        for wait in waits:
+            if not wait.done():
+                wait.set_result(None)
+
+    def shutting_down(self) -> APIError:
+        return APIError(503, "the server is shutting down; retry later (with another server)", code=SHUTTING_DOWN,
+                        headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def wait(self, request: Request | None, awaitable):
+        """`await awaitable`, unless the client leaves first (ClientGone, with `request`), or the
+        shutdown ends the requests (the 503 `shutting_down`); either way it is cancelled."""
+        if self.ending:
+            raise self.shutting_down()
+        ended = asyncio.get_running_loop().create_future()
+        self._waits.add(ended)
+        try:
+            return await until_disconnect(request, awaitable, ended)
+        except _Ended:
+            raise self.shutting_down() from None
+        finally:
+            self._waits.discard(ended)
 
     def close(self) -> None:
         """At the app's shutdown: the stored Responses' file written and closed (if this process has it)."""
@@ -141,10 +185,7 @@ class Service:
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
             # request waiting in the compile queue holds no thread
             future = await run_in_threadpool(lambda: self.engine.grammar.compile_async(spec, check_only=True))
-            if request is None:
-                await asyncio.wrap_future(future)
-            else:
-                await until_disconnect(request, asyncio.wrap_future(future))
+            await self.wait(request, asyncio.wrap_future(future))
             self.checked.add(spec)
         except Exception as e:
             if _is_grammar_busy(e):
@@ -225,6 +266,8 @@ class Service:
         state = self.state
         if not self.healthy():
             raise self.unavailable()
+        if self.ending:
+            raise self.shutting_down()
         if state.pending + n > state.limit:
             frontends = max(1, self.config.frontends)
             split = (f" ({state.limit} in each of its {frontends} front-end processes)" if frontends > 1 else "")
@@ -239,7 +282,9 @@ class Service:
 
     def start(self, prompts, params_list, grammar, base_id, stream: bool) -> Generation:
         try:
-            return Generation(self.engine, prompts, params_list, grammar, base_id, stream)
+            gen = Generation(self.engine, prompts, params_list, grammar, base_id, stream)
+            self._generations.add(gen)
+            return gen
         except Exception as e:
             code = getattr(e, "code", None)
             if e.__class__.__name__ == "RequestError":
@@ -259,6 +304,8 @@ class Service:
         past this front-end's share) and 400 (naming `param`, the constraint's field) when it was
         refused; else 503 if the engine is gone, else 500."""
         kind = getattr(out, "error_kind", None)
+        if kind == SHUTTING_DOWN:
+            return self.shutting_down()
         if kind == ERROR_BUSY:
             return self.busy(out.error or "the grammar waited too long to compile; retry later")
         if kind in (ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX):
@@ -284,7 +331,7 @@ class Service:
         if grammar is None:
             return
         try:
-            out = await until_disconnect(request, gen.first())
+            out = await self.wait(request, gen.first())
         except BaseException:
             gen.abort()
             raise
@@ -333,18 +380,27 @@ async def collect(gen: Generation, request: Request, n: int):
     return ["".join(t) for t in texts_out], ids, lps, finals
 
 
-async def until_disconnect(request: Request, awaitable):
+class _Ended(Exception):
+    """`until_disconnect`'s `ended` came first."""
+
+
+async def until_disconnect(request: Request | None, awaitable, ended: asyncio.Future | None = None):
     """`await awaitable`, unless the client disconnects first: then it is cancelled (a compile
-    future's cancel reaches the compile queue, or the engine process) and ClientGone is raised."""
+    future's cancel reaches the compile queue, or the engine process) and ClientGone is raised;
+    or unless `ended` resolves first (the shutdown ends the requests: `_Ended`)."""
     task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watchers = [asyncio.ensure_future(_wait_disconnect(request))] if request is not None else []
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watchers, *([ended] if ended is not None else [])},
+                           return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
+            if ended is not None and ended.done():
+                raise _Ended()
             raise ClientGone()
         return task.result()
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         if not task.done():
             task.cancel()
 
