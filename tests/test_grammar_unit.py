@@ -371,3 +371,27 @@ def test_schema_checks_are_remembered_only_when_they_pass():
     misses = spec_mod._check_document.cache_info().misses
     GrammarSpec.json_schema(big)
     assert spec_mod._check_document.cache_info().misses == misses  # checked, not remembered
+
+
+@pytest.mark.parametrize("schema, keyword, path", [
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 3}}}, "maxLength",
+     "/properties/a"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "maximum", ""),
+    ({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, "maximum", ""),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "maxItems", ""),
+    ({"type": "object", "minProperties": 2, "maxProperties": 1}, "maxProperties", ""),
+    ({"allOf": [{"type": "string", "minLength": 5}, {"type": "string", "maxLength": 3}]}, "maxLength", "")])
+def test_bounds_that_contradict_each_other_name_themselves(schema, keyword, path):
+    """xgrammar refused them as "Invalid range" or an EBNF parser's "Lower bound is larger than
+    upper bound", naming neither the keyword nor where."""
+    with pytest.raises(GrammarError) as e:
+        prepare_schema(schema)
+    assert (e.value.keyword, e.value.path) == (keyword, path) and "no value satisfies both" in str(e.value)
+
+
+def test_a_type_whose_bounds_contradict_leaves_the_others():
+    """{"type": ["string", "null"], "minLength": 5, "maxLength": 3} accepts null: exact, not a 400."""
+    out = prepare_schema({"type": ["string", "null"], "minLength": 5, "maxLength": 3})
+    assert out == {"type": "null"}
+    out = prepare_schema({"type": ["integer", "string"], "minimum": 9, "maximum": 1, "maxLength": 4})
+    assert out["type"] == "string" and "minimum" not in out and "maximum" not in out

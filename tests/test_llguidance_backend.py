@@ -721,3 +721,13 @@ def test_a_first_mask_past_llguidances_limits_is_not_an_empty_language(tokenizer
         assert m.accept_tokens(text) == len(text) and m.can_terminate()
     finally:
         b.close()
+
+
+def test_a_refused_one_of_says_what_a_request_can_do(backend):
+    """llguidance's refusal told the user to "Enable 'coerce_one_of'", an option of its own no
+    request can set."""
+    overlapping = {"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                             {"type": "object", "properties": {"b": {"type": "string"}}}]}
+    with pytest.raises(GrammarError) as e:
+        backend.compile(GrammarSpec.json_schema(overlapping).with_backend("llguidance"), timeout_s=30)
+    assert "coerce_one_of" not in str(e.value) and "Use anyOf" in str(e.value) and e.value.keyword == "oneOf"

@@ -105,6 +105,10 @@ def error_text(error: str, limit: int = 500) -> str:
     return " ".join(kept)[:limit]
 
 
+# an llguidance option its refusal of a oneOf names, which a request cannot set: what it can do instead
+_COERCE_ONE_OF = "Enable 'coerce_one_of' option to approximate oneOf with anyOf"
+_ONE_OF_WAY_OUT = ("Use anyOf, or the xgrammar backend (grammar_backend), which takes a oneOf whose branches "
+                   "are provably disjoint")
 _SOURCE_LINE = re.compile(r"\d+ \|")  # "1 | start: /(ab/": llguidance quoting the grammar's line
 
 
@@ -168,6 +172,7 @@ class LLGuidanceCompiler:
         template = self.new_matcher(text)
         if template.is_error():
             message = error_text(template.get_error()) or "llguidance refused the grammar"
+            message = message.replace(_COERCE_ONE_OF, _ONE_OF_WAY_OUT)
             keyword = refusal_keyword(message) if spec.kind == "json_schema" else None
             raise GrammarError(f"{spec.kind} not supported by llguidance: {message}", keyword=keyword,
                                path="" if keyword else None)

@@ -366,6 +366,7 @@ class _Normalizer:
         # objects
         if tset & {"object"}:
             self._object(node, out, path)
+        _drop_empty_types(out, path)
         # enum / const
         if "enum" in node or "const" in node:
             return self._enum(node, out, path)
@@ -639,6 +640,7 @@ class _Normalizer:
         if "properties" in a or "properties" in b or "additionalProperties" in a \
                 or "additionalProperties" in b:
             self._merge_objects(a, b, out, path, kw)
+        _drop_empty_types(out, path)
         return out
 
     def _merge_tuples(self, a: dict, b: dict, path: str, kw: str) -> dict:
@@ -736,6 +738,49 @@ class _Normalizer:
                     if rx - set(y.get("properties", {})):
                         return True
         return False
+
+
+# bounds that leave a type no value when the lower passes the upper
+_SIZE_BOUNDS = (("string", "minLength", "maxLength"), ("array", "minItems", "maxItems"),
+                ("object", "minProperties", "maxProperties"))
+_NUMBER_BOUNDS = (("minimum", "maximum", False), ("exclusiveMinimum", "maximum", True),
+                  ("minimum", "exclusiveMaximum", True), ("exclusiveMinimum", "exclusiveMaximum", True))
+
+
+def _empty_types(s: dict) -> dict:
+    """The types whose bounds in `s` contradict each other -> (lower keyword, upper keyword)."""
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    empty = {}
+    for t, lo, hi in _SIZE_BOUNDS:
+        if num(s.get(lo)) and num(s.get(hi)) and s[lo] > s[hi]:
+            empty[t] = (lo, hi)
+    for lo, hi, strict in _NUMBER_BOUNDS:
+        if num(s.get(lo)) and num(s.get(hi)) and (s[lo] >= s[hi] if strict else s[lo] > s[hi]):
+            empty["number"] = empty["integer"] = (lo, hi)
+            break
+    return empty
+
+
+def _drop_empty_types(s: dict, path: str) -> None:
+    """A type whose bounds contradict each other (minLength 5, maxLength 3) has no value: it leaves
+    the schema's types (exact: the others are still valid), or, the only one, is a 400 naming the
+    bounds (xgrammar's own errors, "Invalid range", an EBNF parser's "Lower bound is larger than
+    upper bound", said neither where nor which)."""
+    types = s.get("type")
+    if types is None:
+        return
+    empty = _empty_types(s)
+    listed = [types] if isinstance(types, str) else types
+    left = [t for t in listed if t not in empty]
+    if len(left) == len(listed):
+        return
+    if not left:
+        lo, hi = empty[listed[0]]
+        raise GrammarError(f"'{lo}' {s[lo]} is past '{hi}' {s[hi]} {at(path)}: no value satisfies both", hi, path)
+    s["type"] = left[0] if len(left) == 1 else left
+    for t in set(listed) - set(left):
+        for k in empty[t]:
+            s.pop(k, None)
 
 
 def _keys_are_strings(names: Any) -> Any:
