@@ -14,7 +14,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -591,21 +590,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # flags' smallest values (those a subcommand has): a value below made a server that never admitted a
 # request, or failed late with a traceback
-_AT_LEAST = {"port": 0, "frontends": 1, "max_running_requests": 1, "max_queued_requests": 0, "max_prefill_tokens": 1,
-             "kv_cache_slots": 1, "max_pending_requests": 1, "default_max_tokens": 1, "max_tokens": 1,
-             "max_model_len": 1, "grammar_threads": 1, "grammar_mask_threads": 1, "grammar_paths_per_walk": 1,
-             "grammar_max_whitespace": 0, "speculative_num_draft_tokens": 1, "speculative_max_batch": 1,
-             "eagle_topk": 1, "eagle_depth": 1, "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1,
-             "ngram_min_match": 1, "ngram_capacity": 1, "temperature": 0.0, "top_p": 0.0,
-             "speculative_min_accept": 0.0,
+_ENGINE_CONFIG = _engine_config_class()  # the engine options' own ranges (`EngineConfig.problem`)
+_AT_LEAST = {**_ENGINE_CONFIG.AT_LEAST, "port": 0, "frontends": 1, "max_pending_requests": 1, "default_max_tokens": 1,
+             "max_tokens": 1, "temperature": 0.0, "top_p": 0.0,
              # train-eagle's: fewer than 2 answers (prompts), or sequences of a token, leave nothing to train on
              "prompts": 2, "json_share": 0.0, "gen_batch": 1, "gen_minutes": 0.0, "max_len": 2, "batch_tokens": 1,
              "max_steps": 0, "p_weight": 0.0, "noise": 0.0, "unroll": 1, "eval_prompts": 0, "draft_tokens": 2}
 _AT_LEAST_IN = {"train-eagle": {"max_tokens": 2}}  # a subcommand's own smallest values, over the above
 _AT_MOST = {"port": 65535, "top_p": 1.0, "temperature": 2.0, "json_share": 1.0}
-_POSITIVE = ("max_body_mb", "kv_cache_memory_gb", "grammar_mask_budget_ms", "grammar_compile_timeout_s",
-             "grammar_cache_mb", "train_minutes", "lr")
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?|auto")
+_POSITIVE = (*_ENGINE_CONFIG.POSITIVE, "max_body_mb", "grammar_mask_budget_ms", "train_minutes", "lr")
+_DEVICE = _ENGINE_CONFIG.DEVICE
 
 
 def check_args(args: argparse.Namespace) -> str | None:

@@ -1,7 +1,9 @@
 """Engine settings. CLI flags map one to one onto these fields."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass
@@ -58,6 +60,32 @@ class EngineConfig:
     ngram_min_match: int = 1
     ngram_capacity: int = 1 << 17  # shared trie nodes (eviction past this)
     seed: int = 0  # base for requests that do not give their own seed
+
+    # the options' smallest values (the CLI checks its flags against them too): below them an engine
+    # never admitted a request (max_running_requests 0: every generate waited forever) or failed late
+    AT_LEAST: ClassVar[dict] = {
+        "max_running_requests": 1, "max_queued_requests": 0, "max_prefill_tokens": 1, "kv_cache_slots": 1,
+        "max_model_len": 1, "grammar_threads": 1, "grammar_mask_threads": 1, "grammar_paths_per_walk": 1,
+        "grammar_max_whitespace": 0, "grammar_mask_budget_ms": 0.0, "speculative_num_draft_tokens": 1,
+        "speculative_max_batch": 1, "speculative_min_accept": 0.0, "eagle_topk": 1, "eagle_depth": 1,
+        "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1, "ngram_min_match": 1,
+        "ngram_capacity": 1}
+    POSITIVE: ClassVar[tuple] = ("kv_cache_memory_gb", "grammar_compile_timeout_s", "grammar_cache_mb")
+    DEVICE: ClassVar = re.compile(r"cpu|cuda(:\d+)?|auto")
+
+    def problem(self) -> str | None:
+        """What is out of range among the options (a sentence naming it), or None."""
+        for name, low in self.AT_LEAST.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                return f"{name} must be at least {low}; got {value}"
+        for name in self.POSITIVE:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                return f"{name} must be positive; got {value}"
+        if not isinstance(self.device, str) or not self.DEVICE.fullmatch(self.device):
+            return f"device must be cpu, cuda, cuda:N or auto; got {self.device!r}"
+        return None
 
     @property
     def max_held_requests(self) -> int:

@@ -97,6 +97,9 @@ class Engine:
             if not hasattr(config, k):
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(config, k, v)
+        problem = config.problem()
+        if problem is not None:
+            raise ValueError(f"engine option {problem}")
         self.config = config
         self.device = resolve_device(config.device)
         # On CPU the tensor work of start-up runs on a short-lived thread, so that this (the
