@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from constrained_spec.engine.detokenizer import IncrementalDetokenizer
+from constrained_spec.engine.detokenizer import IncrementalDetokenizer, first_stop
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +181,23 @@ def test_released_tokens_join_to_the_text(tokenizer, stop):
             assert joined == answer + "🙂" and len(reference(tokenizer, listed[:-1])) < len(answer)
         else:
             assert joined == answer, (stop, seed)
+
+
+def test_the_stop_string_that_ends_first_wins():
+    """`first_stop`: of several stop strings in one piece of text, the one that ends first (as text
+    fed a character at a time finds it), of two ending together the longer; the server's tool-call
+    envelopes scan their visible text with it too."""
+    assert first_stop("abcd", ["abcd", "bc"]) == (1, "bc")
+    assert first_stop("abcd", ["bc", "abc"]) == (0, "abc")
+    assert first_stop("abcd", ["x", "d"]) == (3, "d") and first_stop("abcd", ["x"]) is None
+    text, stops = "xx abcd ab", ["abcd", "bc", "d a"]
+    for size in range(1, 6):  # fed in pieces, the last len - 1 characters kept back: the same one
+        held, hit = "", None
+        for i in range(0, len(text), size):
+            pending = held + text[i:i + size]
+            hit = first_stop(pending, stops)
+            if hit is not None:
+                hit = (i - len(held) + hit[0], hit[1])
+                break
+            held = pending[-3:]
+        assert hit == (4, "bc"), size

@@ -115,6 +115,17 @@ def test_forced_function_call(openai_client):
     assert again.output_text
 
 
+def test_a_stop_string_in_the_envelope_leaves_the_call(http):
+    """QA 1129j D1: `required` with stop "name" (a key of the server's call envelope) answered one
+    empty message and no function_call; the stop strings meet only the arguments."""
+    r = http.post("/v1/responses", json={"model": MODEL_ID, "input": "What is the weather in Paris?",
+                                         "tools": [WEATHER], "tool_choice": "required", "stop": ["name"],
+                                         "max_output_tokens": 40, "temperature": 0}).json()
+    (call,) = r["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather", r
+    assert call["arguments"].startswith("{")
+
+
 def test_tools_beside_a_format_answer_under_it(openai_client):
     """Function tools and `text.format` together (the agent case): an answer, not a call, is JSON
     under the format, streamed alike. SmolLM2-135M always calls; `logit_bias` bans the envelope's

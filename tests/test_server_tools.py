@@ -104,6 +104,140 @@ def test_a_call_cut_short():
     assert grammar_complete("stop", None, None) and not grammar_complete("length", None, None)
 
 
+def _streamed(plan, text: str, size: int):
+    """`text` through the plan's stream in pieces of `size`, as a route feeds it: a choice whose
+    visible text reached a stop string ends there (`VisibleStops`: its last update, finish `stop`),
+    else it ends `stop` with its grammar complete. (its deltas, its finish reason)"""
+    stream = plan.stream()
+    deltas = []
+    for i in range(0, len(text), size):
+        deltas.append(stream.update(text[i:i + size]))
+        if stream.stopped is not None:
+            deltas.append(stream.update("", "stop", False))
+            return deltas, stream.finish_reason("stop", False)
+    deltas.append(stream.update("", "stop", True))
+    return deltas, stream.finish_reason("stop", True)
+
+
+def test_stop_strings_meet_what_the_client_sees_not_the_envelope():
+    """QA 1129j D1: a stop string that occurs in the envelope ('name', the function's name, a quote,
+    a brace, 'content') cut the answer before any call or text existed. Now they apply to a call's
+    arguments, a text answer's decoded string, an answer's JSON: the first one there cuts it (finish
+    `stop`), streamed in any pieces the same."""
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    answer = '{"content": "It is \\"sunny\\", ok\\nbye"}'  # decoded: It is "sunny", ok\nbye
+    cases = [  # (tool_choice, response_format, output, stop, the visible text, finish reason)
+        ("required", None, call, ["name", "arguments", "get_weather", "{\"name"], '{"city": "Oslo", "unit": "celsius"}',
+         "tool_calls"),
+        ("required", None, call, ["}}", "xyz"], '{"city": "Oslo", "unit": "celsius"}', "tool_calls"),
+        ("required", None, call, ["name", '"'], "{", "stop"),
+        ("required", None, call, ["{"], "", "stop"),
+        ("required", None, call, ["city", "Os"], '{"', "stop"),
+        ("required", None, call, ["}"], '{"city": "Oslo", "unit": "celsius"', "stop"),
+        ("required", None, call, ["celsius", '", "'], '{"city": "Oslo', "stop"),
+        ("auto", None, call, ["unit", '"unit": "c'], '{"city": "Oslo", "', "stop"),
+        ("auto", None, answer, ["content", "{", "\\"], 'It is "sunny", ok\nbye', "stop"),
+        ("auto", None, answer, ['"'], "It is ", "stop"),
+        ("auto", None, answer, ["\n", "ok"], 'It is "sunny", ', "stop"),
+        ("auto", None, answer, ["\nb"], 'It is "sunny", ok', "stop"),
+        ("auto", {"type": "json_object"}, '{"content": {"a": [1, 2]}}', ["content"], '{"a": [1, 2]}', "stop"),
+        ("auto", {"type": "json_object"}, '{"content": {"a": [1, 2]}}', [", "], '{"a": [1', "stop"),
+    ]
+    for choice, response_format, text, stop, visible, reason in cases:
+        extra = {"response_format": response_format} if response_format else {}
+        plan = tool_call_plan(_request(tools=TOOLS, tool_choice=choice, stop=stop, **extra))
+        assert plan.stop == tuple(stop)
+        message, got = plan.message(text, "stop", True)
+        calls = message.get("tool_calls")
+        shown = calls[0]["function"]["arguments"] if calls else message["content"]
+        assert (shown, got) == (visible, reason), (text, stop)
+        for size in range(1, 10):
+            deltas, streamed_reason = _streamed(plan, text, size)
+            if calls:
+                items = [it for d in deltas if d for it in d["tool_calls"]]
+                assert items[0]["function"]["name"] == "get_weather", (stop, size)
+                pieces = [it["function"]["arguments"] for it in items]
+            else:
+                pieces = [d["content"] for d in deltas if d]
+            assert ("".join(pieces), streamed_reason) == (visible, reason), (text, stop, size)
+    # a named call has no envelope: its output is the arguments, and the engine meets the stop strings
+    named = tool_call_plan(_request(tools=TOOLS, tool_choice=_named("get_weather"), stop=["name"]))
+    assert named.stop == ()
+
+
+def test_the_engine_gets_no_stop_strings_under_an_envelope():
+    from constrained_spec.sampling_params import SamplingParams
+    from constrained_spec.server.tools import engine_params
+    params = [SamplingParams(max_tokens=8, stop=["name", ","], seed=i) for i in range(2)]
+    required = tool_call_plan(_request(tools=TOOLS, tool_choice="required", stop=["name", ","]))
+    assert [p.stop for p in engine_params(required, params)] == [[], []]
+    assert [p.seed for p in engine_params(required, params)] == [0, 1]
+    named = tool_call_plan(_request(tools=TOOLS, tool_choice=_named("get_weather"), stop=["name", ","]))
+    assert engine_params(named, params) is params and engine_params(None, params) is params
+    plain = tool_call_plan(_request(tools=TOOLS, tool_choice="required"))
+    assert engine_params(plain, params) is params
+
+
+def test_a_choice_that_reaches_a_stop_string_ends_there():
+    """`VisibleStops`: choice 0's arguments reach the stop string in its second update: that update
+    is its last (finished `stop`, the tokens made so far), its engine request is aborted, and what
+    the engine sent after is dropped; choice 1 never meets one and runs to its end."""
+    import asyncio
+
+    from constrained_spec.engine.request import FinishReason, RequestOutput
+    from constrained_spec.server.tools import VisibleStops
+
+    class FakeGeneration:
+        def __init__(self, updates):
+            self.request_ids, self.done, self.updates, self.aborted = ["r-0", "r-1"], [False, False], updates, []
+            self.engine = self
+
+        def abort(self, rid=None):
+            self.aborted.append(rid)
+
+        async def batches(self):
+            for items in self.updates:
+                if all(self.done):
+                    return
+                for i, out in items:
+                    self.done[i] = self.done[i] or out.finished
+                yield items
+
+        async def __aiter__(self):
+            async for items in self.batches():
+                for item in items:
+                    yield item
+
+    def out(rid, text, n, finished=False):
+        return RequestOutput(rid, text, [n], finished, FinishReason.STOP if finished else None, None, 5, n, None,
+                             2 if finished else None)
+
+    updates = [[(0, out("r-0", '{"name": "get_weather", ', 1)), (1, out("r-1", '{"name": "get_time", ', 1))],
+               [(0, out("r-0", '"arguments": {"city": "Os', 2)), (1, out("r-1", '"arguments": {"tz": "UTC"}', 2))],
+               [(0, out("r-0", 'lo"}}', 3, True)), (1, out("r-1", "}", 3, True))]]
+    plan = tool_call_plan(_request(tools=TOOLS, tool_choice="required", stop=["Os"]))
+
+    async def run(method):
+        gen = FakeGeneration(updates)
+        view = VisibleStops(gen, plan, 2)
+        if method == "batches":
+            got = [item async for items in view.batches() for item in items]
+        else:
+            got = [item async for item in view]
+        return gen, got
+
+    for method in ("batches", "iter"):
+        gen, got = asyncio.run(run(method))
+        assert gen.aborted == ["r-0"]
+        ends = {i: o for i, o in got if o.finished}
+        assert [i for i, _ in got] == [0, 1, 0, 1, 1]
+        assert (ends[0].finish_reason, ends[0].matched_stop, ends[0].completion_tokens) == (FinishReason.STOP, "Os", 2)
+        assert ends[1].matched_stop == 2
+        text = "".join(o.new_text for i, o in got if i == 0)
+        message, reason = plan.message(text, "stop", grammar_complete("stop", ends[0].matched_stop, None))
+        assert reason == "stop" and message["tool_calls"][0]["function"]["arguments"] == '{"city": "'
+
+
 def test_auto_answers_in_text_or_calls():
     plan = tool_call_plan(_request(tools=TOOLS, tool_choice="auto"))
     message, reason = plan.message('{"name": "get_time", "arguments": {"timezone": "UTC"}}', "stop", True)
@@ -257,6 +391,29 @@ def test_a_stop_string_cuts_a_call(http):
     pieces = [c["function"].get("arguments", "") for e in events for ch in e["choices"]
               for c in ch["delta"].get("tool_calls") or ()]
     assert "".join(pieces) == arguments and events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_in_the_envelope_leaves_the_call(http):
+    """QA 1129j D1: under `required`, stop "name" (a key of the envelope) came back as an empty
+    `stop` answer with no call. It now meets only the arguments; a stop string inside them cuts the
+    call there (finish `stop`), streamed as unstreamed."""
+    body = chat_body(content="What is the weather in Paris?", tools=TOOLS, tool_choice="required", stop=["name"],
+                     max_tokens=40, temperature=0)
+    r = http.post("/v1/chat/completions", json=body).json()
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] in ("get_weather", "get_time") and call["function"]["arguments"].startswith("{")
+
+    def streamed(b):
+        with http.stream("POST", "/v1/chat/completions", json={**b, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        items = [c for e in events for ch in e["choices"] for c in ch["delta"].get("tool_calls") or ()]
+        return items, events[-1]["choices"][0]["finish_reason"]
+
+    items, reason = streamed(body)
+    assert items[0]["function"]["name"] == call["function"]["name"] and reason == r["choices"][0]["finish_reason"]
+    assert "".join(c["function"].get("arguments", "") for c in items) == call["function"]["arguments"]
+    items, reason = streamed({**body, "stop": ['"']})  # the arguments' first quote: the call ends there
+    assert reason == "stop" and "".join(c["function"].get("arguments", "") for c in items) == "{"
 
 
 @pytest.mark.slow

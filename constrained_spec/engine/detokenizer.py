@@ -35,6 +35,23 @@ def _single_decodes(tokenizer) -> dict:
         return {}
 
 
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string in `text` that ends first (of two that end together, the longer) and where it
+    starts, or None. Text fed in pieces, a stop string's length - 1 characters kept back each time
+    (`hold`), finds the same one where the pieces are cut."""
+    best = None
+    for s in stops:
+        at = text.find(s)
+        if at != -1 and (best is None or (at + len(s), at) < (best[0] + len(best[1]), best[0])):
+            best = (at, s)
+    return best
+
+
+def stop_hold(stops: list[str]) -> int:
+    """How many characters of text fed in pieces wait for the next piece: a stop string may begin there."""
+    return max((len(s) for s in stops), default=1) - 1
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
         self.tokenizer = tokenizer
@@ -48,7 +65,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(len(self.ids) - 1, 0)
         self.read_offset = len(self.ids)
         self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.hold = stop_hold(self.stop)
         self.emitted = 0  # characters of `text` handed to the caller
         self._pending = ""  # decoded text not handed out yet (the end of `text`)
         self._stopped = False  # a stop string was found: nothing after it is text
@@ -93,9 +110,10 @@ class IncrementalDetokenizer:
             self.read_offset = len(ids)
         # A stop string that completes now lies in the pending text: `take` keeps back the last
         # `hold` characters (a stop string's length - 1), so none of one can have been handed out.
-        for s in self.stop:
-            at = self._pending.find(s)
-            if at != -1:
+        if self.stop:
+            hit = first_stop(self._pending, self.stop)
+            if hit is not None:
+                at, s = hit
                 self._cut = self._chars - len(self._pending) + at
                 self._pending = self._pending[:at]
                 self._stopped = True

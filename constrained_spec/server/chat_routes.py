@@ -13,7 +13,7 @@ from .constraints import constraint_param
 from .protocol import ChatCompletionRequest, new_id
 from .service import ClientGone, Service, answer_message, collect, now, once, usage
 from .tokens import logprob_chunk
-from .tools import ToolCallPlan, grammar_complete
+from .tools import ToolCallPlan, engine_params, grammar_complete, watch_stops
 
 
 def add_chat_routes(app: FastAPI, service: Service) -> None:
@@ -27,16 +27,21 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
         admitted = True
         try:
             cid = new_id("chatcmpl")
-            gen = service.start([run.prompt] * req.n, run.params_list, run.grammar, cid, req.stream)
+            # an envelope's stop strings are matched here, in its visible text (`VisibleStops`), as the
+            # engine's updates come: each step's, also for a whole answer
+            watched = run.plan is not None and bool(run.plan.stop)
+            gen = service.start([run.prompt] * req.n, engine_params(run.plan, run.params_list), run.grammar, cid,
+                                req.stream or watched)
             model = served
             param = constraint_param(req)  # the field an error of the request's grammar names
             if req.stream:
                 await service.open_stream(gen, request, run.grammar, param)
                 admitted = False  # the stream releases it
-                return SSEResponse(chat_stream(gen, req, cid, model, len(run.prompt), run.top_n, run.plan, param),
+                return SSEResponse(chat_stream(watch_stops(gen, run.plan, req.n), req, cid, model, len(run.prompt),
+                                               run.top_n, run.plan, param),
                                    cleanup=once(lambda: (gen.abort(), service.release(req.n))))
             try:
-                outs, _ids, lps, finals = await collect(gen, request, req.n)
+                outs, _ids, lps, finals = await collect(watch_stops(gen, run.plan, req.n), request, req.n)
             except ClientGone:
                 return Response(status_code=499)
             service.raise_engine_errors(finals, param)

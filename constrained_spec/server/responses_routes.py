@@ -17,7 +17,7 @@ from .json_io import json_response, read_json
 from .protocol import ChatCompletionRequest, new_id
 from .service import ChatRun, ClientGone, Service, answer_message, collect, once, usage
 from .tokens import logprob_chunk
-from .tools import grammar_complete
+from .tools import engine_params, grammar_complete, watch_stops
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         admitted = True
         try:
             rid = new_id("resp", "_")
-            gen = service.start([run.prompt], run.params_list, run.grammar, rid, rreq.stream)
+            watched = run.plan is not None and bool(run.plan.stop)  # (as the chat route's)
+            gen = service.start([run.prompt], engine_params(run.plan, run.params_list), run.grammar, rid,
+                                rreq.stream or watched)
             created = responses.now()
             param = constraint_param(req)  # the field an error of its grammar names (the chat request's)
             if rreq.stream:
@@ -52,10 +54,11 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                     e.param = responses.param_name(e.param)
                     raise
                 admitted = False  # the stream releases it
-                return SSEResponse(response_stream(gen, rreq, req, rid, created, run, history, param),
+                return SSEResponse(response_stream(watch_stops(gen, run.plan, 1), rreq, req, rid, created, run,
+                                                   history, param),
                                    cleanup=once(lambda: (gen.abort(), service.release(1))))
             try:
-                outs, _ids, lps, finals = await collect(gen, request, 1)
+                outs, _ids, lps, finals = await collect(watch_stops(gen, run.plan, 1), request, 1)
             except ClientGone:
                 return Response(status_code=499)
             try:

@@ -13,11 +13,19 @@ schema of the called function's parameters, so their arguments always parse and 
 
 The envelopes are this server's own format, the same for every model: a grammar decides the output,
 and a model's native call format (special tokens, tags) is nothing a JSON schema describes. One call
-per choice. The model sees the tools through its chat template where the template takes them
+per choice.
+
+The request's `stop` strings apply to what the client sees, never to an envelope: a call's arguments
+text, a text answer's decoded string (under response_format: its JSON text). So the engine does not
+get them (`engine_params`); the plan's message and stream cut the visible text at the first one
+(finish `stop`), and `VisibleStops` ends a choice whose visible text reached one (its engine request
+aborted). A named call has no envelope: its output, the arguments, meets the stop strings in the
+engine as any output does. The model sees the tools through its chat template where the template takes them
 (`tools=`), otherwise as a block appended to the system prompt, and the format in the system prompt.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from dataclasses import dataclass
@@ -25,6 +33,8 @@ from typing import Any
 
 import orjson
 
+from ..engine.detokenizer import first_stop, stop_hold
+from ..engine.request import FinishReason
 from .errors import bad_request
 
 # an arguments object with no parameters declared: `{}` (OpenAI: "omitting parameters defines a
@@ -55,6 +65,7 @@ class ToolCallPlan:
     strict: bool
     allow_text: bool = False
     answer_schema: dict | None = None
+    stop: tuple = ()  # the request's stop strings, matched against the visible text (envelopes only)
 
     @property
     def schema(self) -> dict:
@@ -121,8 +132,9 @@ class ToolCallPlan:
         head = _CALL_HEAD.match(text)
         if head is not None:
             rest = text[head.end():].lstrip()
-            arguments = _strip_wrapper(rest) if complete else rest
-            return _call_message(_unescape(head.group(1)), arguments), call_finish_reason(finish_reason, complete)
+            arguments, stopped = self._cut(_strip_wrapper(rest) if complete else rest)
+            return (_call_message(_unescape(head.group(1)), arguments),
+                    "stop" if stopped else call_finish_reason(finish_reason, complete))
         content = ""
         if self.allow_text and self.answer_schema is not None:
             head = _ANSWER_HEAD.match(text)
@@ -131,7 +143,13 @@ class ToolCallPlan:
                 content = _strip_wrapper(rest) if complete else rest
         elif self.allow_text and _TEXT_HEAD.match(text):
             content = TextAnswer().feed(text).decoded  # the string as far as it got (all of it, finished)
-        return {"role": "assistant", "content": content, "refusal": None}, finish_reason
+        content, stopped = self._cut(content)
+        return {"role": "assistant", "content": content, "refusal": None}, "stop" if stopped else finish_reason
+
+    def _cut(self, visible: str) -> tuple[str, bool]:
+        """The visible text up to the request's first stop string, and whether one was there."""
+        hit = first_stop(visible, self.stop) if self.stop else None
+        return (visible, False) if hit is None else (visible[:hit[0]], True)
 
     def stream(self) -> "ToolCallStream":
         return ToolCallStream(self)
@@ -180,11 +198,16 @@ class ToolCallStream:
         self.text: TextAnswer | None = None  # set once the output is a text answer
         self.answer = False  # set once the output is an answer under response_format (JSON, streamed raw)
         self._pending = ""  # text not yet sent
-        self._started = False
+        self._started = False  # the envelope's inner value has begun
+        self._header_sent = False  # a call's first delta (id, type, name) went out
+        self._stops = _StopScan(plan.stop) if plan.stop else None
+        self.stopped: str | None = None  # the stop string the visible text reached (nothing is sent after it)
 
     def update(self, text: str, finish_reason: str | None = None, complete: bool = False) -> dict | None:
         """The delta for the choice's new output text (None: nothing to send yet); `finish_reason`
         (the engine's) and `complete` (`grammar_complete`) with its last text."""
+        if self.stopped is not None:
+            return None
         self._pending += text
         if self.name is None and self.text is None and not self.answer:
             head = _CALL_HEAD.match(self._pending)
@@ -201,14 +224,25 @@ class ToolCallStream:
                 return None
         if self.text is not None:
             pending, self._pending = self._pending, ""
-            piece = self.text.feed(pending).take()
+            piece = self._visible(self.text.feed(pending).take(), finish_reason)
             return {"content": piece} if piece else None
         if self.answer:
-            piece = self._unwrapped(finish_reason, complete)
+            piece = self._visible(self._unwrapped(finish_reason, complete), finish_reason)
             return {"content": piece} if piece else None
         return self._call_delta(finish_reason, complete)
 
+    def _visible(self, piece: str, finish_reason: str | None) -> str:
+        """Of the visible text's next piece, what goes out now: under stop strings, up to the first
+        one (then `stopped`), the end that may begin one kept for the next piece."""
+        if self._stops is None:
+            return piece
+        piece = self._stops.feed(piece, finish_reason is not None)
+        self.stopped = self._stops.matched
+        return piece
+
     def finish_reason(self, finish_reason: str, complete: bool) -> str:
+        if self.stopped is not None:
+            return "stop"
         if self.text is not None or self.answer:
             return finish_reason
         return call_finish_reason(finish_reason, complete)
@@ -232,15 +266,97 @@ class ToolCallStream:
         return out
 
     def _call_delta(self, finish_reason: str | None, complete: bool) -> dict | None:
-        started = self._started
-        out = self._unwrapped(finish_reason, complete)
-        if not started:
-            if not out and finish_reason is None:  # the header goes with the first piece of arguments
-                return None
-            self._started = True
+        out = self._visible(self._unwrapped(finish_reason, complete), finish_reason)
+        if not self._header_sent:
+            if not out and finish_reason is None and self.stopped is None:  # the header goes with the
+                return None                                                 # first piece of arguments
+            self._header_sent = True
             return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
                                     "function": {"name": self.name, "arguments": out}}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": out}}]} if out else None
+
+
+class _StopScan:
+    """Visible text in pieces, let through up to the first stop string (`first_stop`, as the
+    detokenizer finds one): the last `stop_hold` characters wait for the next piece, or the end."""
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.hold = stop_hold(self.stops)
+        self.matched: str | None = None
+        self._held = ""
+
+    def feed(self, piece: str, final: bool) -> str:
+        if self.matched is not None:
+            return ""
+        text = self._held + piece
+        hit = first_stop(text, self.stops)
+        if hit is not None:
+            self._held, self.matched = "", hit[1]
+            return text[:hit[0]]
+        cut = len(text) if final else max(0, len(text) - self.hold)
+        self._held = text[cut:]
+        return text[:cut]
+
+
+class VisibleStops:
+    """A `Generation` of an envelope plan with stop strings (the engine has none: `engine_params`),
+    as a route iterates it: a choice whose visible text (its `ToolCallStream`'s) reaches a stop
+    string ends at that update, its engine request aborted; the update comes as the choice's last
+    (finished, `stop`, `matched_stop` the string, the tokens made so far), and what the engine sent
+    for it after is dropped. The route's message or stream cuts the text at the same place."""
+
+    def __init__(self, gen, plan: ToolCallPlan, n: int):
+        self.gen = gen
+        self._seen = [plan.stream() for _ in range(n)]
+        self._ended = [False] * n
+
+    async def first(self):
+        return await self.gen.first()
+
+    def abort(self) -> None:
+        self.gen.abort()
+
+    async def __aiter__(self):
+        async for i, out in self.gen:
+            out = self._see(i, out)
+            if out is not None:
+                yield i, out
+
+    async def batches(self):
+        async for items in self.gen.batches():
+            seen = [(i, out) for i, out in ((i, self._see(i, out)) for i, out in items) if out is not None]
+            if seen:
+                yield seen
+
+    def _see(self, i: int, out):
+        if self._ended[i]:
+            return None
+        if out.finished:  # (the route's message or stream cuts a stop string in its text)
+            self._ended[i] = True
+            return out
+        seen = self._seen[i]
+        seen.update(out.new_text)
+        if seen.stopped is None:
+            return out
+        self._ended[i] = True
+        gen = self.gen
+        gen.done[i] = True  # its end is this update: the engine's own end for it does not come
+        gen.engine.abort(gen.request_ids[i])
+        return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP, matched_stop=seen.stopped)
+
+
+def engine_params(plan: ToolCallPlan | None, params_list: list) -> list:
+    """The sampling parameters the engine gets: without the request's stop strings where the plan
+    matches them against the visible text (an envelope's)."""
+    if plan is None or not plan.stop:
+        return params_list
+    return [dataclasses.replace(p, stop=[]) for p in params_list]
+
+
+def watch_stops(gen, plan: ToolCallPlan | None, n: int):
+    """`gen` as the route iterates it: through `VisibleStops` where the plan matches stop strings."""
+    return VisibleStops(gen, plan, n) if plan is not None and plan.stop else gen
 
 
 class TextAnswer:
@@ -370,9 +486,11 @@ def tool_call_plan(req) -> ToolCallPlan | None:
             raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools "
                               f"({', '.join(names)})", param="tool_choice")
         strict_of = [f for f in functions if f.name == forced]
-    # strict as response_format's json_schema: closed objects unless a function says strict false
+    # strict as response_format's json_schema: closed objects unless a function says strict false;
+    # stop strings: an envelope's visible text meets them here (a named call's output, in the engine)
+    stop = tuple(s for s in req.stop_list() if s) if forced is None else ()
     return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of), allow_text=allow_text,
-                        answer_schema=response_format_schema(req) if allow_text else None)
+                        answer_schema=response_format_schema(req) if allow_text else None, stop=stop)
 
 
 def response_format_schema(req) -> dict | None:
