@@ -297,7 +297,7 @@ class MaskFiller:
         per_request = threads // max(1, len(matchers))
         walkers, steps = [], WalkSteps()
         for m, node_paths, node_rows in zip(matchers, paths, rows):
-            node_rows = self._rows_past_stops(node_paths, node_rows, bitmask)
+            node_paths, node_rows = self._cut_at_stops(node_paths, node_rows, bitmask)
             parts = min(per_request, len(node_paths) // self.paths_per_walk)
             if m.backend == LLGUIDANCE or (parts < 2 and per_request < 2):
                 # on this thread: with no threads to spare the pool's only gain is the Python around
@@ -312,17 +312,29 @@ class MaskFiller:
         if walkers:
             self._native.walk_call(walkers, steps.walks(), bitmask, self._native.helpers_for(len(walkers), 1))()
 
-    def _rows_past_stops(self, paths, rows, bitmask: torch.Tensor) -> Sequence[int]:
-        """`rows`, but -1 (no fill: a matcher that took a stop token has ended) for paths that end on
-        a stop token, whose rows are zeroed here."""
+    def _cut_at_stops(self, paths, rows, bitmask: torch.Tensor) -> tuple[Sequence, Sequence[int]]:
+        """A matcher that took a stop token has ended: a path ending on one fills no row (-1), and
+        the paths that go on past one (a draft tree's nodes under a stop token) are not walked at
+        all (xgrammar warned of each token a terminated matcher was asked to accept); their rows
+        are zeroed here. A tree holds each node's own path, so those are the paths that start with
+        one ending on a stop."""
         ends = [j for j, p in enumerate(paths) if len(p) and p[-1] in self.stop_ids]
         if not ends:
-            return rows
-        rows = list(rows)
-        for j in ends:
-            bitmask[rows[j]] = 0
-            rows[j] = -1
-        return rows
+            return paths, rows
+        stems = {tuple(paths[j]) for j in ends}
+        lengths = {len(stem) for stem in stems}
+        kept_paths, kept_rows = [], []
+        for path, row in zip(paths, rows):
+            past = len(path) > min(lengths) and any(tuple(path[:n]) in stems for n in lengths if n < len(path))
+            if past or (len(path) and path[-1] in self.stop_ids):
+                if row >= 0:
+                    bitmask[row] = 0
+                if past:
+                    continue
+                row = -1
+            kept_paths.append(path)
+            kept_rows.append(row)
+        return kept_paths, kept_rows
 
     # -- without a budget -------------------------------------------------------------------------
     def _fill_now(self, reqs: Sequence, bitmask: torch.Tensor) -> None:
