@@ -59,16 +59,40 @@ def test_busy_one_front_end():
     assert service.state.pending == 2
 
 
-@pytest.mark.parametrize("cls, body, param", [
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
-     "functions"),
-    (CompletionRequest, {"prompt": "hi", "best_of": 3}, "best_of"),
-    (CompletionRequest, {"prompt": "hi", "best_of": 3, "n": 2}, "best_of"),
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("cls, body, param, code", [
+    (ChatCompletionRequest, {"messages": HI, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    (CompletionRequest, {"prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter"),
+    (CompletionRequest, {"prompt": "hi", "best_of": 3, "n": 2}, "best_of", "unsupported_parameter"),
+    (CompletionRequest, {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+    # answered in text alone, they got no error and no audio
+    (ChatCompletionRequest, {"messages": HI, "modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+    (ChatCompletionRequest, {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio",
+     "unsupported_parameter"),
+    # matched nothing, silently (OpenAI refuses it)
+    (ChatCompletionRequest, {"messages": HI, "stop": ["\n", ""]}, "stop", "invalid_value"),
+    (CompletionRequest, {"prompt": "hi", "stop": ""}, "stop", "invalid_value"),
 ])
-def test_refused_fields_are_named(cls, body, param):
+def test_refused_fields_are_named(cls, body, param, code):
     with pytest.raises(APIError) as e:
         parse(cls, body)
-    assert e.value.status == 400 and e.value.param == param, e.value.body()
+    assert e.value.status == 400 and (e.value.param, e.value.code) == (param, code), e.value.body()
+
+
+def test_text_is_a_modality_taken():
+    assert parse(ChatCompletionRequest, {"messages": HI, "modalities": ["text"]}).modalities == ["text"]
+
+
+@pytest.mark.parametrize("field, value", [("background", True), ("conversation", "conv_1"),
+                                          ("conversation", {"id": "conv_1"})])
+def test_responses_fields_that_would_change_the_answer_are_refused(field, value):
+    """Ignored, a background request ran in the foreground and a conversation's state was dropped."""
+    with pytest.raises(APIError) as e:
+        responses.parse({"model": "m", "input": "hi", field: value})
+    assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported_parameter"), e.value.body()
+    assert responses.parse({"model": "m", "input": "hi", "background": False}).input == "hi"
 
 
 def test_best_of_up_to_n_is_taken():

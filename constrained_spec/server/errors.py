@@ -66,7 +66,8 @@ def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> A
         text = f"invalid value for '{param}': {msg}"
     else:
         text = msg
-    code = {"missing": "missing_field", "invalid_schema": "invalid_schema"}.get(kind, "invalid_value")
+    code = {"missing": "missing_field", "invalid_schema": "invalid_schema",
+            "unsupported_parameter": "unsupported_parameter"}.get(kind, "invalid_value")
     return bad_request(text, param=param, code=code)
 
 

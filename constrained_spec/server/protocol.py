@@ -102,6 +102,7 @@ class ChatMessage(_Lenient):
         return _text_of(self.content)
 
 
+UNSUPPORTED = "unsupported_parameter"  # the error code (and pydantic error type) of a part of OpenAI's API not run
 INVALID_SCHEMA = "invalid_schema"  # the error code (and pydantic error type) of a schema refused
 
 
@@ -223,6 +224,8 @@ class _GenerationRequest(_Lenient):
     def _stop_list(cls, v: Any) -> Any:
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop strings")
+        if v == "" or (isinstance(v, list) and "" in v):  # (it would match nothing, silently)
+            raise ValueError("a stop string must not be empty")
         return v
 
     def stop_list(self) -> list[str]:
@@ -252,12 +255,23 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None  # one call per choice either way
     functions: list[Any] | None = None  # the deprecated form of tools
+    modalities: list[str] | None = None  # text only
+    audio: dict[str, Any] | None = None  # (audio output)
 
     @field_validator("functions")
     @classmethod
     def _no_functions(cls, v: Any) -> Any:
         if v:  # (a field validator, so that the 400 names the field)
-            raise ValueError("functions (deprecated by OpenAI) is not supported; use tools and tool_choice")
+            raise PydanticCustomError(UNSUPPORTED, "functions (deprecated by OpenAI) is not supported; use tools "
+                                                   "and tool_choice")
+        return v
+
+    @field_validator("modalities", "audio")
+    @classmethod
+    def _text_only(cls, v: Any, info) -> Any:
+        # answered in text alone, a request for audio would get no error and no audio
+        if (info.field_name == "audio" and v is not None) or (v and any(m != "text" for m in v)):
+            raise PydanticCustomError(UNSUPPORTED, "this model answers in text only")
         return v
 
     @field_validator("top_logprobs")
@@ -293,14 +307,15 @@ class CompletionRequest(_GenerationRequest):
     @classmethod
     def _unsupported(cls, v: Any, info) -> Any:
         if v:  # (field validators, so that the 400 names the field)
-            raise ValueError(f"{info.field_name} is not supported")
+            raise PydanticCustomError(UNSUPPORTED, "{field} is not supported", {"field": info.field_name})
         return v
 
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, v: Any, info) -> Any:
         if v is not None and v > info.data.get("n", 1):  # (`n` is declared before it, in the base class)
-            raise ValueError("best_of is not supported (n completions are sampled and all returned)")
+            raise PydanticCustomError(UNSUPPORTED, "best_of is not supported (n completions are sampled and all "
+                                                   "returned)")
         return v
 
     def prompts(self) -> list[str | list[int]]:

@@ -71,6 +71,13 @@ def parse(data: dict) -> ResponsesRequest:
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise bad_request("reasoning options are not supported by this model", param="reasoning",
                           code="unsupported_parameter")
+    # each changes what the answer is; ignored, the client would get another answer than it asked for
+    if data.get("background"):
+        raise bad_request("background responses are not supported: the answer comes in this request "
+                          "(stream it for progress)", param="background", code="unsupported_parameter")
+    if data.get("conversation") is not None:
+        raise bad_request("conversations are not supported; continue a response with previous_response_id",
+                          param="conversation", code="unsupported_parameter")
     return req
 
 
