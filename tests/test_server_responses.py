@@ -55,6 +55,12 @@ def test_text_response(openai_client, http):
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == r.status
     assert 'constrained_spec_http_requests_total{endpoint="/v1/responses",status="200"}' in http.get("/metrics").text
+    # one label per route, not "other" (nor one per id)
+    assert http.get(f"/v1/responses/{r.id}").status_code == 200
+    assert http.get(f"/v1/responses/{r.id}/input_items").status_code == 200
+    metrics = http.get("/metrics").text
+    for route in ("/v1/responses/{id}", "/v1/responses/{id}/input_items"):
+        assert f'constrained_spec_http_requests_total{{endpoint="{route}",status="200"}}' in metrics, route
 
 
 def test_json_schema_response_validates(openai_client):

@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import hmac
+import re
 
 from .errors import APIError, bad_request
 from .metrics import ServerMetrics
 
 _KNOWN = {"/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/models", "/health", "/metrics"}
+# routes with an id in their path, labelled by their template (one label each, not one per id)
+_TEMPLATES = tuple((re.compile(pattern), template) for pattern, template in (
+    (r"/v1/models/.+", "/v1/models/{id}"), (r"/v1/responses/[^/]+", "/v1/responses/{id}"),
+    (r"/v1/responses/[^/]+/input_items", "/v1/responses/{id}/input_items")))
+
+
+def _template(path: str) -> str:
+    return next((template for pattern, template in _TEMPLATES if pattern.fullmatch(path)), "other")
 
 
 class Gate:
@@ -23,7 +32,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in _KNOWN else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        endpoint = path if path in _KNOWN else _template(path)
         status_box = [500]
 
         async def send_wrapper(message):
