@@ -167,7 +167,7 @@ def test_stop_strings_meet_what_the_client_sees_not_the_envelope():
 
 def test_the_engine_gets_no_stop_strings_under_an_envelope():
     from constrained_spec.sampling_params import SamplingParams
-    from constrained_spec.server.tools import engine_params
+    from constrained_spec.server.tool_stops import engine_params
     params = [SamplingParams(max_tokens=8, stop=["name", ","], seed=i) for i in range(2)]
     required = tool_call_plan(_request(tools=TOOLS, tool_choice="required", stop=["name", ","]))
     assert [p.stop for p in engine_params(required, params)] == [[], []]
@@ -185,7 +185,7 @@ def test_a_choice_that_reaches_a_stop_string_ends_there():
     import asyncio
 
     from constrained_spec.engine.request import FinishReason, RequestOutput
-    from constrained_spec.server.tools import VisibleStops
+    from constrained_spec.server.tool_stops import VisibleStops
 
     class FakeGeneration:
         def __init__(self, updates):

@@ -52,6 +52,30 @@ def stop_hold(stops: list[str]) -> int:
     return max((len(s) for s in stops), default=1) - 1
 
 
+class StopScan:
+    """Text in pieces, let through up to the first stop string (`first_stop`, as the detokenizer
+    finds one): the last `stop_hold` characters wait for the next piece, or the end (a tool call's
+    visible text: server/tools.py)."""
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.hold = stop_hold(self.stops)
+        self.matched: str | None = None
+        self._held = ""
+
+    def feed(self, piece: str, final: bool) -> str:
+        if self.matched is not None:
+            return ""
+        text = self._held + piece
+        hit = first_stop(text, self.stops)
+        if hit is not None:
+            self._held, self.matched = "", hit[1]
+            return text[:hit[0]]
+        cut = len(text) if final else max(0, len(text) - self.hold)
+        self._held = text[cut:]
+        return text[:cut]
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
         self.tokenizer = tokenizer

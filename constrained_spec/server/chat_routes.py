@@ -13,7 +13,8 @@ from .constraints import constraint_param
 from .protocol import ChatCompletionRequest, new_id
 from .service import ClientGone, Service, answer_message, collect, now, once, usage
 from .tokens import logprob_chunk
-from .tools import ToolCallPlan, engine_params, grammar_complete, watch_stops
+from .tool_stops import engine_params, watch_stops
+from .tools import ToolCallPlan, grammar_complete
 
 
 def add_chat_routes(app: FastAPI, service: Service) -> None:

@@ -17,7 +17,8 @@ from .json_io import json_response, read_json
 from .protocol import ChatCompletionRequest, new_id
 from .service import ChatRun, ClientGone, Service, answer_message, collect, once, usage
 from .tokens import logprob_chunk
-from .tools import engine_params, grammar_complete, watch_stops
+from .tool_stops import engine_params, watch_stops
+from .tools import grammar_complete
 
 log = logging.getLogger(__name__)
 

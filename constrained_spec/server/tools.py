@@ -18,14 +18,13 @@ per choice.
 The request's `stop` strings apply to what the client sees, never to an envelope: a call's arguments
 text, a text answer's decoded string (under response_format: its JSON text). So the engine does not
 get them (`engine_params`); the plan's message and stream cut the visible text at the first one
-(finish `stop`), and `VisibleStops` ends a choice whose visible text reached one (its engine request
+(finish `stop`), and `tool_stops.VisibleStops` ends a choice whose visible text reached one (its engine request
 aborted). A named call has no envelope: its output, the arguments, meets the stop strings in the
 engine as any output does. The model sees the tools through its chat template where the template takes them
 (`tools=`), otherwise as a block appended to the system prompt, and the format in the system prompt.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import uuid
 from dataclasses import dataclass
@@ -33,8 +32,7 @@ from typing import Any
 
 import orjson
 
-from ..engine.detokenizer import first_stop, stop_hold
-from ..engine.request import FinishReason
+from ..engine.detokenizer import StopScan, first_stop
 from .errors import bad_request
 
 # an arguments object with no parameters declared: `{}` (OpenAI: "omitting parameters defines a
@@ -200,7 +198,7 @@ class ToolCallStream:
         self._pending = ""  # text not yet sent
         self._started = False  # the envelope's inner value has begun
         self._header_sent = False  # a call's first delta (id, type, name) went out
-        self._stops = _StopScan(plan.stop) if plan.stop else None
+        self._stops = StopScan(plan.stop) if plan.stop else None
         self.stopped: str | None = None  # the stop string the visible text reached (nothing is sent after it)
 
     def update(self, text: str, finish_reason: str | None = None, complete: bool = False) -> dict | None:
@@ -274,89 +272,6 @@ class ToolCallStream:
             return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
                                     "function": {"name": self.name, "arguments": out}}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": out}}]} if out else None
-
-
-class _StopScan:
-    """Visible text in pieces, let through up to the first stop string (`first_stop`, as the
-    detokenizer finds one): the last `stop_hold` characters wait for the next piece, or the end."""
-
-    def __init__(self, stops):
-        self.stops = list(stops)
-        self.hold = stop_hold(self.stops)
-        self.matched: str | None = None
-        self._held = ""
-
-    def feed(self, piece: str, final: bool) -> str:
-        if self.matched is not None:
-            return ""
-        text = self._held + piece
-        hit = first_stop(text, self.stops)
-        if hit is not None:
-            self._held, self.matched = "", hit[1]
-            return text[:hit[0]]
-        cut = len(text) if final else max(0, len(text) - self.hold)
-        self._held = text[cut:]
-        return text[:cut]
-
-
-class VisibleStops:
-    """A `Generation` of an envelope plan with stop strings (the engine has none: `engine_params`),
-    as a route iterates it: a choice whose visible text (its `ToolCallStream`'s) reaches a stop
-    string ends at that update, its engine request aborted; the update comes as the choice's last
-    (finished, `stop`, `matched_stop` the string, the tokens made so far), and what the engine sent
-    for it after is dropped. The route's message or stream cuts the text at the same place."""
-
-    def __init__(self, gen, plan: ToolCallPlan, n: int):
-        self.gen = gen
-        self._seen = [plan.stream() for _ in range(n)]
-        self._ended = [False] * n
-
-    async def first(self):
-        return await self.gen.first()
-
-    def abort(self) -> None:
-        self.gen.abort()
-
-    async def __aiter__(self):
-        async for i, out in self.gen:
-            out = self._see(i, out)
-            if out is not None:
-                yield i, out
-
-    async def batches(self):
-        async for items in self.gen.batches():
-            seen = [(i, out) for i, out in ((i, self._see(i, out)) for i, out in items) if out is not None]
-            if seen:
-                yield seen
-
-    def _see(self, i: int, out):
-        if self._ended[i]:
-            return None
-        if out.finished:  # (the route's message or stream cuts a stop string in its text)
-            self._ended[i] = True
-            return out
-        seen = self._seen[i]
-        seen.update(out.new_text)
-        if seen.stopped is None:
-            return out
-        self._ended[i] = True
-        gen = self.gen
-        gen.done[i] = True  # its end is this update: the engine's own end for it does not come
-        gen.engine.abort(gen.request_ids[i])
-        return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP, matched_stop=seen.stopped)
-
-
-def engine_params(plan: ToolCallPlan | None, params_list: list) -> list:
-    """The sampling parameters the engine gets: without the request's stop strings where the plan
-    matches them against the visible text (an envelope's)."""
-    if plan is None or not plan.stop:
-        return params_list
-    return [dataclasses.replace(p, stop=[]) for p in params_list]
-
-
-def watch_stops(gen, plan: ToolCallPlan | None, n: int):
-    """`gen` as the route iterates it: through `VisibleStops` where the plan matches stop strings."""
-    return VisibleStops(gen, plan, n) if plan is not None and plan.stop else gen
 
 
 class TextAnswer:
