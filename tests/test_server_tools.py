@@ -93,7 +93,7 @@ def test_a_call_cut_short():
     assert reason == "length" and message["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                          "arguments": '{"city": "Os'}
     message, reason = plan.message('{"name": "get_wea', "length", False)  # no name yet: no call, no text
-    assert reason == "length" and message["content"] == "" and "tool_calls" not in message
+    assert reason == "length" and message["content"] is None and "tool_calls" not in message
     stream = plan.stream()
     assert stream.update('{"name": "get_wea') is None and stream.update("", "length") is None
     # cut by the request's own stop string: `stop`, not `tool_calls`, and the arguments as they are

@@ -133,13 +133,15 @@ class ToolCallPlan:
             arguments, stopped = self._cut(_strip_wrapper(rest) if complete else rest)
             return (_call_message(_unescape(head.group(1)), arguments),
                     "stop" if stopped else call_finish_reason(finish_reason, complete))
+        if not self.allow_text:  # cut before its call was named: no call, and no text is ever an answer here
+            return {"role": "assistant", "content": None, "refusal": None}, finish_reason
         content = ""
-        if self.allow_text and self.answer_schema is not None:
+        if self.answer_schema is not None:
             head = _ANSWER_HEAD.match(text)
             if head is not None:  # the JSON as far as it got (all of it, finished)
                 rest = text[head.end():].lstrip()
                 content = _strip_wrapper(rest) if complete else rest
-        elif self.allow_text and _TEXT_HEAD.match(text):
+        elif _TEXT_HEAD.match(text):
             content = TextAnswer().feed(text).decoded  # the string as far as it got (all of it, finished)
         content, stopped = self._cut(content)
         return {"role": "assistant", "content": content, "refusal": None}, "stop" if stopped else finish_reason
