@@ -513,8 +513,9 @@ def test_bad_arguments_are_refused_up_front_and_fail_no_other_request(tiny_llama
                 eng.generate(prompt, params)
         with pytest.raises(TypeError, match="a string, a list of token ids"):
             eng.generate(123)
-        with pytest.raises(TypeError, match="a string or a list of token ids"):
-            eng.generate([[5, "x"]])
+        for ids in ([5, "x"], [1.0, 2.0], [1.5]):  # a float or a str reached the detokenizer on the engine's
+            with pytest.raises(TypeError, match="a string or a list of token ids"):  # thread and stopped it
+                eng.generate([ids])
         with pytest.raises(TypeError, match="grammar must be a GrammarSpec"):
             eng.generate([5, 6], grammar={"type": "object"})
         rest = list(running)

@@ -775,7 +775,23 @@ class Engine:
         """After a failed step: the running requests, whose state the step may have left half
         changed, end with `message`; the waiting ones hold nothing the step touched and go on."""
         for req in list(self.scheduler.running):
-            self._finish(req, FinishReason.ERROR, error=message)
+            try:
+                self._finish(req, FinishReason.ERROR, error=message)
+            except Exception:  # what failed was this request's own state: it ends without its text
+                log.exception("request %s could not be ended cleanly", req.request_id)
+                self._drop(req, message)
+
+    def _drop(self, req: Request, message: str) -> None:
+        """Ends a request whose update could not be built: out of the scheduler (its KV freed), and
+        one bare error update to its caller, so that nobody waits for it."""
+        req.status, req.finish_reason, req.error = Status.FINISHED, FinishReason.ERROR, message
+        self.scheduler.remove(req)
+        self._by_id.pop(req.request_id, None)
+        try:
+            req.on_output(RequestOutput(req.request_id, "", [], True, FinishReason.ERROR, message,
+                                        len(req.prompt_ids), len(req.output_ids)))
+        except Exception:
+            log.exception("request %s: its caller's callback failed", req.request_id)
 
 
 def refusal_kind(e: BaseException) -> str | None:

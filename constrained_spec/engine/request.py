@@ -110,7 +110,10 @@ class Request:
     def __post_init__(self):
         # made once, by the thread that queues the request: the prefix cache walks a request's ids
         # several times on the engine's thread, where converting a 1,500-token list costs ~60 us
-        self._prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
+        ids = np.asarray(self.prompt_ids)
+        if ids.dtype.kind not in "iub" and len(self.prompt_ids):  # 1.0 or "2" as int64 would pass, then fail
+            raise TypeError("prompt token ids must be integers")   # the detokenizer on the engine's thread
+        self._prompt_array = ids.astype(np.int64, copy=False)
 
     def ids_array(self, stop: int, start: int = 0) -> np.ndarray:
         """`all_ids[start:stop]` as int64."""
