@@ -534,7 +534,10 @@ def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(ht
     called (named, a 400 naming only `tools`). A recursive function that can end is served."""
     extra = {} if backend is None else {"grammar_backend": backend}
     untyped = {k: v for k, v in NEVER_ENDS.items() if k != "type"}  # an object all the same: arguments are one
-    for never_ends in (NEVER_ENDS, untyped):
+    # no type, and only other values at the root: as an object's schema, none (under auto they were
+    # a dead branch, pruned: the function silently never called)
+    not_objects = [{"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"enum": ["a", "b"]}]
+    for never_ends in (NEVER_ENDS, untyped, *not_objects):
         tools = TOOLS[:1] + [{"type": "function", "function": {"name": "loop", "parameters": never_ends}}]
         r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
         assert r.status_code == 400, r.text

@@ -212,7 +212,7 @@ class Service:
                 if _is_grammar_error(e):
                     raise grammar_error(e, param)
                 raise
-            if not may_accept_nothing(spec):
+            if not may_accept_nothing(spec) and not _object_by_us(f.parameters):
                 continue
             if req.grammar_backend is not None:
                 spec = spec.with_backend(req.grammar_backend)
@@ -460,6 +460,15 @@ def _template_message(m) -> dict:
 
 def _is_grammar_error(e: Exception) -> bool:
     return any(c.__name__ == "GrammarError" for c in type(e).__mro__)
+
+
+def _object_by_us(parameters) -> bool:
+    """Whether a function's parameters became an object's schema by the `type` the plan added
+    (`ToolCallPlan.parameters`) while a keyword at their root allows other values: `anyOf` of a
+    string and an integer, an `enum` of strings, a `$ref` to a string schema. Then no object may
+    satisfy them, a dead branch of the calls' grammar that would be pruned: compiled alone first."""
+    return (isinstance(parameters, dict) and parameters.get("type") != "object"
+            and any(k in parameters for k in ("anyOf", "oneOf", "allOf", "enum", "const", "$ref")))
 
 
 def _is_grammar_busy(e: Exception) -> bool:
