@@ -305,6 +305,16 @@ def test_cached_tokens_in_usage(openai_client, http):
     chunks = list(ask("Where is Quito?", stream=True, stream_options={"include_usage": True}))
     usage = [c.usage for c in chunks if c.usage is not None][-1]
     assert usage.prompt_tokens_details.cached_tokens >= cached
+    # an answer a stop string ends (the split server's front-end finds it, on a step's streamed
+    # token, which carries no cache count: it reported 0)
+    stopped = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[system, {"role": "user", "content": "Where is Bern?"}], max_tokens=24,
+        temperature=0, stop=["."], stream=True, stream_options={"include_usage": True})
+    chunks = list(stopped)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    stopped = [c for c in chunks if c.usage is not None][-1]
+    assert 1 < stopped.usage.completion_tokens < 24, stopped.usage
+    assert stopped.usage.prompt_tokens_details.cached_tokens >= cached
     text = http.get("/metrics").text
     hits = re.search(r"^constrained_spec_prefix_cache_hit_tokens_total (\S+)$", text, re.M)
     assert hits and float(hits.group(1)) >= 2 * cached

@@ -50,6 +50,9 @@ class _Pending:
     # rest at its end (`each_step=False`); it is detokenized once, at the end
     whole: bool = False
     logprobs: list = field(default_factory=list)
+    # prompt tokens from the prefix cache: the engine's full updates carry it, a step's streamed
+    # tokens do not (an answer a stop string ends here, on one of those, reports it all the same)
+    cached: int = 0
 
 
 @dataclass
@@ -265,6 +268,7 @@ class EngineClient:
                     fn("first_token", p)
             detok = p.detok
             p.output_ids.extend(ids)
+            p.cached = cached = max(p.cached, cached)
             if p.whole:
                 if lps:
                     p.logprobs.extend(lps)
