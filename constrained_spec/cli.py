@@ -108,15 +108,18 @@ def _auto_type(default: Any, annotation: str):
     return str
 
 
+_ENGINE_CONFIG = _engine_config_class()  # the engine options' own ranges and choices (`EngineConfig.problem`)
+_CHOICES = _ENGINE_CONFIG.CHOICES
+
 # Engine flags with hand-written help. Keys are EngineConfig field names.
 _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "model": ("model", dict(metavar="PATH", help=f"a Hugging Face model folder (safetensors) or a GGUF file "
                                                  f"(default: {DEFAULT_MODEL_LABEL}, fetched and cached on first use)")),
     "device": ("model", dict(metavar="DEV", help="cpu, cuda, cuda:N, or auto: CUDA when available (default: auto)")),
-    "dtype": ("model", dict(choices=["auto", "float32", "float16", "bfloat16"],
+    "dtype": ("model", dict(choices=_CHOICES["dtype"],
                             help="weights and KV-cache dtype; auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
                                  "(AMX-BF16 or AVX512-BF16), float32 on other CPUs (default: auto)")),
-    "attention_backend": ("model", dict(choices=["auto", "torch", "triton"],
+    "attention_backend": ("model", dict(choices=_CHOICES["attention_backend"],
                                         help="attention kernels; auto: triton on CUDA, torch on CPU (default: auto)")),
     "max_model_len": ("model", dict(metavar="N", help="context length in tokens (prompt + completion); "
                                                       "default: the model's, capped at 8192")),
@@ -135,7 +138,7 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                  "requests that start the same way; for A/B runs)")),
     "max_prefill_tokens": ("memory", dict(metavar="N", help="prompt tokens prefilled per step; longer prompts "
                                                             "are chunked (default: %(default)s)")),
-    "grammar_backend": ("grammar", dict(choices=["auto", "xgrammar", "llguidance"],
+    "grammar_backend": ("grammar", dict(choices=_CHOICES["grammar_backend"],
                                         help="which library enforces grammars; auto: llguidance for a grammar's first "
                                              "requests (JSON schemas, regexes, choices: compiled in ~1 ms), xgrammar "
                                              "(after our schema normalizer) once a repeated grammar is compiled for it "
@@ -175,7 +178,7 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
                                                help="per-step time limit for filling grammar masks: a request whose "
                                                     "mask is not ready by then skips the step (its output does not "
                                                     "change) instead of holding the batch (default: none, wait)")),
-    "speculative_algorithm": ("spec", dict(metavar="NAME", choices=["ngram", "eagle"],
+    "speculative_algorithm": ("spec", dict(metavar="NAME", choices=_CHOICES["speculative_algorithm"],
                                            help="speculative decoding: ngram (n-gram lookahead over prompts and "
                                                 "outputs) or eagle (a draft head over the model's hidden states: "
                                                 "the shipped one for the default model, or --eagle-head); "
@@ -200,7 +203,7 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "speculative_min_accept": ("spec", dict(metavar="X", help="with --speculative-policy always: mean accepted drafts per "
                                                               "request-step below which speculation pauses for 16 steps "
                                                               "(default: %(default)s)")),
-    "speculative_policy": ("spec", dict(choices=["measured", "always"],
+    "speculative_policy": ("spec", dict(choices=_CHOICES["speculative_policy"],
                                         help="measured: per batch size, speculate while speculative steps measure "
                                              "faster than plain ones (CPU drafting and grammar work included); "
                                              "always: whenever the limits above allow (default: %(default)s)")),
@@ -590,7 +593,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # flags' smallest values (those a subcommand has): a value below made a server that never admitted a
 # request, or failed late with a traceback
-_ENGINE_CONFIG = _engine_config_class()  # the engine options' own ranges (`EngineConfig.problem`)
 _AT_LEAST = {**_ENGINE_CONFIG.AT_LEAST, "port": 0, "frontends": 1, "max_pending_requests": 1, "default_max_tokens": 1,
              "max_tokens": 1, "temperature": 0.0, "top_p": 0.0,
              # train-eagle's: fewer than 2 answers (prompts), or sequences of a token, leave nothing to train on

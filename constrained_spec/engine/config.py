@@ -1,6 +1,7 @@
 """Engine settings. CLI flags map one to one onto these fields."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -71,26 +72,51 @@ class EngineConfig:
         "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1, "ngram_min_match": 1,
         "ngram_capacity": 1}
     POSITIVE: ClassVar[tuple] = ("kv_cache_memory_gb", "grammar_compile_timeout_s", "grammar_cache_mb")
+    CHOICES: ClassVar[dict] = {"dtype": ["auto", "float32", "float16", "bfloat16"],
+                               "attention_backend": ["auto", "torch", "triton"],
+                               "grammar_backend": ["auto", "xgrammar", "llguidance"],
+                               "speculative_algorithm": ["ngram", "eagle"],  # or None: plain decoding
+                               "speculative_policy": ["measured", "always"]}
     DEVICE: ClassVar = re.compile(r"cpu|cuda(:\d+)?|auto")
 
     def problem(self) -> str | None:
         """What is out of range among the options (a sentence naming it), or None."""
         for name, low in self.AT_LEAST.items():
             value = getattr(self, name)
-            if value is not None and value < low:
+            if value is None and self.__dataclass_fields__[name].default is None:  # None: its default behaviour
+                continue
+            if not _number(value) or (isinstance(low, int) and not isinstance(value, int)):
+                return f"{name} must be {'an integer' if isinstance(low, int) else 'a number'}; got {value!r}"
+            if value < low:
                 return f"{name} must be at least {low}; got {value}"
         for name in self.POSITIVE:
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                return f"{name} must be positive; got {value}"
+            if value is not None and not (_number(value) and 0 < value < math.inf):
+                return f"{name} must be a positive number; got {value!r}"
         if not isinstance(self.device, str) or not self.DEVICE.fullmatch(self.device):
             return f"device must be cpu, cuda, cuda:N or auto; got {self.device!r}"
+        for name, choices in self.CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices and not (value is None and name == "speculative_algorithm"):
+                return f"{name} must be one of {', '.join(choices)}; got {value!r}"
+        if self.ngram_min_match > self.ngram_max_match:
+            return f"ngram_min_match ({self.ngram_min_match}) must not exceed ngram_max_match ({self.ngram_max_match})"
+        if self.speculative_algorithm is not None:
+            nodes = self.speculative_num_draft_tokens  # the tree's root (the last verified token) included
+            if nodes < 2:
+                return f"speculative_num_draft_tokens must be at least 2 with speculation; got {nodes}"
+            if self.speculative_algorithm == "eagle" and not self.eagle_depth < nodes:
+                return f"eagle_depth must be below speculative_num_draft_tokens ({nodes}); got {self.eagle_depth}"
         return None
 
     @property
     def max_held_requests(self) -> int:
         """Requests the engine holds at most, running and waiting: past it, a new one is refused."""
         return self.max_running_requests + self.max_queued_requests
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def default_mask_threads(reserved: int = 0) -> int:
