@@ -97,6 +97,8 @@ class EngineConfig:
             return f"device must be cpu, cuda, cuda:N or auto; got {self.device!r}"
         for name, choices in self.CHOICES.items():
             value = getattr(self, name)
+            if name == "dtype" and not isinstance(value, str):  # a torch.dtype (`models.loader.resolve_dtype`)
+                continue
             if value not in choices and not (value is None and name == "speculative_algorithm"):
                 return f"{name} must be one of {', '.join(choices)}; got {value!r}"
         if self.ngram_min_match > self.ngram_max_match:
