@@ -374,8 +374,8 @@ def test_schema_checks_are_remembered_only_when_they_pass():
 
 
 @pytest.mark.parametrize("schema, keyword, path", [
-    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 3}}}, "maxLength",
-     "/properties/a"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 3}},
+      "required": ["a"]}, "required", ""),
     ({"type": "integer", "minimum": 5, "maximum": 3}, "maximum", ""),
     ({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, "maximum", ""),
     ({"type": "array", "minItems": 3, "maxItems": 1}, "maxItems", ""),
@@ -386,7 +386,16 @@ def test_bounds_that_contradict_each_other_name_themselves(schema, keyword, path
     upper bound", naming neither the keyword nor where."""
     with pytest.raises(GrammarError) as e:
         prepare_schema(schema)
-    assert (e.value.keyword, e.value.path) == (keyword, path) and "no value satisfies both" in str(e.value)
+    assert (e.value.keyword, e.value.path) == (keyword, path) and "satisfies" in str(e.value)
+
+
+def test_a_schema_whose_bounds_contradict_is_the_schema_false_where_that_means_something():
+    """An optional property no value satisfies is absent, an anyOf branch of it dropped (exact, as
+    llguidance serves them; a 400 only where nothing is left)."""
+    empty = {"type": "string", "minLength": 5, "maxLength": 3}
+    assert prepare_schema({"type": "object", "properties": {"a": empty, "b": {"type": "integer"}}}) == {
+        "type": "object", "properties": {"b": {"type": "integer"}}}  # (closed: strict, the default)
+    assert prepare_schema({"anyOf": [empty, {"type": "integer"}]}) == {"type": "integer"}
 
 
 def test_a_type_whose_bounds_contradict_leaves_the_others():
@@ -395,3 +404,21 @@ def test_a_type_whose_bounds_contradict_leaves_the_others():
     assert out == {"type": "null"}
     out = prepare_schema({"type": ["integer", "string"], "minimum": 9, "maximum": 1, "maxLength": 4})
     assert out["type"] == "string" and "minimum" not in out and "maximum" not in out
+
+
+@pytest.mark.parametrize("schema, want", [
+    ({"type": "integer", "minimum": 1.5, "maximum": 5}, {"type": "integer", "minimum": 2, "maximum": 5}),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10.5}, {"type": "integer", "minimum": 1,
+                                                                              "maximum": 10}),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "exclusiveMaximum"),
+    ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, "maximum")])
+def test_integer_bounds_are_the_whole_numbers_they_mean(schema, want):
+    """xgrammar refused `minimum: 1.5` on an integer ("Integer constraint must be a whole number")
+    and said "Invalid range" for exclusive bounds with no integer between them, with no keyword or
+    path: the bounds become the inclusive whole numbers they allow (exact), or a 400 naming them."""
+    if isinstance(want, dict):
+        assert prepare_schema(schema) == want
+        return
+    with pytest.raises(GrammarError) as e:
+        prepare_schema(schema)
+    assert (e.value.keyword, e.value.path) == (want, "") and "no integer satisfies" in str(e.value)

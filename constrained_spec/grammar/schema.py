@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from typing import Any, Optional
 from urllib.parse import unquote
@@ -343,6 +344,8 @@ class _Normalizer:
                         # xgrammar bounds integers in 64 bits (a bound of 1e23 failed its own check)
                         raise unsupported(k, path, "an integer bound outside the 64-bit range is not enforced")
                     out[k] = node[k]
+            if out.get("type") == "integer":
+                _integer_bounds(out, path)
             if "multipleOf" in node:
                 m = node["multipleOf"]
                 if not (isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0
@@ -366,7 +369,11 @@ class _Normalizer:
         # objects
         if tset & {"object"}:
             self._object(node, out, path)
-        _drop_empty_types(out, path)
+        empty = _drop_empty_types(out, path)
+        if empty is not None:  # no value: the schema false where that has a meaning (an optional
+            if not path:       # property absent, an anyOf branch dropped), else the 400 naming the bounds
+                raise empty
+            return False
         # enum / const
         if "enum" in node or "const" in node:
             return self._enum(node, out, path)
@@ -640,7 +647,9 @@ class _Normalizer:
         if "properties" in a or "properties" in b or "additionalProperties" in a \
                 or "additionalProperties" in b:
             self._merge_objects(a, b, out, path, kw)
-        _drop_empty_types(out, path)
+        empty = _drop_empty_types(out, path)
+        if empty is not None:
+            raise _Unsat(str(empty), empty.keyword, path)  # (an anyOf branch made of it is dropped)
         return out
 
     def _merge_tuples(self, a: dict, b: dict, path: str, kw: str) -> dict:
@@ -740,6 +749,25 @@ class _Normalizer:
         return False
 
 
+def _integer_bounds(s: dict, path: str) -> None:
+    """An integer's bounds as the inclusive whole numbers they mean (exact): xgrammar refused
+    `minimum: 1.5` ("Integer constraint must be a whole number") and took exclusive bounds with no
+    integer between them (1 and 2) for "Invalid range", naming neither keyword nor place."""
+    lows = [k for k in ("minimum", "exclusiveMinimum") if k in s]
+    highs = [k for k in ("maximum", "exclusiveMaximum") if k in s]
+    low = max((math.ceil(s[k]) if k == "minimum" else math.floor(s[k]) + 1 for k in lows), default=None)
+    high = min((math.floor(s[k]) if k == "maximum" else math.ceil(s[k]) - 1 for k in highs), default=None)
+    if low is not None and high is not None and low > high:
+        bounds = ", ".join(f"'{k}' {s[k]}" for k in lows + highs)
+        raise GrammarError(f"no integer satisfies {bounds} {at(path)}", highs[-1], path)
+    for k in lows + highs:
+        del s[k]
+    if low is not None:
+        s["minimum"] = low
+    if high is not None:
+        s["maximum"] = high
+
+
 # bounds that leave a type no value when the lower passes the upper
 _SIZE_BOUNDS = (("string", "minLength", "maxLength"), ("array", "minItems", "maxItems"),
                 ("object", "minProperties", "maxProperties"))
@@ -761,26 +789,27 @@ def _empty_types(s: dict) -> dict:
     return empty
 
 
-def _drop_empty_types(s: dict, path: str) -> None:
+def _drop_empty_types(s: dict, path: str) -> GrammarError | None:
     """A type whose bounds contradict each other (minLength 5, maxLength 3) has no value: it leaves
-    the schema's types (exact: the others are still valid), or, the only one, is a 400 naming the
-    bounds (xgrammar's own errors, "Invalid range", an EBNF parser's "Lower bound is larger than
-    upper bound", said neither where nor which)."""
+    the schema's types (exact: the others are still valid); the only one, the schema has no value,
+    and the error naming the bounds is returned (xgrammar's own errors, "Invalid range", an EBNF
+    parser's "Lower bound is larger than upper bound", said neither where nor which)."""
     types = s.get("type")
     if types is None:
-        return
+        return None
     empty = _empty_types(s)
     listed = [types] if isinstance(types, str) else types
     left = [t for t in listed if t not in empty]
     if len(left) == len(listed):
-        return
+        return None
     if not left:
         lo, hi = empty[listed[0]]
-        raise GrammarError(f"'{lo}' {s[lo]} is past '{hi}' {s[hi]} {at(path)}: no value satisfies both", hi, path)
+        return GrammarError(f"'{lo}' {s[lo]} is past '{hi}' {s[hi]} {at(path)}: no value satisfies both", hi, path)
     s["type"] = left[0] if len(left) == 1 else left
     for t in set(listed) - set(left):
         for k in empty[t]:
             s.pop(k, None)
+    return None
 
 
 def _keys_are_strings(names: Any) -> Any:
