@@ -241,3 +241,38 @@ def test_children_stop_when_serve_is_killed_outright(serve, long_tiny_dir):
     os.kill(s.proc.pid, signal.SIGKILL)
     s.proc.wait(10)
     assert not _left_running(s.children, 20), "children left behind\n" + s.log()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_grammar_compile_in_flight_does_not_hold_the_exit(serve, long_tiny_dir):
+    """SIGTERM while xgrammar compiles a 40,000-string enum (tens of seconds, and no way to stop
+    it): the engine process waited for the compile until `serve` killed it, 15 s on ("did not
+    stop within 15 s; killing it"). Its compile now ends with the process, which leaves by
+    os._exit (a compile thread inside native code aborts an interpreter's teardown)."""
+    s = serve(long_tiny_dir)
+    enum = {"type": "string", "enum": [f"item-{i:05d}-{i * 7919 % 100003}" for i in range(40000)]}
+    body = {**_chat(8, False), "grammar_backend": "xgrammar",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": enum}}}
+    answers: list = []
+
+    def post() -> None:
+        try:
+            answers.append(httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60))
+        except Exception as e:
+            answers.append(e)
+    client = threading.Thread(target=post)
+    client.start()
+    time.sleep(2)  # (its compile under way in the engine process)
+    assert not answers, answers
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    client.join(30)
+    code = s.wait(30)
+    took, log = time.monotonic() - t0, s.log()
+    r = answers[0]
+    assert isinstance(r, httpx.Response) and r.status_code == 503, (r, log[-3000:])
+    assert r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert took < 8, f"the exit took {took:.1f} s\n" + log[-3000:]
+    assert code == 0 and "did not stop" not in log, log[-3000:]
+    _assert_clean(log)
+    assert not _left_running(s.children, 5), "children left behind"

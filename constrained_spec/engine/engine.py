@@ -290,16 +290,18 @@ class Engine:
         pool = self.runner.pool
         return 1.0 - pool.num_free / pool.capacity
 
-    def shutdown(self) -> None:
+    def shutdown(self, compile_wait_s: float | None = None) -> None:
         """Stops the loop; requests still held end with finish_reason "error" (their callers waited
-        for an end that would never come)."""
+        for an end that would never come). Waits up to `compile_wait_s` (the compile timeout by
+        default) for grammar compiles still running: a process that exits with one inside native
+        code aborts, unless it leaves by `os._exit`, as the engine process does."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._end_held("the engine was shut down")
         self.masks.close()
-        self.grammar.close()
+        self.grammar.close(compile_wait_s)
         long_lived.unfreeze()
 
     def _end_held(self, error: str) -> None:

@@ -498,9 +498,10 @@ class GrammarBackend:
                 idx = torch.as_tensor(indices, device=logits.device, dtype=torch.long)
                 logits[idx, covered:] = float("-inf")
 
-    def close(self) -> None:
-        """Stops the workers once their compiles end; queued compiles fail."""
-        self.queue.close()
+    def close(self, wait_s: float | None = None) -> bool:
+        """Stops the workers once their compiles end; queued compiles fail. Waits up to `wait_s` (the
+        compile timeout by default) for the running ones; returns whether they all ended."""
+        return self.queue.close(wait_s)
 
 
 def _digest(spec: GrammarSpec) -> bytes:

@@ -280,6 +280,9 @@ class EngineServer:
                 pass
 
 
+EXIT_COMPILE_WAIT_S = 1.0  # at the engine process's stop, how long grammar compiles still running may end
+
+
 def _main(config, address: str, lifeline, response_store: str | None = None) -> None:
     """The engine process's body: build the engine, say ready (or why not), serve until told to stop
     or the parent is gone."""
@@ -313,8 +316,12 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
                 break
     finally:
         server.close()
-        engine.shutdown()
+        # a compile still running (xgrammar's cannot be stopped: a 40,000-string enum takes tens of
+        # seconds) held the exit until the parent killed this process, 15 s on; it ends with the process
+        engine.shutdown(compile_wait_s=EXIT_COMPILE_WAIT_S)
         lifeline.close()
+    logging.shutdown()
+    os._exit(0)  # no interpreter teardown: a compile thread inside native code would abort it
 
 
 class EngineProcess:
