@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -110,6 +111,8 @@ def _auto_type(default: Any, annotation: str):
 
 _ENGINE_CONFIG = _engine_config_class()  # the engine options' own ranges and choices (`EngineConfig.problem`)
 _CHOICES = _ENGINE_CONFIG.CHOICES
+# an engine option's name in a sentence of `EngineConfig.problem`, which the CLI says as its flag
+_FIELD = re.compile(r"\b(?:" + "|".join(f.name for f in dataclasses.fields(_ENGINE_CONFIG)) + r")\b")
 
 # Engine flags with hand-written help. Keys are EngineConfig field names.
 _ENGINE_HELP: dict[str, tuple[str, dict]] = {
@@ -644,9 +647,6 @@ def _check_combinations(args: argparse.Namespace) -> str | None:
     store = getattr(args, "response_store", None)
     if store and not Path(os.path.expanduser(store)).parent.is_dir():
         return f"--response-store {store}: the folder {Path(os.path.expanduser(store)).parent} does not exist"
-    ngram_min, ngram_max = getattr(args, "ngram_min_match", None), getattr(args, "ngram_max_match", None)
-    if ngram_min is not None and ngram_max is not None and ngram_min > ngram_max:
-        return f"--ngram-min-match ({ngram_min}) must not exceed --ngram-max-match ({ngram_max})"
     head = getattr(args, "eagle_head", None)
     if head:
         folder = Path(os.path.expanduser(head))
@@ -656,22 +656,12 @@ def _check_combinations(args: argparse.Namespace) -> str | None:
         if not args.eagle_depth < args.draft_tokens:
             return f"--eagle-depth must be below --draft-tokens ({args.draft_tokens}); got {args.eagle_depth}"
         return None
-    algorithm = getattr(args, "speculative_algorithm", None)
-    if algorithm is None:
+    if not hasattr(args, "speculative_algorithm"):
         return None
-    nodes = args.speculative_num_draft_tokens  # the tree's root (the last verified token) included
-    if nodes < 2:
-        return f"--speculative-num-draft-tokens must be at least 2 with --speculative-algorithm; got {nodes}"
-    if algorithm == "eagle" and not args.eagle_depth < nodes:
-        return f"--eagle-depth must be below --speculative-num-draft-tokens ({nodes}); got {args.eagle_depth}"
-    # it is compared with the mean accepted drafts per request-step: a step accepts at most the tree's
-    # nodes but its root, and an EAGLE step one a depth; above that, speculation would always pause
-    most = args.eagle_depth if algorithm == "eagle" else nodes - 1
-    if args.speculative_min_accept > most:
-        return (f"--speculative-min-accept must be at most {most}, the most drafts a step accepts "
-                f"({'--eagle-depth' if algorithm == 'eagle' else '--speculative-num-draft-tokens - 1'}); "
-                f"got {args.speculative_min_accept}")
-    return None
+    # the engine's own rules between its options (`EngineConfig.problem`), in flags
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(_ENGINE_CONFIG) if hasattr(args, f.name)}
+    problem = _ENGINE_CONFIG(**values).problem()
+    return None if problem is None else _FIELD.sub(lambda m: _flag(m.group(0)), problem)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

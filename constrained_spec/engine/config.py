@@ -106,9 +106,17 @@ class EngineConfig:
         if self.speculative_algorithm is not None:
             nodes = self.speculative_num_draft_tokens  # the tree's root (the last verified token) included
             if nodes < 2:
-                return f"speculative_num_draft_tokens must be at least 2 with speculation; got {nodes}"
-            if self.speculative_algorithm == "eagle" and not self.eagle_depth < nodes:
+                return f"speculative_num_draft_tokens must be at least 2 with speculative_algorithm; got {nodes}"
+            eagle = self.speculative_algorithm == "eagle"
+            if eagle and not self.eagle_depth < nodes:
                 return f"eagle_depth must be below speculative_num_draft_tokens ({nodes}); got {self.eagle_depth}"
+            # compared with the mean accepted drafts per request-step: a step accepts at most the tree's
+            # nodes but its root, an EAGLE step one a depth; above that, speculation would always pause
+            most = self.eagle_depth if eagle else nodes - 1
+            if self.speculative_min_accept > most:
+                return (f"speculative_min_accept must be at most {most}, the most drafts a step accepts "
+                        f"({'eagle_depth' if eagle else 'speculative_num_draft_tokens - 1'}); "
+                        f"got {self.speculative_min_accept}")
         return None
 
     @property
