@@ -195,6 +195,10 @@ def test_a_choice_that_reaches_a_stop_string_ends_there():
         def abort(self, rid=None):
             self.aborted.append(rid)
 
+        def end_choice(self, i):
+            self.done[i] = True
+            self.abort(self.request_ids[i])
+
         async def batches(self):
             for items in self.updates:
                 if all(self.done):

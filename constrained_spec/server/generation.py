@@ -88,6 +88,13 @@ class Generation:
             if not self.done[i]:
                 self.engine.abort(rid)
 
+    def end_choice(self, i: int) -> None:
+        """Ends choice `i` here, its caller having found its end (a stop string in what a tool call
+        shows: `tool_stops.VisibleStops`): aborted in the engine, whose end for it will not come,
+        and what the engine made for it since dropped."""
+        self._ended[i] = self.done[i] = True
+        self.engine.abort(self.request_ids[i])
+
     def _put(self, item: tuple[int, Any]) -> None:
         i, out = item
         if self._ended[i]:  # ended by `end` (what the engine made since is dropped)

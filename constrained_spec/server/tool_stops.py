@@ -51,9 +51,7 @@ class VisibleStops:
         if seen.stopped is None:
             return out
         self._ended[i] = True
-        gen = self.gen
-        gen.done[i] = True  # its end is this update: the engine's own end for it does not come
-        gen.engine.abort(gen.request_ids[i])
+        self.gen.end_choice(i)  # its end is this update
         return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP, matched_stop=seen.stopped)
 
 
