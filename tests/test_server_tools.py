@@ -516,7 +516,7 @@ def test_conversation_with_a_tool_result(http):
                                           ({"tool_choice": "auto", "regex": "[a-z]+"}, "tools"),
                                           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
                                               "type": "object", "if": {"required": ["a"]}, "then": {}}}}],
-                                            "tool_choice": "required"}, "tools")])
+                                            "tool_choice": "required"}, "tools.0.function.parameters")])
 def test_refused_tool_requests(http, extra, param):
     r = http.post("/v1/chat/completions", json=chat_body(**{"tools": TOOLS, **extra}))
     assert r.status_code == 400, r.text
@@ -550,6 +550,33 @@ def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(ht
     tools[1]["function"]["parameters"] = TREE
     r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", _named("bad")])
+def test_a_fault_in_a_function_s_parameters_names_the_function_and_its_own_path(http, choice):
+    """The calls' grammar holds every function's parameters inside an envelope of its own
+    (`/anyOf/1/properties/arguments`, `$defs` renamed `bad__Y`): a fault there is named as the user
+    wrote it, in the function's parameters, not in the envelope. The answer format too (auto)."""
+    bad_regex = {"type": "string", "pattern": "(["}
+    cases = [({"type": "object", "properties": {"b": bad_regex}}, "/properties/b"),
+             ({"type": "object", "properties": {"x": {"$ref": "#"}, "b": bad_regex}}, "/properties/b"),  # body moved
+             ({"type": "object", "properties": {"y": {"$ref": "#/definitions/Y"}}, "definitions": {"Y": bad_regex}},
+              "/definitions/Y"),
+             ({"type": "object", "properties": {"y": {"$ref": "#/$defs/Y"}}, "$defs": {"Y": bad_regex}}, "/$defs/Y")]
+    for parameters, path in cases:
+        tools = TOOLS[:1] + [{"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+        r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tools.1.function.parameters" and err["code"] == "invalid_schema", err
+        assert f"at {path}:" in err["message"] and "anyOf" not in err["message"] and "bad__" not in err["message"], err
+    if choice == "auto":
+        answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
+            "n": {"$ref": "#/$defs/N"}}, "$defs": {"N": bad_regex}}}}
+        r = http.post("/v1/chat/completions", json=chat_body(tools=TOOLS, response_format=answer, max_tokens=4))
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "response_format.json_schema.schema", r.text
+        assert "at /$defs/N:" in err["message"] and "answer.format" not in err["message"], err
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])

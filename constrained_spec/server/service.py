@@ -170,17 +170,19 @@ class Service:
             spec = grammar_spec_for(req, plan)  # a schema too deep or not JSON is refused here
         except Exception as e:
             if _is_grammar_error(e):
-                raise grammar_error(e, constraint_param(req))
+                raise _refusal(e, constraint_param(req), plan)
             raise
         if spec is None or spec in self.checked:
             return spec
         if plan is not None:
             await self._check_tool_parameters(req, plan, request)
-        await self._checked(spec, constraint_param(req), request)
+        await self._checked(spec, constraint_param(req), request, plan)
         return spec
 
-    async def _checked(self, spec, param: str | None, request: Request | None) -> None:
-        """Waits for the grammar's up-front compile; its refusal is the 400 naming `param`."""
+    async def _checked(self, spec, param: str | None, request: Request | None,
+                       plan: ToolCallPlan | None = None) -> None:
+        """Waits for the grammar's up-front compile; its refusal is the 400 naming `param` (for the
+        calls' grammar of a tool-call `plan`, the function's parameters it found fault with)."""
         try:
             # the thread normalizes the schema (prepare_schema); the compile is awaited here, so a
             # request waiting in the compile queue holds no thread
@@ -191,7 +193,7 @@ class Service:
             if _is_grammar_busy(e):
                 raise self.busy(str(e))
             if _is_grammar_error(e):
-                raise grammar_error(e, param)
+                raise _refusal(e, param, plan)
             raise
 
     async def _check_tool_parameters(self, req: _GenerationRequest, plan: ToolCallPlan,
@@ -456,6 +458,14 @@ def _template_message(m) -> dict:
     if m.role == "assistant" and m.tool_calls:
         return {"role": "assistant", "content": history_text(m.text(), m.tool_calls)}
     return {"role": m.role, "content": m.text()}
+
+
+def _refusal(err: Exception, param: str | None, plan: ToolCallPlan | None) -> APIError:
+    """A grammar's refusal as the 400 naming `param`; for the calls' grammar of a tool-call `plan`,
+    the function whose parameters it found fault with, at the path in them (`locate_error`)."""
+    if plan is not None and param == "tools":
+        param, err = plan.locate_error(err)
+    return grammar_error(err, param)
 
 
 def _is_grammar_error(e: Exception) -> bool:

@@ -25,6 +25,7 @@ engine as any output does. The model sees the tools through its chat template wh
 """
 from __future__ import annotations
 
+import copy
 import re
 import uuid
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ _ANSWER_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*')  # an answer under respon
 ANSWER_DEFS = "answer.format"  # the response format's $defs prefix ('.' is in no function name)
 _WRAPPER_TAIL = re.compile(r"\s*\}?\s*$")  # what may be the end of an envelope
 _LOCAL_DEF = re.compile(r"#/(?:\$defs|definitions)/([^/]+)")
+# where a function's parameters (or the answer's schema) lie in an envelope's schema, as error paths
+_ENVELOPE_PATH = re.compile(r"/anyOf/(\d+)/properties/(?:arguments|content)((?:/.*)?)$")
+_DEFS_PATH = re.compile(r"/\$defs/([^/]+)((?:/.*)?)$")
+_ANSWER_PARAM = "response_format.json_schema.schema"
 
 
 def new_call_id() -> str:
@@ -156,6 +161,53 @@ class ToolCallPlan:
 
     def _function(self, name: str):
         return next(f for f in self.functions if f.name == name)
+
+    # -- errors ----------------------------------------------------------------------------------
+    def locate_error(self, err: Exception) -> tuple[str, Exception]:
+        """The request field and the schema path an error of the calls' grammar belongs to: a path
+        into the envelope (`/anyOf/1/properties/arguments/...`, `/$defs/get_weather__Address/...`)
+        is the path in the function's own parameters (or in the response format's schema), which
+        the error names instead. An error with no path, or one outside them all, stays "tools"."""
+        path = getattr(err, "path", None)
+        found = self._locate(path) if isinstance(path, str) else None
+        if found is None:
+            return "tools", err
+        param, own_path = found
+        from ..grammar.errors import at  # deferred: keeps the protocol side importable without xgrammar
+        message = str(err).replace(f"at {path}", at(own_path)) if path else str(err)
+        moved = copy.copy(err)
+        moved.args, moved.path = (message,), own_path
+        if hasattr(moved, "message"):
+            moved.message = message
+        return param, moved
+
+    def _locate(self, path: str) -> tuple[str, str] | None:
+        if self.forced is not None:
+            return f"tools.{self._index(self.forced)}.function.parameters", path
+        m = _ENVELOPE_PATH.match(path)
+        if m is not None:
+            k, rest = int(m.group(1)), m.group(2)
+            if k < len(self.functions):
+                return f"tools.{k}.function.parameters", rest
+            return (_ANSWER_PARAM, rest) if self.answer_schema is not None else None
+        m = _DEFS_PATH.match(path)
+        if m is None:
+            return None
+        key, rest = m.group(1), m.group(2)
+        owners = [(ANSWER_DEFS, _ANSWER_PARAM, self.answer_schema)] if self.answer_schema is not None else []
+        owners += [(f.name, f"tools.{i}.function.parameters", self.parameters(f)) for i, f in enumerate(self.functions)]
+        for name, param, schema in sorted(owners, key=lambda o: -len(o[0])):  # a name may extend another
+            if not key.startswith(name + "__"):
+                continue
+            own = key[len(name) + 2:]
+            if own == "root" and _refers_to(schema, "#"):  # the parameters' body, moved for its refs
+                return param, rest
+            kind = "$defs" if own in schema.get("$defs", {}) else "definitions"
+            return param, f"/{kind}/{own}{rest}"
+        return None
+
+    def _index(self, name: str) -> int:
+        return next(i for i, f in enumerate(self.functions) if f.name == name)
 
     @staticmethod
     def parameters(f) -> dict:
