@@ -53,6 +53,23 @@ def test_a_union_field_names_the_member_the_body_meant(tool_choice, param, says)
     assert err.param == param and says in err.body()["error"]["message"], err.body()
 
 
+@pytest.mark.parametrize("extra,param,says", [
+    ({"response_format": {}}, "response_format.type", "missing required field 'response_format.type'"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type",
+     "'yaml' is not one of 'text', 'json_object', 'json_schema'"),
+    ({"messages": ["hi"]}, "messages.0", "Input should be a JSON object"),
+    ({"stream_options": "yes"}, "stream_options", "Input should be a JSON object")])
+def test_errors_speak_of_the_json_sent_not_of_the_server_s_classes(extra, param, says):
+    """pydantic's own wording named its internals: "Unable to extract tag using discriminator
+    'type'", "a valid dictionary or instance of ChatMessage"."""
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error_to_api(e.value.errors(include_url=False), body).body()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert "discriminator" not in err["message"] and "instance of" not in err["message"], err
+
+
 @pytest.mark.parametrize("bad", [{"echo": True}, {"suffix": "x"}])
 def test_unsupported_completion_fields_are_named(bad):
     with pytest.raises(ValidationError) as e:

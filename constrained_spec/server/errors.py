@@ -60,6 +60,16 @@ def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> A
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     kind = first.get("type", "")
+    ctx = first.get("ctx") or {}
+    if kind.startswith("union_tag_"):  # a tagged union's tag (`type`), absent or not one it knows
+        tag = str(ctx.get("discriminator", "type")).strip("'")
+        param = f"{param}.{tag}" if param else tag
+        if kind == "union_tag_invalid":
+            kind, msg = "invalid", f"{ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}"
+        else:
+            kind = "missing"
+    elif kind in ("model_type", "model_attributes_type", "dataclass_type"):  # pydantic names its class
+        msg = "Input should be a JSON object"
     if kind == "missing":
         text = f"missing required field '{param}'"
     elif param:
