@@ -452,9 +452,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  max_pending_requests=args.max_pending_requests,  # each front-end admits its share
                                  default_max_tokens=args.default_max_tokens, frontends=n_frontends,
                                  response_store=args.response_store)
-    # with other front-ends, the engine stops after them (below), not with this app
+    # with other front-ends, the engine stops after them (below), not with this app; in one process,
+    # below too, where a grammar compile still running can be left to the process's end
     try:
-        app = create_app(engine, server_config, owns_engine=n_frontends == 1)
+        app = create_app(engine, server_config, owns_engine=n_frontends == 1 and not args.single_process)
     except RuntimeError as e:  # an unusable --response-store file (single-process: the store is this process's)
         log.error("%s", e)
         engine.shutdown()
@@ -502,12 +503,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if others is not None:
             others.stop()
+        compiles_ended = True
         try:
-            engine.shutdown()
+            if args.single_process:
+                from .engine.engine import EXIT_COMPILE_WAIT_S
+                compiles_ended = engine.shutdown(compile_wait_s=EXIT_COMPILE_WAIT_S)
+            else:
+                engine.shutdown()
         except Exception:
-            pass
+            log.exception("engine shutdown failed")
         if metrics_dir is not None:
             remove_metrics_dir(metrics_dir)
+        if not compiles_ended:  # a compile thread inside native code would abort the interpreter's teardown
+            logging.shutdown()
+            os._exit(0)
     return 0
 
 

@@ -42,13 +42,13 @@ def long_tiny_dir(tmp_path_factory, smollm2_dir) -> str:
 class Serve:
     """`serve` in a new session (its own process group, as a terminal's foreground job is)."""
 
-    def __init__(self, model: str, frontends: int, log_path: Path):
+    def __init__(self, model: str, frontends: int, log_path: Path, args: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen([*CLI, "serve", "--model", model, "--device", "cpu", "--port", str(self.port),
-                                      "--frontends", str(frontends), "--max-model-len", "16384"],
+                                      "--frontends", str(frontends), "--max-model-len", "16384", *args],
                                      cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + 90
@@ -91,8 +91,8 @@ class Serve:
 def serve(tmp_path):
     started: list[Serve] = []
 
-    def start(model: str, frontends: int = 1) -> Serve:
-        s = Serve(model, frontends, tmp_path / f"serve{len(started)}.log")
+    def start(model: str, frontends: int = 1, args: tuple = ()) -> Serve:
+        s = Serve(model, frontends, tmp_path / f"serve{len(started)}.log", args)
         started.append(s)
         return s
     yield start
@@ -244,12 +244,14 @@ def test_children_stop_when_serve_is_killed_outright(serve, long_tiny_dir):
 
 
 @pytest.mark.slow
-def test_a_grammar_compile_in_flight_does_not_hold_the_exit(serve, long_tiny_dir):
+@pytest.mark.parametrize("mode", [(), ("--single-process",)], ids=["split", "single-process"])
+def test_a_grammar_compile_in_flight_does_not_hold_the_exit(serve, long_tiny_dir, mode):
     """SIGTERM while xgrammar compiles a 40,000-string enum (tens of seconds, and no way to stop
     it): the engine process waited for the compile until `serve` killed it, 15 s on ("did not
-    stop within 15 s; killing it"). Its compile now ends with the process, which leaves by
-    os._exit (a compile thread inside native code aborts an interpreter's teardown)."""
-    s = serve(long_tiny_dir)
+    stop within 15 s; killing it"); in one process, for the compile's whole time. Its compile now
+    ends with the process, which leaves by os._exit (a compile thread inside native code aborts an
+    interpreter's teardown)."""
+    s = serve(long_tiny_dir, args=mode)
     enum = {"type": "string", "enum": [f"item-{i:05d}-{i * 7919 % 100003}" for i in range(40000)]}
     body = {**_chat(8, False), "grammar_backend": "xgrammar",
             "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": enum}}}

@@ -60,6 +60,10 @@ from .stats import EngineStats
 log = logging.getLogger(__name__)
 
 
+# a server's stop: how long grammar compiles still running may take to end (xgrammar's cannot be
+# stopped: a 40,000-string enum takes tens of seconds) before the process leaves without them
+EXIT_COMPILE_WAIT_S = 1.0
+
 class RequestError(ValueError):
     """A request the engine refuses up front (too long, bad grammar, queue full)."""
 
@@ -290,19 +294,21 @@ class Engine:
         pool = self.runner.pool
         return 1.0 - pool.num_free / pool.capacity
 
-    def shutdown(self, compile_wait_s: float | None = None) -> None:
+    def shutdown(self, compile_wait_s: float | None = None) -> bool:
         """Stops the loop; requests still held end with finish_reason "error" (their callers waited
         for an end that would never come). Waits up to `compile_wait_s` (the compile timeout by
-        default) for grammar compiles still running: a process that exits with one inside native
-        code aborts, unless it leaves by `os._exit`, as the engine process does."""
+        default) for grammar compiles still running, and says whether they ended: a process that
+        exits with one inside native code aborts, unless it leaves by `os._exit`, as the servers
+        do (`EXIT_COMPILE_WAIT_S`)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._end_held("the engine was shut down")
         self.masks.close()
-        self.grammar.close(compile_wait_s)
+        ended = self.grammar.close(compile_wait_s)
         long_lived.unfreeze()
+        return ended
 
     def _end_held(self, error: str) -> None:
         """Ends every request queued, compiling or running with `error` (the loop has stopped)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cpus import name_os_thread
-from ..engine.engine import refusal_kind
+from ..engine.engine import EXIT_COMPILE_WAIT_S, refusal_kind
 from . import children, ipc
 from .response_store import ResponseStore
 
@@ -280,7 +280,6 @@ class EngineServer:
                 pass
 
 
-EXIT_COMPILE_WAIT_S = 1.0  # at the engine process's stop, how long grammar compiles still running may end
 
 
 def _main(config, address: str, lifeline, response_store: str | None = None) -> None:
