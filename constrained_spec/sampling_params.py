@@ -5,6 +5,13 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # a seed's range: the sampler hashes it as an int64
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """Choice `choice` of a request with `seed` samples with seed + choice, wrapped into int64 (a
+    seed of 2**63 - 1 and n = 2 is two valid seeds)."""
+    return (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
 
 
 @dataclass
@@ -57,6 +64,8 @@ class SamplingParams:
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
+        need(self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool)
+             and INT64_MIN <= self.seed <= INT64_MAX, "seed", "must be a 64-bit signed integer")
         if self.logit_bias is not None:
             self._validate_logit_bias(need)
         if self.prediction is not None:

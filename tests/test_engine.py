@@ -518,6 +518,12 @@ def test_bad_arguments_are_refused_up_front_and_fail_no_other_request(tiny_llama
                 eng.generate([ids])
         with pytest.raises(TypeError, match="grammar must be a GrammarSpec"):
             eng.generate([5, 6], grammar={"type": "object"})
+        for seed in (2**63, -2**63 - 1):  # past int64 it failed the step's seed array (OverflowError)
+            with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
+                SamplingParams(seed=seed)
+        # the largest seed and a top_k past the vocabulary (a float past int64 in the step's array) sample
+        edge = eng.generate([5, 6], SamplingParams(max_tokens=4, seed=2**63 - 1, top_k=2**70, ignore_eos=True))
+        assert edge[0].completion_tokens == 4, edge
         rest = list(running)
         assert rest[-1].finish_reason is FinishReason.LENGTH and rest[-1].completion_tokens == 30, rest[-1]
         assert eng.generate([5, 6], grammar=GrammarSpec.regex("[ab]{3}"),

@@ -114,3 +114,17 @@ def test_responses_params_are_dotted(data, param, code):
         responses.chat_request(req, data)
     assert (e.value.param, e.value.code) == (param, code), e.value.body()
     assert e.value.message.startswith(param + " ") or e.value.message.startswith(param + "."), e.value.message
+
+
+def test_seeds_are_int64_whatever_n():
+    """A seed past int64 (or int64's last with n = 2: the second choice's seed + 1) passed, then
+    failed the engine step's seed array: a 500 for the request and every request batched with it."""
+    from constrained_spec.server.request_params import RequestParams
+    params = RequestParams(vocab=100, max_context=64, default_max_tokens=None)
+    chat = lambda **kw: parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **kw})
+    seeds = [p.seed for p in params.sampling(chat(seed=2**63 - 1, n=3), 4, None)]
+    assert seeds == [2**63 - 1, -2**63, -2**63 + 1]
+    for seed in (2**63, -2**63 - 1, 2**64):
+        with pytest.raises(APIError) as e:
+            params.sampling(chat(seed=seed), 4, None)
+        assert e.value.status == 400 and e.value.param == "seed", e.value.body()

@@ -22,6 +22,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..sampling_params import INT64_MAX, INT64_MIN
+
 # -- requests --------------------------------------------------------------------------------------
 
 
@@ -191,7 +193,7 @@ class _GenerationRequest(_Lenient):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # integers and booleans strict, as OpenAI's are: "5", 5.0 or true for max_tokens is a 400, not 5 or 1
     n: int = Field(default=1, ge=1, le=16, strict=True)
-    seed: int | None = Field(default=None, strict=True)
+    seed: int | None = Field(default=None, strict=True, ge=INT64_MIN, le=INT64_MAX)  # the sampler's int64
     stop: Union[str, list[str], None] = None
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

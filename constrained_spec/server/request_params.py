@@ -2,7 +2,7 @@
 its own seed) and its token budget. A value the engine would refuse is a 400 naming the field."""
 from __future__ import annotations
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, choice_seed
 from .errors import APIError, bad_request
 from .protocol import _GenerationRequest
 
@@ -26,7 +26,7 @@ class RequestParams:
             kw["logit_bias"] = self.logit_bias(req.logit_bias)
         self.check_token_ids(kw["stop_token_ids"], "stop_token_ids")
         try:
-            return [SamplingParams(**kw, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+            return [SamplingParams(**kw, seed=None if req.seed is None else choice_seed(req.seed, i)) for i in range(req.n)]
         except ValueError as e:
             raise bad_request(str(e), param=str(e).split(" ", 1)[0], code="invalid_value")
 
