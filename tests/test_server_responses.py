@@ -276,6 +276,7 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
                                                                                         "$defs": {"a": {"$ref": "#/$defs/a"}}}}}},
      "text.format.schema"),
     ({"input": []}, "input"),
+    ({"input": ""}, "input"),  # was served: the model wrote for an empty user turn
     ({"input": [{"role": "user", "content": 5}]}, "input.0"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),

@@ -148,6 +148,8 @@ def items_page(items: list[dict], after: str | None, limit: int, order: str) -> 
 def input_messages(req: ResponsesRequest) -> list[dict]:
     """The request's `input` as chat messages."""
     if isinstance(req.input, str):
+        if not req.input:  # as an empty prompt: nothing asked
+            raise bad_request("input is empty", param="input")
         return [{"role": "user", "content": req.input}]
     return [_message(item, f"input.{i}") for i, item in enumerate(req.input)]
 
