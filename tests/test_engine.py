@@ -8,6 +8,7 @@ import pytest
 
 from constrained_spec import SamplingParams
 from constrained_spec.engine import Engine, FinishReason, RequestError
+from constrained_spec.engine.sampler import seed_word
 from server_fixtures import exact_dtype
 from grammar_pin import PINNED
 
@@ -60,6 +61,12 @@ def test_seeds(engine):
     assert a.text == b[0].text
     c = engine.generate([p], sp(2))[0]
     assert c.token_ids != a.token_ids
+    # the noise hashes 32 bits: seeds that differed only above them (-1 and 2**63 - 1, 1 and
+    # 2**32 + 1) drew the same tokens; the high word is mixed in, a seed under 2**32 unchanged
+    assert seed_word(1) == 1 and seed_word(2**32 - 1) == 2**32 - 1
+    high = engine.generate([p, p], [sp(2**32 + 1), sp(2**63 - 1)])
+    low = engine.generate([p], sp(-1))[0]
+    assert len({tuple(x) for x in (a.token_ids, high[0].token_ids, high[1].token_ids, low.token_ids)}) == 4
 
 
 def test_sampling_filters_and_penalties_run(exact_engine):

@@ -51,6 +51,7 @@ from .model_runner import ModelRunner, StepResult
 from .omp_pool import on_fresh_thread
 from .request import (ERROR_BUSY, ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX, FinishReason, Request, RequestOutput,
                       Status)
+from .sampler import seed_word
 from .scheduler import Scheduler
 from ..speculative.worker import SpeculativeWorker, make_drafter
 from ..attention import ForwardMode
@@ -208,7 +209,7 @@ class Engine:
         self._check_vocabulary(req.ids_array(len(ids)))
         if request_id:
             req.request_id = request_id
-        req.seed = params.seed if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
+        req.seed = seed_word(params.seed) if params.seed is not None else hash((self.config.seed, req.request_id)) & 0x7FFFFFFF
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if detokenize else NO_TEXT
         if grammar is not None:
             req.grammar_future = self.grammar.compile_async(grammar)

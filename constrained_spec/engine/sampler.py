@@ -31,6 +31,19 @@ class SamplingBatch:
     needs_filter: bool = False  # any row with top-k/top-p/min-p
 
 
+def seed_word(seed: int) -> int:
+    """A request's 64-bit seed as the 32 bits the noise hashes: the low word with the high word
+    mixed in (the noise reads 32 bits, so seeds that differed only above them, as -1 and 2**63 - 1,
+    drew the same tokens); a seed in [0, 2**32) is itself."""
+    high = (seed >> 32) & _MASK32
+    if high:  # hashed (lowbias32): a linear mix of the words let -1 and 2**32 + 1 meet
+        for mul in (0x7FEB352D, 0x846CA68B):
+            high ^= high >> 16
+            high = (high * mul) & _MASK32
+        high ^= high >> 16
+    return (seed & _MASK32) ^ high
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """U(0,1) of shape [B, vocab], a pure function of (seed, step, token index)."""
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64).unsqueeze(0)
