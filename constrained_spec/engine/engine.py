@@ -60,10 +60,10 @@ from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
-
 # a server's stop: how long grammar compiles still running may take to end (xgrammar's cannot be
 # stopped: a 40,000-string enum takes tens of seconds) before the process leaves without them
 EXIT_COMPILE_WAIT_S = 1.0
+
 
 class RequestError(ValueError):
     """A request the engine refuses up front (too long, bad grammar, queue full)."""
@@ -187,6 +187,11 @@ class Engine:
         if self._stopped:  # nothing would ever run it: a caller waiting on it would wait forever
             raise RequestError("the engine is shut down", code="engine_shut_down")
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams; got {type(params).__name__}")
+        # again here: a field set after construction (or params unpickled) was never checked, and a
+        # value the step cannot take failed every request of the step with it
+        params.validate()
         if grammar is not None and not isinstance(grammar, GrammarSpec):
             raise TypeError(f"grammar must be a GrammarSpec (GrammarSpec.json_schema(schema), .regex(...), ...); "
                             f"got {type(grammar).__name__}")

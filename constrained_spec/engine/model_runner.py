@@ -324,8 +324,9 @@ class ModelRunner:
             self.rewind(r, 1)
 
     def _sampling_params_host(self, reqs) -> tuple[np.ndarray, np.ndarray]:
+        vocab = self.vocab_size
         f = np.array([(r.params.temperature, r.params.top_p, r.params.min_p,
-                       r.params.top_k if 0 < r.params.top_k < self.vocab_size else self.vocab_size) for r in reqs], dtype=np.float32)
+                       r.params.top_k if 0 < r.params.top_k < vocab else vocab) for r in reqs], dtype=np.float32)
         i = np.array([(r.seed, r.num_cached - len(r.prompt_ids)) for r in reqs], dtype=np.int64)
         return f, i
 
@@ -369,7 +370,8 @@ class ModelRunner:
         f = np.empty((6, n), dtype=np.float64)
         for i, r in enumerate(reqs):
             p = r.params
-            f[:, i] = (p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size,  # (a float: past 2**63, no int64)
+            # top_k past the vocabulary is the vocabulary (as a float past 2**63 it is no int64)
+            f[:, i] = (p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size,
                        p.frequency_penalty, p.presence_penalty)
         ints = np.array([[r.seed for r in reqs], [r.num_cached - len(r.prompt_ids) for r in reqs]], dtype=np.int64)
         ints = ints.reshape(2, n)

@@ -280,8 +280,6 @@ class EngineServer:
                 pass
 
 
-
-
 def _main(config, address: str, lifeline, response_store: str | None = None) -> None:
     """The engine process's body: build the engine, say ready (or why not), serve until told to stop
     or the parent is gone."""
