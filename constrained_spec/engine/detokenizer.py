@@ -12,14 +12,14 @@ Each token decodes two windows: the text before it (usually the one token before
 with it. The one-token windows come from a per-tokenizer table of single-token decodes (exact: a
 decode of the same ids is the same text), so a token usually costs one call into the tokenizer.
 
-Under stop strings the tokens are held back with their text (`release`): an update lists the tokens
-whose text it hands out, and a matched stop string's tokens are never listed, so that the tokens
-(and their logprobs) of an answer join to its text.
+Under stop strings the tokens are held back with their text (`release`): an update hands out whole
+tokens' text and lists those tokens, and a matched stop string's tokens are never listed, so that
+the tokens (and their logprobs) of an answer, and of each streamed chunk, join to its text.
 """
 from __future__ import annotations
 
 import weakref
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 
 # tokenizer -> {token id: decode([id])}; at most one entry per vocabulary entry
 _SINGLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -169,7 +169,7 @@ class IncrementalDetokenizer:
         if final or not self.stop:
             out, self._pending = pending, ""
         else:
-            cut = max(0, len(pending) - self.hold)
+            cut = self._token_bound(max(0, len(pending) - self.hold))
             out, self._pending = pending[:cut], pending[cut:]
         if out:
             self.emitted += len(out)
@@ -178,6 +178,16 @@ class IncrementalDetokenizer:
             if len(parts) >= 256:  # (text is kept for `text` only; a list, so no step copies it all)
                 self._out = ["".join(parts)]
         return out
+
+    def _token_bound(self, cut: int) -> int:
+        """`cut` (characters of the pending text that may go out) moved back to where a token's text
+        starts, unless it takes all of it: a chunk hands out its tokens' text whole, so the tokens
+        `release` lists with it (and their logprobs) are its text, not a token whose end waits."""
+        if cut >= len(self._pending) or not self._starts:
+            return cut
+        at = self.emitted + cut
+        i = bisect_right(self._starts, at) - 1
+        return max(0, self._starts[i] - self.emitted) if i >= 0 else 0
 
     def release(self, ids: list[int], logprobs: list | None, final: bool) -> tuple[list[int], list | None]:
         """After `take`: of the tokens held back and `ids` (with their logprobs, if any), those
