@@ -731,3 +731,38 @@ def test_a_refused_one_of_says_what_a_request_can_do(backend):
     with pytest.raises(GrammarError) as e:
         backend.compile(GrammarSpec.json_schema(overlapping).with_backend("llguidance"), timeout_s=30)
     assert "coerce_one_of" not in str(e.value) and "Use anyOf" in str(e.value) and e.value.keyword == "oneOf"
+
+
+SPELLS_SPECIAL = [GrammarSpec.choice(["<|endoftext|>"]), GrammarSpec.choice(["<|im_end|>", "x"]),
+                  GrammarSpec.regex(r"a<\|endoftext\|>"), GrammarSpec.ebnf('root ::= "<filename>"'),
+                  GrammarSpec.json_schema({"const": "x<|endoftext|>y"})]
+
+
+@pytest.mark.parametrize("name", ["llguidance", "auto"])
+def test_a_grammar_spelling_a_special_token_is_served_by_xgrammar(backend, name):
+    """llguidance's masks let the model write a special token's text (`<|endoftext|>` in a choice,
+    `<filename>` in an EBNF literal, inside a JSON const) as the special token itself, which the
+    matcher never takes as text: the request failed in mid-answer ("token 0 violates the grammar"),
+    or the grammar was refused as accepting no string. xgrammar spells it in ordinary tokens."""
+    specials = special_token_ids(backend.tokenizer)
+    for spec in SPELLS_SPECIAL:
+        compiled = backend.compile(spec.with_backend(name))
+        assert compiled.backend == "xgrammar", spec
+        m = backend.matcher(compiled)
+        bitmask = torch.zeros((1, backend.bitmask_width), dtype=torch.int32)
+        m.fill_bitmask(bitmask, 0)
+        assert not allowed(bitmask, 0) & (specials - backend.stop_token_ids), spec
+    assert backend.compile(llg(GrammarSpec.choice(["<b>", "im_end"]))).backend == "llguidance"  # no special's text
+
+
+def test_a_special_token_s_text_is_answered_under_llguidance(tiny_llama_dir):
+    from constrained_spec import SamplingParams
+    from constrained_spec.engine import Engine, FinishReason
+    eng = Engine(model=tiny_llama_dir, device="cpu")
+    try:
+        spec = GrammarSpec.choice(["<|endoftext|>"]).with_backend("llguidance")
+        outs = eng.generate([[5, 6, 7]] * 4, [SamplingParams(max_tokens=24, temperature=1.0, seed=s) for s in range(4)],
+                            spec)
+        assert all(o.text == "<|endoftext|>" and o.finish_reason is FinishReason.STOP for o in outs), outs
+    finally:
+        eng.shutdown()

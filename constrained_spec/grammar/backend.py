@@ -77,6 +77,8 @@ class GrammarBackend:
         self.tokenizer_info = tokenizer_info_without_specials(tokenizer, self.vocab_size, stop_token_ids)
         self.stop_token_ids = frozenset(self.tokenizer_info.stop_token_ids)
         self._special_ids = frozenset(self.tokenizer_info.special_token_ids)
+        # their texts (`<|im_end|>`, `<filename>`), which llguidance lets the model write as the token
+        self._special_texts = _special_texts(tokenizer, self._special_ids | self.stop_token_ids)
         self.compile_workers = max(1, compile_workers or default_compile_workers())
         # xgrammar's own threads per compile: the workers together use about half the cores
         max_threads = max_threads or max(1, min(8, available_cores() // (2 * self.compile_workers)))
@@ -272,6 +274,9 @@ class GrammarBackend:
             pruned = self._refuse_if_unproductive(spec)
             if pruned is not None:
                 raise self._served_pruned(spec, pruned)
+        special = self._special_text_in(spec)
+        if special is not None:
+            raise self._served_past_llguidance(spec, special)
         try:
             compiled = self._build_llguidance(spec)
         except GrammarError as refusal:
@@ -315,6 +320,24 @@ class GrammarBackend:
         that matches nothing is an empty lexeme to it)."""
         xkey, prepared = self._normalize(spec)
         return SlowLane(lambda: self._refuse_if_empty(self._build_xgrammar(spec, prepared, xkey, pruned)))
+
+    def _special_text_in(self, spec: GrammarSpec) -> Optional[str]:
+        """The text of a special token that the grammar's text holds (a regex's with its escapes
+        dropped, `<\\|im_end\\|>`), or None."""
+        value = spec.value.replace("\\", "") if "\\" in spec.value else spec.value
+        return next((t for t in self._special_texts if t in value), None)
+
+    def _served_past_llguidance(self, spec: GrammarSpec, special: str) -> SlowLane:
+        """A grammar whose text holds a special token's text (a choice `<|endoftext|>`, a JSON
+        const `x<filename>y`) is served by xgrammar, under llguidance too: llguidance's masks let
+        the model write that text as the special token itself, the one token a model would pick
+        for it, which no matcher takes as text (the request failed in mid-answer). xgrammar spells
+        it in ordinary tokens."""
+        log.info("grammar holds %r, a special token's text: served by xgrammar", special)
+        with self._lock:
+            self._stats["llguidance_fallbacks"] += 1
+        xkey, prepared = self._normalize(spec)
+        return SlowLane(lambda: self._build_xgrammar_checked(spec, prepared, xkey))
 
     def _build_xgrammar_checked(self, spec: GrammarSpec, prepared: Optional[str], key) -> CompiledGrammar:
         # the normalizer or xgrammar refuses a schema's other contradictions (min > max, an empty
@@ -502,6 +525,12 @@ class GrammarBackend:
         """Stops the workers once their compiles end; queued compiles fail. Waits up to `wait_s` (the
         compile timeout by default) for the running ones; returns whether they all ended."""
         return self.queue.close(wait_s)
+
+
+def _special_texts(tokenizer, ids) -> tuple[str, ...]:
+    """The texts of the special tokens `ids` that text could spell (not blank, two characters or more)."""
+    texts = tokenizer.convert_ids_to_tokens(sorted(ids))
+    return tuple(t for t in texts if isinstance(t, str) and len(t.strip()) >= 2)
 
 
 def _digest(spec: GrammarSpec) -> bytes:
