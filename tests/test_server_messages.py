@@ -128,3 +128,30 @@ def test_seeds_are_int64_whatever_n():
         with pytest.raises(APIError) as e:
             params.sampling(chat(seed=seed), 4, None)
         assert e.value.status == 400 and e.value.param == "seed", e.value.body()
+
+
+@pytest.mark.parametrize("cls, body, param", [
+    (ChatCompletionRequest, {"temperature": True}, "temperature"), (ChatCompletionRequest, {"top_p": "0.5"}, "top_p"),
+    (ChatCompletionRequest, {"min_p": "0.1"}, "min_p"), (ChatCompletionRequest, {"presence_penalty": False}, "presence_penalty"),
+    (ChatCompletionRequest, {"logit_bias": {"5": True}}, "logit_bias.5"),
+    (ChatCompletionRequest, {"stop_token_ids": [True]}, "stop_token_ids.0"),
+    (CompletionRequest, {"prompt": [True]}, "prompt.0"), (CompletionRequest, {"prompt": [[1, 2.0]]}, "prompt.0.1"),
+    (CompletionRequest, {"prompt": "x", "best_of": 0}, "best_of")])
+def test_numbers_are_numbers(cls, body, param):
+    """true, "0.5" or 2.0 where a number or a token id goes were read as 1, 0.5 and 2 (pydantic's lax
+    mode); OpenAI answers a 400 for them."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if cls is ChatCompletionRequest else {}
+    with pytest.raises(APIError) as e:
+        parse(cls, {**base, **body})
+    assert e.value.status == 400 and e.value.param == param, e.value.body()
+    assert parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "temperature": 1,
+                                         "logit_bias": {"5": 10}}).temperature == 1.0
+
+
+def test_logit_bias_keys_are_token_ids_in_digits():
+    from constrained_spec.server.request_params import RequestParams
+    params = RequestParams(vocab=100, max_context=64, default_max_tokens=None)
+    assert params.logit_bias({"5": 1.0, "0": -2}) == {5: 1.0, 0: -2}
+    for key in ("+1", "1_0", "\u0661", " 1", "-1", "100"):  # int() read the first four as ids
+        with pytest.raises(APIError, match="is not a token id"):
+            params.logit_bias({key: 1.0})

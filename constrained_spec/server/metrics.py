@@ -244,7 +244,9 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens",
+                                     "Prompt tokens of finished engine requests: each choice of an n > 1 "
+                                     "request counts its prompt (usage counts it once)", registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Generated tokens of finished requests",
                                          registry=r)
         self.finished = Counter(f"{PREFIX}_requests_finished", "Engine requests finished, by finish reason",

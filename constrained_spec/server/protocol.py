@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..sampling_params import INT64_MAX, INT64_MIN
@@ -189,15 +189,16 @@ class StreamOptions(_Lenient):
 class _GenerationRequest(_Lenient):
     """Fields /v1/chat/completions and /v1/completions share."""
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # numbers strict too: an integer or a decimal, not true or "0.5" (OpenAI's 400 for a string)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0, strict=True)
     # integers and booleans strict, as OpenAI's are: "5", 5.0 or true for max_tokens is a 400, not 5 or 1
     n: int = Field(default=1, ge=1, le=16, strict=True)
     seed: int | None = Field(default=None, strict=True, ge=INT64_MIN, le=INT64_MAX)  # the sampler's int64
     stop: Union[str, list[str], None] = None
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, strict=True)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, strict=True)
+    logit_bias: dict[str, StrictFloat] | None = None  # (strict: an integer or a decimal, not true)  # token id (as a string) -> bias in [-100, 100]
     prediction: Prediction | None = None
     stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
@@ -215,8 +216,8 @@ class _GenerationRequest(_Lenient):
     grammar_backend: str | None = None  # xgrammar | llguidance | auto; None: the server's --grammar-backend
     # extensions: sampling
     top_k: int | None = Field(default=None, strict=True)
-    min_p: float | None = None
-    stop_token_ids: list[int] | None = None
+    min_p: float | None = Field(default=None, strict=True)
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = Field(default=False, strict=True)
 
     _boolean_schema = field_validator("guided_json", mode="before")(boolean_schema)
@@ -287,7 +288,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # ids: not true, not 1.0
 
 
 class CompletionRequest(_GenerationRequest):
@@ -296,7 +297,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, strict=True)
 
     @field_validator("prompt")
     @classmethod

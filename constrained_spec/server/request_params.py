@@ -34,10 +34,8 @@ class RequestParams:
         """OpenAI's logit_bias (token ids as JSON object keys) with integer keys, each a token id."""
         out = {}
         for key, value in bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                token = -1
+            # digits only: int() also reads "+1", "1_0", " 1" and other scripts' digits ("١")
+            token = int(key) if key.isascii() and key.isdigit() else -1
             if not 0 <= token < self.vocab:
                 raise bad_request(f"logit_bias key {key!r} is not a token id (0 to {self.vocab - 1})",
                                   param="logit_bias", code="invalid_value")
