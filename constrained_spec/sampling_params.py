@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_CHARS = 4096
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # a seed's range: the sampler hashes it as an int64
 
 
@@ -74,6 +75,9 @@ class SamplingParams:
         need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop), "stop",
              "must be a string or a list of strings")  # (bytes failed the detokenizer's search)
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
+        # every token's text is searched for each of them over the last (longest - 1) characters
+        need(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"strings may be at most {MAX_STOP_CHARS} characters long")
         need(isinstance(self.stop_token_ids, (list, tuple, set, frozenset))
              and all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be a list of token ids")
         need(self.seed is None or _is_int(self.seed)

@@ -155,3 +155,16 @@ def test_logit_bias_keys_are_token_ids_in_digits():
     for key in ("+1", "1_0", "\u0661", " 1", "-1", "100"):  # int() read the first four as ids
         with pytest.raises(APIError, match="is not a token id"):
             params.logit_bias({key: 1.0})
+
+
+def test_stop_strings_have_a_length_limit():
+    """Each token's text is searched for every stop string over the last (longest - 1) characters:
+    16 stops of 500 KB made every token of the answer a search of megabytes on a front-end's
+    reader thread, which serves all its requests."""
+    from constrained_spec.server.request_params import RequestParams
+    params = RequestParams(vocab=100, max_context=64, default_max_tokens=None)
+    chat = lambda stop: parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "stop": stop})
+    assert params.sampling(chat(["x" * 4096]), 4, None)[0].stop == ["x" * 4096]
+    with pytest.raises(APIError) as e:
+        params.sampling(chat(["a", "x" * 4097]), 4, None)
+    assert e.value.status == 400 and e.value.param == "stop" and "4096 characters" in e.value.message
