@@ -735,7 +735,12 @@ def test_a_refused_one_of_says_what_a_request_can_do(backend):
 
 SPELLS_SPECIAL = [GrammarSpec.choice(["<|endoftext|>"]), GrammarSpec.choice(["<|im_end|>", "x"]),
                   GrammarSpec.regex(r"a<\|endoftext\|>"), GrammarSpec.ebnf('root ::= "<filename>"'),
-                  GrammarSpec.json_schema({"const": "x<|endoftext|>y"})]
+                  GrammarSpec.json_schema({"const": "x<|endoftext|>y"}),
+                  # spelled another way (QA: a 500 in mid-answer under llguidance and auto's first uses)
+                  GrammarSpec.regex("<[|]im_start[|]>"), GrammarSpec.regex("(<)(reponame)(>)"),
+                  GrammarSpec.regex("<(file)_sep>"), GrammarSpec.regex(r"<\x7cim_end\x7c>"),
+                  GrammarSpec.json_schema({"type": "string", "pattern": "^<(gh_stars)>$"}),
+                  GrammarSpec.ebnf('root ::= "<" "filename" ">"'), GrammarSpec.ebnf('root ::= "<|" "im_end" "|>" " ok"')]
 
 
 @pytest.mark.parametrize("name", ["llguidance", "auto"])
@@ -752,7 +757,9 @@ def test_a_grammar_spelling_a_special_token_is_served_by_xgrammar(backend, name)
         bitmask = torch.zeros((1, backend.bitmask_width), dtype=torch.int32)
         m.fill_bitmask(bitmask, 0)
         assert not allowed(bitmask, 0) & (specials - backend.stop_token_ids), spec
-    assert backend.compile(llg(GrammarSpec.choice(["<b>", "im_end"]))).backend == "llguidance"  # no special's text
+    for plain in (GrammarSpec.choice(["<b>", "im_end"]), GrammarSpec.regex("[a-z]+"),
+                  GrammarSpec.json_schema({"type": "object", "properties": {"filename": {"type": "string"}}})):
+        assert backend.compile(llg(plain)).backend == "llguidance", plain  # no special token's text
 
 
 def test_a_special_token_s_text_is_answered_under_llguidance(tiny_llama_dir):
@@ -760,9 +767,10 @@ def test_a_special_token_s_text_is_answered_under_llguidance(tiny_llama_dir):
     from constrained_spec.engine import Engine, FinishReason
     eng = Engine(model=tiny_llama_dir, device="cpu")
     try:
-        spec = GrammarSpec.choice(["<|endoftext|>"]).with_backend("llguidance")
-        outs = eng.generate([[5, 6, 7]] * 4, [SamplingParams(max_tokens=24, temperature=1.0, seed=s) for s in range(4)],
-                            spec)
-        assert all(o.text == "<|endoftext|>" and o.finish_reason is FinishReason.STOP for o in outs), outs
+        for spec, text in ((GrammarSpec.choice(["<|endoftext|>"]), "<|endoftext|>"),
+                           (GrammarSpec.regex("<[|]im_start[|]>"), "<|im_start|>")):
+            outs = eng.generate([[5, 6, 7]] * 4, [SamplingParams(max_tokens=24, temperature=1.0, seed=s)
+                                                  for s in range(4)], spec.with_backend("llguidance"))
+            assert all(o.text == text and o.finish_reason is FinishReason.STOP for o in outs), outs
     finally:
         eng.shutdown()

@@ -322,10 +322,13 @@ class GrammarBackend:
         return SlowLane(lambda: self._refuse_if_empty(self._build_xgrammar(spec, prepared, xkey, pruned)))
 
     def _special_text_in(self, spec: GrammarSpec) -> Optional[str]:
-        """The text of a special token that the grammar's text holds (a regex's with its escapes
-        dropped, `<\\|im_end\\|>`), or None."""
-        value = spec.value.replace("\\", "") if "\\" in spec.value else spec.value
-        return next((t for t in self._special_texts if t in value), None)
+        """The text of a special token that the grammar may spell, or None: its text with escapes
+        read (`\\x7c`, `\\u007c`, `\\|`) and the punctuation of regexes, EBNF and JSON dropped
+        (groups, classes, quotes, `|`, blanks) holds the token's text without its `|`s, as
+        `<[|]im_start[|]>`, `(<)(reponame)(>)` and `"<" "filename" ">"` do. A grammar that only
+        matches such a text through a wider class (`<[a-z_]+>`) is not found here."""
+        value = _SPELLING_PUNCTUATION.sub("", _ESCAPE.sub(_unescape, spec.value))
+        return next((t for t, bare in self._special_texts if bare in value), None)
 
     def _served_past_llguidance(self, spec: GrammarSpec, special: str) -> SlowLane:
         """A grammar whose text holds a special token's text (a choice `<|endoftext|>`, a JSON
@@ -527,10 +530,20 @@ class GrammarBackend:
         return self.queue.close(wait_s)
 
 
-def _special_texts(tokenizer, ids) -> tuple[str, ...]:
-    """The texts of the special tokens `ids` that text could spell (not blank, two characters or more)."""
+def _special_texts(tokenizer, ids) -> tuple[tuple[str, str], ...]:
+    """(text, text without spelling punctuation) of the special tokens `ids` that text could spell
+    (not blank, two characters or more)."""
     texts = tokenizer.convert_ids_to_tokens(sorted(ids))
-    return tuple(t for t in texts if isinstance(t, str) and len(t.strip()) >= 2)
+    return tuple((t, _SPELLING_PUNCTUATION.sub("", t)) for t in texts if isinstance(t, str) and len(t.strip()) >= 2)
+
+
+# what `_special_text_in` drops from a grammar's text (and a special token's) before comparing them
+_SPELLING_PUNCTUATION = re.compile(r"""[()\[\]|"'\s^$?*+\\]""")
+_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4}))")
+
+
+def _unescape(m: "re.Match") -> str:
+    return chr(int(m.group(1) or m.group(2), 16))
 
 
 def _digest(spec: GrammarSpec) -> bytes:
