@@ -541,7 +541,14 @@ def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(ht
     # no type, and only other values at the root: as an object's schema, none (under auto they were
     # a dead branch, pruned: the function silently never called)
     not_objects = [{"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"enum": ["a", "b"]}]
-    for never_ends in (NEVER_ENDS, untyped, *not_objects):
+    # required properties no value meets: under llguidance (and auto, which tries it first) a 200
+    # whose function could never be called (QA round 2 A)
+    no_value = [{"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}},
+                 "required": ["n"]},
+                {"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}},
+                 "required": ["s"]},
+                {"type": "object", "properties": {"f": False}, "required": ["f"]}]
+    for never_ends in (NEVER_ENDS, untyped, *not_objects, *no_value):
         tools = TOOLS[:1] + [{"type": "function", "function": {"name": "loop", "parameters": never_ends}}]
         r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
         assert r.status_code == 400, r.text
@@ -550,6 +557,11 @@ def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(ht
     tools[1]["function"]["parameters"] = TREE
     r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4, **extra))
     assert r.status_code == 200, r.text
+    if choice == "auto":  # the answer format beside the tools: its branch was as silently gone
+        answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": no_value[0]}}
+        r = http.post("/v1/chat/completions", json=chat_body(tools=TOOLS[:1], response_format=answer, max_tokens=4,
+                                                             **extra))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
 
 
 @pytest.mark.parametrize("choice", ["required", "auto", _named("bad")])
@@ -562,7 +574,9 @@ def test_a_fault_in_a_function_s_parameters_names_the_function_and_its_own_path(
              ({"type": "object", "properties": {"x": {"$ref": "#"}, "b": bad_regex}}, "/properties/b"),  # body moved
              ({"type": "object", "properties": {"y": {"$ref": "#/definitions/Y"}}, "definitions": {"Y": bad_regex}},
               "/definitions/Y"),
-             ({"type": "object", "properties": {"y": {"$ref": "#/$defs/Y"}}, "$defs": {"Y": bad_regex}}, "/$defs/Y")]
+             ({"type": "object", "properties": {"y": {"$ref": "#/$defs/Y"}}, "$defs": {"Y": bad_regex}}, "/$defs/Y"),
+             ({"type": "object", "properties": {"y": {"$ref": "#/$defs/a~1b"}}, "$defs": {"a/b": bad_regex}},
+              "/$defs/a~1b")]  # (was named under /definitions: the escaped key looked up unescaped)
     for parameters, path in cases:
         tools = TOOLS[:1] + [{"type": "function", "function": {"name": "bad", "parameters": parameters}}]
         r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice=choice, max_tokens=4))

@@ -169,6 +169,8 @@ class ToolCallPlan:
         is the path in the function's own parameters (or in the response format's schema), which
         the error names instead. An error with no path, or one outside them all, stays "tools"."""
         path = getattr(err, "path", None)
+        if self.forced is not None and not isinstance(path, str):  # the grammar is that function's parameters
+            return f"tools.{self._index(self.forced)}.function.parameters", err
         found = self._locate(path) if isinstance(path, str) else None
         if found is None:
             return "tools", err
@@ -202,7 +204,8 @@ class ToolCallPlan:
             own = key[len(name) + 2:]
             if own == "root" and _refers_to(schema, "#"):  # the parameters' body, moved for its refs
                 return param, rest
-            kind = "$defs" if own in schema.get("$defs", {}) else "definitions"
+            unescaped = own.replace("~1", "/").replace("~0", "~")  # the path's JSON-pointer spelling
+            kind = "$defs" if unescaped in schema.get("$defs", {}) else "definitions"
             return param, f"/{kind}/{own}{rest}"
         return None
 
