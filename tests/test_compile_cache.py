@@ -568,3 +568,14 @@ def test_warm_up_builds_llguidance_only_where_it_may_serve(tok):
         b.compile(GrammarSpec.json_schema(PERSON))
         assert time.perf_counter() - t0 < 0.5 or default == "xgrammar"
         b.close()
+
+
+def test_the_environment_s_none_turns_the_disk_cache_off(monkeypatch, tmp_path):
+    """CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR=none was taken as a folder named `none` in the working
+    directory; the environment reads as the option does."""
+    from constrained_spec.grammar.disk_cache import ENV_DIR, resolve_dir
+    for off in ("none", "off", "None"):
+        monkeypatch.setenv(ENV_DIR, off)
+        assert resolve_dir(None) is None, off
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    assert resolve_dir(None) == str(tmp_path) and resolve_dir("none") is None

@@ -30,9 +30,12 @@ def default_dir() -> str:
 
 
 def resolve_dir(option: Optional[str]) -> Optional[str]:
-    """The config option as a folder: None -> the default, "none" (or "") -> disabled."""
+    """The config option as a folder: None -> the default, "none" (or "") -> disabled; the
+    environment's folder is read by the same rule (`=none` made a folder named none)."""
     if option is None:
-        return default_dir()
+        option = os.environ.get(ENV_DIR)
+        if not option:  # (set empty: as unset)
+            return default_dir()
     if option.strip().lower() in ("", "none", "off"):
         return None
     return os.path.expanduser(option)
