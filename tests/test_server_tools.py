@@ -601,7 +601,7 @@ def test_arguments_are_an_object_whatever_the_parameters_leave_out(tokenizer, ba
     model wrote `"Paris"` as a call's arguments. Every call's arguments are an object."""
     from constrained_spec.grammar import GrammarBackend
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
-    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir="none")
+    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir=None)
     try:
         for choice in (_named("get_weather"), "required", "auto"):
             plan = tool_call_plan(_request(tools=tools, tool_choice=choice))
@@ -621,7 +621,7 @@ def test_nested_models_compile_in_envelopes(tokenizer, backend):
     openai = pytest.importorskip("openai")
     from constrained_spec.grammar import GrammarBackend
     tools = [openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Shipment)]
-    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir="none")
+    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir=None)
     try:
         for choice in ("required", "auto", _named("Person")):
             plan = tool_call_plan(_request(tools=tools, tool_choice=choice))
@@ -642,7 +642,7 @@ def test_openai_s_128_tools_compile(tokenizer, backend):
     many = [{"type": "function", "function": {"name": f"fn_{i}", "parameters": params}} for i in range(128)]
     plan = tool_call_plan(_request(tools=many))
     assert len(plan.schema["anyOf"]) == 129
-    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir="none")
+    grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir=None)
     try:
         assert grammars.compile(plan.grammar().with_backend(backend), timeout_s=60) is not None
     finally:
