@@ -279,6 +279,8 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
     ({"input": ""}, "input"),  # was served: the model wrote for an empty user turn
     ({"input": [{"role": "user", "content": 5}]}, "input.0"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools.0.parameters"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_bad_requests_are_400s(http, body, param):
@@ -286,6 +288,7 @@ def test_bad_requests_are_400s(http, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["message"] and (param is None or error["param"] == param), error
+    assert ".function." not in error["message"], error  # a chat field's name (Responses tools are flat)
 
 
 def test_disconnects_free_kv(openai_client, server, http):

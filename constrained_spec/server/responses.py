@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 import orjson
 from pydantic import Field, ValidationError, field_validator
 
-from .errors import bad_request, validation_error_to_api
+from .errors import APIError, bad_request, validation_error_to_api
 from .protocol import ChatCompletionRequest, _Lenient, boolean_schema, new_id
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the answer's logprobs
@@ -102,9 +102,7 @@ def chat_request(req: ResponsesRequest, data: dict, history: list[dict] = ()) ->
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
-        error = validation_error_to_api(e.errors(include_url=False), chat)
-        error.param = param_name(error.param)
-        raise error
+        raise in_responses_terms(validation_error_to_api(e.errors(include_url=False), chat))
 
 
 def conversation(history: list[dict], req: ResponsesRequest, output: list[dict]) -> list[dict]:
@@ -217,6 +215,15 @@ def _chat_tool_choice(choice: Union[str, dict]) -> Union[str, dict]:
 _PARAM_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
                 ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
                 ("max_completion_tokens", "max_output_tokens"), ("logprobs", "include"))
+
+
+def in_responses_terms(e: APIError) -> APIError:
+    """A chat request's error as the Responses request has it: its param renamed, and in its
+    message too (a tool's `'tools.0.function.parameters'` is `'tools.0.parameters'` here)."""
+    old, e.param = e.param, param_name(e.param)
+    if old and e.param != old:
+        e.message = e.message.replace(f"'{old}'", f"'{e.param}'")
+    return e
 
 
 def param_name(param: str | None) -> str | None:

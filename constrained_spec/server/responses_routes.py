@@ -37,7 +37,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         try:
             run = await service.prepare_chat(req, request)
         except APIError as e:  # named as the Responses request has it
-            e.param = responses.param_name(e.param)
+            responses.in_responses_terms(e)
             raise
         service.admit(1)
         admitted = True
@@ -52,7 +52,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                 try:
                     await service.open_stream(gen, request, run.grammar, param)
                 except APIError as e:
-                    e.param = responses.param_name(e.param)
+                    responses.in_responses_terms(e)
                     raise
                 admitted = False  # the stream releases it
                 return SSEResponse(response_stream(watch_stops(gen, run.plan, 1), rreq, req, rid, created, run,
@@ -65,7 +65,7 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
             try:
                 service.raise_engine_errors(finals, param)
             except APIError as e:  # named as the Responses request has it
-                e.param = responses.param_name(e.param)
+                responses.in_responses_terms(e)
                 raise
             message, reason = answer_message(run, req, outs[0], finals[0])
             logprobs = texts.chat_logprobs(lps[0], run.top_n)["content"] if req.logprobs else None
