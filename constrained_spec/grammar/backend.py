@@ -555,10 +555,16 @@ def _digest(spec: GrammarSpec) -> bytes:
 
 
 def may_accept_nothing(spec: GrammarSpec) -> bool:
-    """Whether a JSON schema may accept no value though nothing in it says so outright: only a
-    `$ref` cycle or a `pattern` can make one (the keywords' other contradictions are refused as
-    such), so only those pay a compile check of their own (tools' parameters, in the server)."""
-    return spec.kind == "json_schema" and ('"pattern"' in spec.value or _recursive_schema(spec))
+    """Whether a JSON schema may accept no value though its compile need not say so: a `$ref`
+    cycle, a `pattern`, or keywords that may contradict each other (bounds, `enum`, `false`),
+    which inside an anyOf (tools' calls) llguidance drops as a dead branch instead of refusing.
+    Only these pay a compile check of their own (tools' parameters, in the server)."""
+    return spec.kind == "json_schema" and ('"pattern"' in spec.value or _MAY_CONTRADICT.search(spec.value) is not None
+                                           or _recursive_schema(spec))
+
+
+# keywords whose values may leave a schema no instance (minimum over maximum, an empty enum, false)
+_MAY_CONTRADICT = re.compile(r'"(?:min|max|exclusiveM)\w*"|"(?:enum|const|not|multipleOf)"|\bfalse\b')
 
 
 def _recursive_schema(spec: GrammarSpec) -> bool:

@@ -9,7 +9,6 @@ import asyncio
 import functools
 import logging
 import os
-import re
 import time
 import weakref
 from dataclasses import dataclass
@@ -200,8 +199,7 @@ class Service:
     async def _check_tool_parameters(self, req: _GenerationRequest, plan: ToolCallPlan,
                                      request: Request | None) -> None:
         """Each function the calls may name whose parameters could accept no arguments object
-        (`may_accept_nothing`, or keywords that may contradict each other: bounds, `enum`, `false`)
-        is compiled alone first: one that accepts none is the 400 naming its parameters. Among the
+        (`may_accept_nothing`) is compiled alone first: one that accepts none is the 400 naming its parameters. Among the
         calls it is a dead branch, which llguidance drops from its masks and xgrammar's check
         prunes: that function was silently never called. So is the answer format beside them
         (`auto` with a JSON `response_format`), which names `response_format.json_schema.schema`."""
@@ -218,8 +216,7 @@ class Service:
                 if _is_grammar_error(e):
                     raise grammar_error(e, param)
                 raise
-            if not (may_accept_nothing(spec) or _object_by_us(given)
-                    or plan.forced is None and _MAY_CONTRADICT.search(spec.value)):
+            if not may_accept_nothing(spec) and not _object_by_us(given):
                 continue
             if req.grammar_backend is not None:
                 spec = spec.with_backend(req.grammar_backend)
@@ -475,10 +472,6 @@ def _refusal(err: Exception, param: str | None, plan: ToolCallPlan | None) -> AP
 
 def _is_grammar_error(e: Exception) -> bool:
     return any(c.__name__ == "GrammarError" for c in type(e).__mro__)
-
-
-# keywords whose values may leave a schema no instance (minimum over maximum, an empty enum, false)
-_MAY_CONTRADICT = re.compile(r'"(?:min|max|exclusiveM)\w*"|"(?:enum|const|not|multipleOf)"|\bfalse\b')
 
 
 def _object_by_us(parameters) -> bool:
