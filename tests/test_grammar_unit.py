@@ -375,7 +375,9 @@ def test_schema_checks_are_remembered_only_when_they_pass():
 
 @pytest.mark.parametrize("schema, keyword, path", [
     ({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 3}},
-      "required": ["a"]}, "required", ""),
+      "required": ["a"]}, "maxLength", "/properties/a"),
+    ({"type": "object", "properties": {"a": {"enum": ["x"], "type": "integer"}}, "required": ["a"]},
+     "enum", "/properties/a"),
     ({"type": "integer", "minimum": 5, "maximum": 3}, "maximum", ""),
     ({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, "maximum", ""),
     ({"type": "array", "minItems": 3, "maxItems": 1}, "maxItems", ""),
@@ -396,6 +398,34 @@ def test_a_schema_whose_bounds_contradict_is_the_schema_false_where_that_means_s
     assert prepare_schema({"type": "object", "properties": {"a": empty, "b": {"type": "integer"}}}) == {
         "type": "object", "properties": {"b": {"type": "integer"}}}  # (closed: strict, the default)
     assert prepare_schema({"anyOf": [empty, {"type": "integer"}]}) == {"type": "integer"}
+
+
+def test_an_optional_property_whose_enum_fits_no_other_keyword_is_absent(backend, tokenizer):
+    """{"enum": ["X"], "type": "object"} has no value: as an optional property it is absent (xgrammar's
+    normalizer refused the whole schema, llguidance served it; dev schema Github_medium---o29941)."""
+    schema = {"type": "object", "properties": {"b": {"enum": ["X"], "type": "object"}, "c": {"type": "integer"}}}
+    cg = backend.compile(GrammarSpec.json_schema(schema))
+    assert accepts(backend, tokenizer, cg, '{"c": 1}') and accepts(backend, tokenizer, cg, '{}')
+    assert not accepts(backend, tokenizer, cg, '{"b": "X"}')
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "array", "minItems": 2}, ['[1, "a"]', '[{}, [], null]'], ['[1]']),
+    ({"type": "object", "properties": {"geo": {"type": "array", "minItems": 2, "maxItems": 2}}},
+     ['{"geo": [48.8, 2.3]}', '{}'], ['{"geo": [1]}']),
+    ({"type": "object", "minProperties": 1}, ['{"a": 1}', '{"a": 1, "b": "x"}'], ['{}']),
+    ({"type": "object", "properties": {"args": {"type": "object", "minProperties": 1}}},
+     ['{"args": {"k": [1]}}', '{}'], ['{"args": {}}'])])
+def test_min_items_and_properties_leave_items_and_properties_open(backend, tokenizer, schema, good, bad):
+    """An array without `items` holds any items and an object without properties any properties, under
+    strict too, minItems/minProperties or not (dev schemas Github_medium---o87888, o36797): xgrammar's strict
+    mode closed them once a minimum was set, and refused the schema ("minItems is greater than the number
+    of prefixItems, but additional items are not allowed: 2 > 0"); llguidance served them."""
+    cg = backend.compile(GrammarSpec.json_schema(schema))
+    for text in good:
+        assert accepts(backend, tokenizer, cg, text), text
+    for text in bad:
+        assert not accepts(backend, tokenizer, cg, text), text
 
 
 def test_a_type_whose_bounds_contradict_leaves_the_others():

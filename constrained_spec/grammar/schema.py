@@ -132,6 +132,7 @@ class _Normalizer:
         self.names: dict[str, str] = {}  # original pointer -> def name
         self.defs: dict[str, Any] = {}  # def name -> normalized schema (None while in progress)
         self.inlining: set = set()
+        self.no_value: dict[str, GrammarError] = {}  # path -> why the schema there has no value (now `false`)
         self.anchors = self._scan_anchors()
         root_id = root.get("$id", root.get("id")) if isinstance(root, dict) else None
         self.root_id = root_id.split("#")[0] if isinstance(root_id, str) else None
@@ -364,16 +365,18 @@ class _Normalizer:
             for k in ("minItems", "maxItems"):
                 if k in node:
                     out[k] = node[k]
+            if "items" not in out and "prefixItems" not in out and _positive(node.get("minItems")):
+                # any items, as without minItems: xgrammar's strict mode closes such an array (no array
+                # of 2 items is left for minItems 2)
+                out["items"] = {}
             if node.get("uniqueItems") is True and not (node.get("maxItems", 2) <= 1):
                 raise unsupported("uniqueItems", path, "xgrammar ignores it")
         # objects
         if tset & {"object"}:
             self._object(node, out, path)
         empty = _drop_empty_types(out, path)
-        if empty is not None:  # no value: the schema false where that has a meaning (an optional
-            if not path:       # property absent, an anyOf branch dropped), else the 400 naming the bounds
-                raise empty
-            return False
+        if empty is not None:
+            return self._no_value(empty, path)
         # enum / const
         if "enum" in node or "const" in node:
             return self._enum(node, out, path)
@@ -447,6 +450,9 @@ class _Normalizer:
         for k in ("minProperties", "maxProperties"):
             if k in node:
                 out[k] = node[k]
+        if not new_props and addl_n is None and "patternProperties" not in node and _positive(node.get("minProperties")):
+            # any properties, as without minProperties: xgrammar's strict mode closes such an object
+            out["additionalProperties"] = {}
 
     def _drop_absent(self, props: dict, required: list, out: dict, open_obj: bool, path: str) -> None:
         """Properties (and patternProperties) whose schema is `false` must be absent. xgrammar
@@ -458,8 +464,9 @@ class _Normalizer:
             return
         for name in absent:
             if name in required:
-                raise GrammarError(f"required property '{name}' has the schema false: no object satisfies it "
-                                   f"{at(path)}", "required", path)
+                why = self.no_value.get(f"{path}/properties/{_esc(name)}")
+                raise why or GrammarError(f"required property '{name}' has the schema false: no object satisfies it "
+                                          f"{at(path)}", "required", path)
         if open_obj:
             what = f"property '{absent[0]}'" if absent else "patternProperties"
             raise unsupported("properties" if absent else "patternProperties", path,
@@ -502,11 +509,20 @@ class _Normalizer:
                 seen.add(_json_key(v))
                 uniq.append(v)
         if not uniq:
-            raise GrammarError(f"no 'enum'/'const' value satisfies the other keywords {at(path)}",
-                               "enum", path)
+            return self._no_value(GrammarError(f"no 'enum'/'const' value satisfies the other keywords {at(path)}",
+                                               "enum", path), path)
         if _has_wide_integer(uniq):  # xgrammar's grammar for such a value matches no text
             raise unsupported("const" if "const" in node else "enum", path, "integers past 64 bits are not written")
         return {"enum": uniq}
+
+    def _no_value(self, why: GrammarError, path: str) -> bool:
+        """A schema with no value is `false` where that has a meaning (an optional property absent, an
+        anyOf branch dropped), kept with its reason for the 400 of a place that needs a value; at the
+        root that 400 at once."""
+        if not path:
+            raise why
+        self.no_value[path] = why
+        return False
 
     def _filter_values(self, values: list, schema: dict, path: str, kw: str) -> list:
         if "$ref" in json.dumps(schema):
@@ -773,6 +789,10 @@ _SIZE_BOUNDS = (("string", "minLength", "maxLength"), ("array", "minItems", "max
                 ("object", "minProperties", "maxProperties"))
 _NUMBER_BOUNDS = (("minimum", "maximum", False), ("exclusiveMinimum", "maximum", True),
                   ("minimum", "exclusiveMaximum", True), ("exclusiveMinimum", "exclusiveMaximum", True))
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _empty_types(s: dict) -> dict:
