@@ -762,6 +762,26 @@ def test_a_grammar_spelling_a_special_token_is_served_by_xgrammar(backend, name)
         assert backend.compile(llg(plain)).backend == "llguidance", plain  # no special token's text
 
 
+@pytest.mark.parametrize("spec", [GrammarSpec.regex("<[a-z_]+>"), GrammarSpec.regex("<(file|repo)[a-z]*>"),
+                                  GrammarSpec.json_schema({"type": "string", "pattern": "^<[a-z_]+>$"})])
+def test_a_wider_class_spelling_a_special_token_stays_on_llguidance(backend, tokenizer, spec):
+    """llguidance offers the special token only where the grammar forces its whole text (it tokenizes
+    forced text with the tokenizer, which reads `<filename>` as the token): a class that merely can
+    spell it (`<[a-z_]+>`) forces nothing, and its masks offer ordinary tokens all along `<filename>`."""
+    specials = special_token_ids(backend.tokenizer) - backend.stop_token_ids
+    compiled = backend.compile(llg(spec))
+    assert compiled.backend == "llguidance"
+    m = backend.matcher(compiled)
+    bitmask = torch.zeros((1, backend.bitmask_width), dtype=torch.int32)
+    quote = ids(tokenizer, '"') if spec.kind == "json_schema" else []
+    walk = quote + ids(tokenizer, "<") + ids(tokenizer, "filename") + ids(tokenizer, ">")
+    for tok in walk:
+        m.fill_bitmask(bitmask, 0)
+        offered = allowed(bitmask, 0)
+        assert not offered & specials and tok in offered, (spec, tok)
+        assert m.accept_token(tok)
+
+
 def test_a_special_token_s_text_is_answered_under_llguidance(tiny_llama_dir):
     from constrained_spec import SamplingParams
     from constrained_spec.engine import Engine, FinishReason

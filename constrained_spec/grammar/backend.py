@@ -326,7 +326,9 @@ class GrammarBackend:
         read (`\\x7c`, `\\u007c`, `\\|`) and the punctuation of regexes, EBNF and JSON dropped
         (groups, classes, quotes, `|`, blanks) holds the token's text without its `|`s, as
         `<[|]im_start[|]>`, `(<)(reponame)(>)` and `"<" "filename" ">"` do. A grammar that only
-        matches such a text through a wider class (`<[a-z_]+>`) is not found here."""
+        matches such a text through a wider class (`<[a-z_]+>`) is not found here, nor needs to be:
+        llguidance offers the special token only where the grammar forces its whole text (it tokenizes
+        forced text with the tokenizer, which reads it as the token)."""
         value = _SPELLING_PUNCTUATION.sub("", _ESCAPE.sub(_unescape, spec.value))
         return next((t for t, bare in self._special_texts if bare in value), None)
 
