@@ -368,23 +368,25 @@ class EngineProcess:
         deaths: list[float] = []
         while True:
             wait([self.process.sentinel])
-            if self._stopping.is_set():
-                return
-            now = time.monotonic()
-            deaths = [t for t in deaths if now - t < window_s] + [now]
             code = self.process.exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            if len(deaths) > max_restarts:
-                log.error("the engine process died (%s), %d times within %.0f s: not starting it again",
-                          how, len(deaths), window_s)
-                return
-            log.error("the engine process died (%s); starting it again", how)
-            self._lifeline.close()
-            try:
-                info = self._start()
-            except (RuntimeError, TimeoutError) as e:
-                log.error("the engine process could not start again: %s", e)
-                return
+            while True:  # a start that fails (it died again while loading) is one more death
+                if self._stopping.is_set():
+                    return
+                now = time.monotonic()
+                deaths = [t for t in deaths if now - t < window_s] + [now]
+                if len(deaths) > max_restarts:
+                    log.error("the engine process died (%s), %d times within %.0f s: not starting it again",
+                              how, len(deaths), window_s)
+                    return
+                log.error("the engine process died (%s); starting it again", how)
+                self._lifeline.close()
+                try:
+                    info = self._start()
+                    break
+                except (RuntimeError, TimeoutError) as e:
+                    how = str(e)
+                    log.error("the engine process could not start again: %s", e)
             if self._stopping.is_set():  # stopped while it started: stop this one too
                 self._stopped = False
                 self.stop()
@@ -397,8 +399,7 @@ class EngineProcess:
         while not self._lifeline.poll(0.1):
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited during start-up (code {self.process.exitcode})")
-            if time.monotonic() > deadline:
-                self.stop()
+            if time.monotonic() > deadline:  # (`_start` kills it: a restart may try again, not `stop`)
                 raise TimeoutError(f"the engine process was not ready within {timeout_s:.0f} s")
         try:
             kind, value = self._lifeline.recv()
