@@ -239,7 +239,7 @@ def test_json_escapes_in_regexes_stay_exact(backend):
         ({"type": "object", "patternProperties": {'^a"': {}}, "additionalProperties": False},
          ['{"a\\"": 1}']),
         ({"type": "string", "pattern": "^á+$"}, ['"áá"']),
-        ({"type": "string", "format": "time"}, ['"23:59:60Z"', '"12:00:00.5+01:00"']),
+        ({"type": "string", "format": "time"}, ['"23:59:59Z"', '"12:00:00.5+01:00"']),
         ({"type": "string", "format": "ipv6"}, ['"1:2:3:4:5:6:1.2.3.4"', '"::"', '"1::"']),
         ({"type": "string", "format": "email"}, ['"a.b+c@d-e.example"']),
         ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"\u00e9\u00e9\u00e9"']),
@@ -297,7 +297,7 @@ def test_regex_sites_accept_only_valid_json(backend, regex, value):
 
 # A valid value of each format (the probes go into it at every position) and invalid ones.
 FORMAT_VALUES = {
-    "date-time": ("2024-02-29T23:59:60Z", ["2023-02-29T00:00:00Z", "2024-01-01T12:00:0012Z",
+    "date-time": ("2024-02-29T23:59:59Z", ["2023-02-29T00:00:00Z", "2024-01-01T12:00:0012Z",
                                            "2024-01-01 12:00:00Z", "2024-01-01T25:00:00Z"]),
     "time": ("12:34:56.7+01:00", ["12:00:60Z", "12:00", "12:00:00+24:00", "1:00:00Z"]),
     "date": ("2024-02-29", ["2023-02-29", "2024-13-01", "2024-1-01"]),
@@ -314,6 +314,26 @@ FORMAT_VALUES = {
                                                       "123e4567-e89b-12d3-a456-42661417400g"]),
     "uri-template": ("http://a/{+b,c:3}{?d*}", ["{", "}", "{a b}", "{a:0}", "a b"]),
 }
+
+
+@pytest.mark.parametrize("fmt, leap", [("time", "23:59:60Z"), ("date-time", "2016-12-31T23:59:60Z"),
+                                       ("date-time", "2016-12-31T23:59:60.5+00:00")])
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_no_leap_second_is_written(backend, fmt, leap, name):
+    """A leap second is valid RFC 3339 (jsonschema's checker takes it) that pydantic, Python's
+    datetime and JavaScript's Date refuse: `client.chat.completions.parse` with a datetime field
+    raised pydantic's ValidationError on a 200 (QA 1129m, pydantic D2). Neither backend writes it;
+    the second before it is still there."""
+    schema = {"type": "string", "format": fmt}
+    assert validation_error(schema, json.dumps(leap)) is None  # valid, refused on purpose
+    cg = backend.compile(GrammarSpec.json_schema(schema).with_backend(name))
+    assert cg.backend == name
+
+    def written(text: str) -> bool:
+        ids = backend.tokenizer.encode(json.dumps(text), add_special_tokens=False)
+        m = backend.matcher(cg)
+        return m.accept_tokens(ids) == len(ids) and m.accept_token(min(backend.stop_token_ids))
+    assert not written(leap) and written(leap.replace(":60", ":59"))
 
 
 def test_every_enforced_format_is_probed():

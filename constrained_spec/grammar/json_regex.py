@@ -22,10 +22,11 @@ _LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][48]|[1357
 _DATE = (r"(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
          r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
          r"|" + _LEAP_YEAR + r"-02-29)")
-# A leap second only at 23:59:60 UTC, written in UTC (RFC 3339 allows it at 23:59 UTC in any
-# offset: a narrowing).
+# No leap second (RFC 3339's 23:59:60 UTC): Python's datetime, pydantic, JavaScript's Date and most
+# other readers refuse it, so an answer holding one would be valid JSON Schema and unreadable (a
+# narrowing).
 _TIME = (r"(?:(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?"
-         r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])|23:59:60(?:\.[0-9]+)?(?:[Zz]|[+-]00:00))")
+         r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9]))")
 _POINTER = r"(?:/(?:[^/~]|~[01])*)*"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"  # no leading zero (RFC 3986)
 _IPV4 = r"(?:" + _OCTET + r"\.){3}" + _OCTET
@@ -50,7 +51,7 @@ def _ipv6() -> str:
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # at most 63 characters (RFC 1123)
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 # Our own regexes for formats whose xgrammar grammar is unsound or accepts invalid values:
-# date (Feb 30), date-time and time (any leap second), json-pointer and relative-json-pointer (a
+# date (Feb 30), date-time and time (any second 60), json-pointer and relative-json-pointer (a
 # bare `"` or `\` in a reference token), email (a quoted local part lets `\q` or `\u"` through:
 # not JSON; left out, a narrowing), ipv4 and the IPv4 tail of ipv6 (leading zeros), hostname
 # (labels over 63 characters; the 253-character total is not enforced). Each goes through
