@@ -41,15 +41,14 @@ ANNOTATIONS = {
     "$defs", "definitions",
 }
 # Keywords xgrammar 0.2.8 ignores or approximates and that we cannot rewrite cheaply.
+_NOT_KEPT = "the answer's grammar cannot keep to it"
 UNSUPPORTED = {
-    "not": "xgrammar ignores it",
+    "not": _NOT_KEPT,
     "if": "conditional schemas are not enforced", "then": "conditional schemas are not enforced",
     "else": "conditional schemas are not enforced",
-    "contains": "xgrammar ignores it", "minContains": "xgrammar ignores it",
-    "maxContains": "xgrammar ignores it",
-    "dependentRequired": "xgrammar ignores it", "dependentSchemas": "xgrammar ignores it",
-    "dependencies": "not enforced reliably by xgrammar",
-    "unevaluatedProperties": "xgrammar ignores it", "unevaluatedItems": "xgrammar ignores it",
+    "contains": _NOT_KEPT, "minContains": _NOT_KEPT, "maxContains": _NOT_KEPT,
+    "dependentRequired": _NOT_KEPT, "dependentSchemas": _NOT_KEPT, "dependencies": _NOT_KEPT,
+    "unevaluatedProperties": _NOT_KEPT, "unevaluatedItems": _NOT_KEPT,
     "$dynamicRef": "dynamic references are not supported",
     "$recursiveRef": "dynamic references are not supported",
 }
@@ -370,7 +369,8 @@ class _Normalizer:
                 # of 2 items is left for minItems 2)
                 out["items"] = {}
             if node.get("uniqueItems") is True and not (node.get("maxItems", 2) <= 1):
-                raise unsupported("uniqueItems", path, "xgrammar ignores it")
+                raise unsupported("uniqueItems", path, "a grammar cannot keep items distinct; drop it, "
+                                                       "or use list[...] where a pydantic model has set[...]")
         # objects
         if tset & {"object"}:
             self._object(node, out, path)
