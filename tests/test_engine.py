@@ -424,6 +424,34 @@ def test_the_queue_limit_counts_waiting_requests_only(tiny_llama_dir):
         eng.shutdown()
 
 
+def test_running_requests_decode_between_a_long_prompt_s_chunks(tiny_llama_dir):
+    """A prompt longer than the step's token budget is prefilled in chunks with a decode step
+    between two of them: the running requests' next tokens wait for one chunk's step, not the whole
+    prefill (QA 1129m D2: a 6,000-token prompt held 4 streams for 145 s on the CPU)."""
+    from constrained_spec.attention.base import ForwardMode
+    eng = Engine(model=tiny_llama_dir, device="cpu", max_prefill_tokens=32)
+    steps = []
+    schedule = eng.scheduler.schedule
+
+    def recorded(can_retract):
+        batch = schedule(can_retract)
+        if batch is not None:
+            steps.append("chunk" if batch.mode is ForwardMode.EXTEND and not all(batch.samples)
+                         else batch.mode.name.lower())
+        return batch
+    eng.scheduler.schedule = recorded
+    try:
+        short = [SamplingParams(max_tokens=24, ignore_eos=True)] * 2
+        outs = eng.generate([[5, 6, 7], [8, 9, 10], list(range(20, 340))],
+                            short + [SamplingParams(max_tokens=2, ignore_eos=True)])
+        assert [len(o.token_ids) for o in outs] == [24, 24, 2]
+        chunks = [i for i, s in enumerate(steps) if s == "chunk"]
+        assert len(chunks) >= 9, steps  # 320 tokens, 32 a step, the first beside the short prompts
+        assert all(steps[i + 1] == "decode" for i in chunks), steps
+    finally:
+        eng.shutdown()
+
+
 def test_the_loop_counts_its_waits_for_the_device(tiny_llama_dir, monkeypatch):
     """`stats.device_wait_seconds` sums the loop's waits for steps' results (`/metrics`'
     constrained_spec_engine_device_wait_seconds_total): where a step's results arrive late, the

@@ -1,7 +1,9 @@
 """Continuous batching: who runs in the next step, and with how many tokens.
 
 Prefill (EXTEND) steps take priority over decode steps, so a new request's first token comes
-quickly; prompts longer than the per-step token budget are prefilled in chunks. When the KV pool
+quickly; prompts longer than the per-step token budget are prefilled in chunks, with a decode step
+between two chunks, so that a long prompt holds the running requests' next tokens for one chunk's
+step, not for its whole prefill (thousands of tokens: minutes on a CPU). When the KV pool
 cannot hold one more token per running request, the newest request is retracted (its slots freed,
 its tokens kept) and re-prefilled later: a full pool makes work wait, it never crashes.
 
@@ -41,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retractions = 0
+        self._chunk_in_progress = False  # the last step left a prompt part-prefilled: decode next
 
     @property
     def pool(self):
@@ -64,11 +67,15 @@ class Scheduler:
     def schedule(self, can_retract: bool) -> ScheduledBatch | None:
         """The next batch, or None when nothing can run now (or a retraction must wait for the
         step in flight to be processed: `can_retract` False)."""
-        batch = self._schedule_extend() or self._schedule_decode(can_retract)
+        if self._chunk_in_progress:
+            batch = self._schedule_decode(can_retract) or self._schedule_extend()
+        else:
+            batch = self._schedule_extend() or self._schedule_decode(can_retract)
         if batch is None and can_retract and len(self.running) > 1 and self.pool.num_free == 0:
             # Only partial prefills hold the pool: free the newest so the others can finish.
             self._retract(max(self.running, key=lambda r: r.arrival))
             batch = self._schedule_extend()
+        self._chunk_in_progress = batch is not None and batch.mode is ForwardMode.EXTEND and not all(batch.samples)
         cache = self.runner.prefix_cache
         if cache is not None and (batch is None or batch.mode is not ForwardMode.EXTEND):
             # Rows `cache_prompts` repointed, on the device before anything launches; an extend
