@@ -7,6 +7,7 @@ request is tested against the SmolLM2 split server in test_server_concurrency.py
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -269,7 +270,7 @@ def test_engine_process_death_is_reported(tiny_llama_dir):
         client.shutdown()
 
 
-def test_a_dead_engine_process_is_started_again(tiny_llama_dir):
+def test_a_dead_engine_process_is_started_again(tiny_llama_dir, caplog):
     """Supervised (as `serve` runs it), an engine process that dies fails its requests in flight,
     is started again at the same address, and every front-end reconnects and serves; one that dies
     while it starts again is one more death, and started again (QA: the supervisor gave up at the
@@ -282,9 +283,14 @@ def test_a_dead_engine_process_is_started_again(tiny_llama_dir):
     other, other_server = _front_end(process)
     try:
         first = process.info.pid
+        assert process.info.start_s > 0
         t0 = time.monotonic()
         os.kill(first, signal.SIGKILL)
         _wait(lambda: _health(server.url).status_code == 503, 10, "the death seen")
+        # retry once it may be back: after as long as its start took (QA: Retry-After 1 for a ~15 s restart)
+        r = httpx.post(server.url + "/v1/chat/completions", json=_body(4), timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        assert r.headers["retry-after"] == str(max(1, math.ceil(process.info.start_s))), r.headers
         _wait(lambda: process.process.pid != first, 10, "a start again")
         os.kill(process.process.pid, signal.SIGKILL)  # while it loads (its model takes seconds)
         for url in (server.url, other_server.url):
@@ -301,6 +307,8 @@ def test_a_dead_engine_process_is_started_again(tiny_llama_dir):
         time.sleep(3)
         assert process.restarts == 1 and not process.alive()
         assert _health(other_server.url).status_code == 503
+        deaths = [r.getMessage() for r in caplog.records if "the engine process died" in r.getMessage()]
+        assert len(deaths) == 3 and all("(signal 9)" in d for d in deaths[::2]), deaths  # reaped: not "exit code None"
     finally:
         other_server.stop()
         other.shutdown()

@@ -57,6 +57,7 @@ class EngineInfo:
     max_queued_requests: int
     device: str
     dtype: str
+    start_s: float = 0.0  # its start, spawn to ready: how long a client waits for it to come back
 
 
 class _Connection:
@@ -284,6 +285,7 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
     """The engine process's body: build the engine, say ready (or why not), serve until told to stop
     or the parent is gone."""
     children.ignore_stop_signals()  # first: a signal to the process group is the parent's to handle
+    started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
                         datefmt="%H:%M:%S")
     name_os_thread("cs-engine-proc")  # the process's name in ps and top
@@ -297,7 +299,8 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
             address=address, pid=os.getpid(), model_name=engine.model_name, tokenizer=engine.tokenizer,
             max_context=int(engine.max_context), kv_capacity=int(runner.pool.capacity),
             max_running_requests=engine.config.max_running_requests, max_queued_requests=engine.config.max_queued_requests,
-            device=str(engine.device), dtype=str(getattr(runner, "dtype", "")).replace("torch.", ""))
+            device=str(engine.device), dtype=str(getattr(runner, "dtype", "")).replace("torch.", ""),
+            start_s=time.monotonic() - started)
         lifeline.send(("ready", server.info))
     except BaseException as e:
         import traceback
@@ -368,6 +371,7 @@ class EngineProcess:
         deaths: list[float] = []
         while True:
             wait([self.process.sentinel])
+            self.process.join(5)  # reaped: its exit code, not None
             code = self.process.exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             while True:  # a start that fails (it died again while loading) is one more death

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import time
 import weakref
@@ -130,8 +131,12 @@ class Service:
         return getattr(self.engine, "healthy", True)
 
     def unavailable(self) -> APIError:
+        # a dead engine process is started again (`EngineProcess.supervise`), which takes as long as
+        # its first start did (seconds to minutes): retrying sooner finds it still down
+        info = getattr(self.engine, "info", None)
+        retry = max(self.config.retry_after_s, math.ceil(getattr(info, "start_s", 0.0)))
         return APIError(503, "the engine is not running; the server cannot generate", code="engine_unavailable",
-                        headers={"Retry-After": str(self.config.retry_after_s)})
+                        headers={"Retry-After": str(retry)})
 
     def busy(self, message: str) -> APIError:
         return APIError(503, message, code="server_busy", headers={"Retry-After": str(self.config.retry_after_s)})
