@@ -336,6 +336,29 @@ def test_no_leap_second_is_written(backend, fmt, leap, name):
     assert not written(leap) and written(leap.replace(":60", ":59"))
 
 
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_durations_are_as_long_as_a_reader_takes(backend, name):
+    """`format: duration` took numbers of any length: the model wrote "P4215817301332723314043485982555456866D"
+    for a pydantic timedelta field at T=1, valid JSON Schema that pydantic refuses (QA 1129m pydantic D5).
+    Each part is bounded so that the longest of them all together still reads."""
+    from pydantic import TypeAdapter
+    schema = {"type": "string", "format": "duration"}
+    cg = backend.compile(GrammarSpec.json_schema(schema).with_backend(name))
+    assert cg.backend == name
+
+    def written(text: str) -> bool:
+        ids = backend.tokenizer.encode(json.dumps(text), add_special_tokens=False)
+        m = backend.matcher(cg)
+        return m.accept_tokens(ids) == len(ids) and m.accept_token(min(backend.stop_token_ids))
+    longest = ["P99999Y999999M99999999DT99999H999999M99999999S", "P9999999W", "PT99999H999999M99999999S"]
+    for text in longest + ["P1Y2M3DT4H5M6S", "P2W", "PT36H", "P1D", "PT0S"]:
+        assert written(text), text
+        assert validation_error(schema, json.dumps(text)) is None
+        TypeAdapter(datetime.timedelta).validate_json(json.dumps(text))  # pydantic reads it
+    for text in ["P4215817301332723314043485982555456866D", "P999999Y", "PT9999999H", "P", "PT", "P1Y2D", "P1.5D"]:
+        assert not written(text), text
+
+
 def test_every_enforced_format_is_probed():
     assert set(FORMAT_VALUES) == set(ENFORCED_FORMATS) | set(FORMAT_PATTERNS)
 

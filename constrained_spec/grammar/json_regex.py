@@ -27,6 +27,18 @@ _DATE = (r"(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
 # narrowing).
 _TIME = (r"(?:(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?"
          r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9]))")
+# RFC 3339's duration (appendix A) with each number at most as long as a reader takes: pydantic (and
+# Python's timedelta) end at 999,999,999 days and refuse a longer number in any part, so digits
+# without end ("P4215817301332723314043485982555456866D", written at T=1) made a valid, unreadable
+# answer; its time part sums to seconds in 32 bits. The longest of each part together stay under
+# both (a narrowing).
+_DUR_SECOND = r"[0-9]{1,8}S"
+_DUR_MINUTE = r"[0-9]{1,6}M(?:" + _DUR_SECOND + ")?"
+_DUR_TIME = r"T(?:[0-9]{1,5}H(?:" + _DUR_MINUTE + ")?|" + _DUR_MINUTE + "|" + _DUR_SECOND + ")"
+_DUR_DAY = r"[0-9]{1,8}D"
+_DUR_MONTH = r"[0-9]{1,6}M(?:" + _DUR_DAY + ")?"
+_DURATION = (r"P(?:(?:" + _DUR_DAY + "|" + _DUR_MONTH + r"|[0-9]{1,5}Y(?:" + _DUR_MONTH + ")?)(?:"
+             + _DUR_TIME + ")?|" + _DUR_TIME + r"|[0-9]{1,7}W)")
 _POINTER = r"(?:/(?:[^/~]|~[01])*)*"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"  # no leading zero (RFC 3986)
 _IPV4 = r"(?:" + _OCTET + r"\.){3}" + _OCTET
@@ -51,7 +63,7 @@ def _ipv6() -> str:
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # at most 63 characters (RFC 1123)
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 # Our own regexes for formats whose xgrammar grammar is unsound or accepts invalid values:
-# date (Feb 30), date-time and time (any second 60), json-pointer and relative-json-pointer (a
+# date (Feb 30), date-time and time (any second 60), duration (numbers of any length), json-pointer and relative-json-pointer (a
 # bare `"` or `\` in a reference token), email (a quoted local part lets `\q` or `\u"` through:
 # not JSON; left out, a narrowing), ipv4 and the IPv4 tail of ipv6 (leading zeros), hostname
 # (labels over 63 characters; the 253-character total is not enforced). Each goes through
@@ -60,6 +72,7 @@ FORMAT_PATTERNS = {
     "date": "^" + _DATE + "$",
     "date-time": "^" + _DATE + "[Tt]" + _TIME + "$",
     "time": "^" + _TIME + "$",
+    "duration": "^" + _DURATION + "$",
     "json-pointer": "^" + _POINTER + "$",
     "relative-json-pointer": "^(?:0|[1-9][0-9]*)(?:#|" + _POINTER + ")$",
     "email": "^" + _ATOM + r"(?:\." + _ATOM + ")*@" + _LABEL + r"(?:\." + _LABEL + ")*$",

@@ -215,10 +215,11 @@ def check_object_width(schema: Any, path: str) -> None:
     _each_keyword(schema, path, visit)
 
 
-# formats llguidance enforces more loosely than a checker does (measured: "date" takes 0000-01-01 and
-# 2023-02-29, which Python's date, hence jsonschema's format checker, refuses), and the normalizer's
-# exact pattern for each
-_PATTERN_FORMATS = {name: FORMAT_PATTERNS[name] for name in ("date", "date-time", "time")}
+# formats llguidance enforces more loosely than a checker or a reader does (measured: "date" takes
+# 0000-01-01 and 2023-02-29, which Python's date, hence jsonschema's format checker, refuses; time a
+# leap second, duration numbers of any length, which pydantic refuses), and the normalizer's pattern
+# for each
+_PATTERN_FORMATS = {name: FORMAT_PATTERNS[name] for name in ("date", "date-time", "time", "duration")}
 
 
 # formats llguidance lacks whose language holds that of one it has: every URI is an IRI (RFC 3987),
