@@ -371,6 +371,8 @@ class EngineProcess:
         deaths: list[float] = []
         while True:
             wait([self.process.sentinel])
+            if self._stopping.is_set():  # stopped: `stop` reaps it
+                return
             self.process.join(5)  # reaped: its exit code, not None
             code = self.process.exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
