@@ -95,6 +95,21 @@ def test_parse_and_stream_agree(openai_client):
     assert final.usage.output_tokens == parsed.usage.output_tokens
 
 
+def test_a_function_call_cut_by_max_output_tokens_is_incomplete(openai_client):
+    """A call whose arguments max_output_tokens cut is an "incomplete" item, as a cut message is (QA
+    1129m agents D1: it said "completed" with arguments no JSON parser takes, which an agent loop
+    runs), streamed and not."""
+    kw = dict(model=MODEL_ID, input="What is the weather in Paris?", tools=[WEATHER],
+              tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=3, temperature=0,
+              **ONE_BACKEND)
+    r = openai_client.responses.create(**kw)
+    assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [("function_call", "incomplete")]
+    events = list(openai_client.responses.create(**kw, stream=True))
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert events[-1].response.output[0].status == "incomplete"
+
+
 def test_forced_function_call(openai_client):
     kw = dict(model=MODEL_ID, input="What is the weather in Paris?", tools=[WEATHER],
               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, temperature=0,

@@ -245,8 +245,9 @@ def output_items(message: dict, logprobs: list | None = None, status: str = "com
     (with its tokens' `logprobs`, chat's `logprobs.content` entries, where asked), "incomplete"
     where the response is (cut by max_output_tokens), as OpenAI marks it."""
     calls = message.get("tool_calls")
-    if calls:
-        return [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    if calls:  # a cut answer cuts its last call (the others ended where the next began)
+        return [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"],
+                                   status if i == len(calls) - 1 else "completed") for i, c in enumerate(calls)]
     return [message_item(new_id("msg", "_"), message.get("content") or "", status, logprobs)]
 
 
@@ -371,14 +372,14 @@ class ResponseEvents:
                                      output_index=len(self.output), content_index=0, part=_text_part(""))]
 
     def _close_item(self, status: str = "completed") -> list[dict]:
-        """Ends the open item; a message ends `status` (a function call closed by the next call, or
-        at the end complete, ends "completed")."""
+        """Ends the open item `status`: "completed", or at the end of a cut answer "incomplete" (a
+        function call closed by the next call is complete)."""
         item = self.item
         if item is None:
             return []
         index, events = len(self.output), []
         if item["type"] == "function_call":
-            done = {**item, "arguments": self.text, "status": "completed"}
+            done = {**item, "arguments": self.text, "status": status}
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, arguments=self.text))
         else:
