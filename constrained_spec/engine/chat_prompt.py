@@ -14,6 +14,12 @@ That holds for special tokens that take no whitespace from their left (`lstrip`)
 written (not after normalization) and anywhere (not `single_word`); the template's boundaries use
 only those, and the encoder checks itself against whole-prompt encoding when it is built (and
 encodes whole prompts if it ever disagreed).
+
+A special token's text inside a message (`<|im_end|>` in a tool's result, a user's paste) is text,
+as OpenAI's API reads it: encoded as the template's own marker it would end the turn and let
+whoever wrote the message, often a tool fetching untrusted pages, open a system turn of their own.
+Such texts are swapped for a private-use mark before the template renders and encoded as plain
+text where the mark is (`_Literals`).
 """
 from __future__ import annotations
 
@@ -40,14 +46,16 @@ class ChatPromptEncoder:
         self._boundary = _boundary_pattern(tokenizer)
         if self._boundary is not None and not self._agrees(_CHECK):
             self._boundary = None
+        self._literals = _Literals(tokenizer, backend)
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids from the tokenizer's chat template (as `apply_chat_template` with
         tokenize=True gives them); `tools` (OpenAI's function definitions) for a template that
         `takes_tools`."""
-        extra = {} if tools is None else {"tools": tools}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **extra)
+        literals = self._literals
+        extra = {} if tools is None else {"tools": literals.hide(tools)}
+        text = self.tokenizer.apply_chat_template(literals.hide(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **extra)
         if self._boundary is None:
             return self._encode(text)
         ids: list[int] = []
@@ -84,6 +92,8 @@ class ChatPromptEncoder:
         return ids
 
     def _encode(self, text: str) -> list[int]:
+        if MARK in text:
+            return self._literals.encode(text, self._encode)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -107,3 +117,51 @@ def _boundary_pattern(tokenizer) -> re.Pattern | None:
     if not tokens:
         return None
     return re.compile("(?=" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
+
+
+MARK = "\ue000"  # then a character naming the text: U+E001 on
+
+
+class _Literals:
+    """Special tokens' texts in messages, kept text: `hide` swaps each (and MARK itself, so that no
+    message can forge a mark) for MARK and a character naming it; `encode` encodes a rendered
+    prompt with each of them as plain text, the rest as usual."""
+
+    def __init__(self, tokenizer, backend):
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        texts = sorted({t.content for t in added.values() if getattr(t, "special", False) and t.content},
+                       key=len, reverse=True)
+        self.texts = texts + [MARK]
+        self._find = re.compile("|".join(re.escape(t) for t in self.texts))
+        self._names = {t: MARK + chr(0xE001 + i) for i, t in enumerate(self.texts)}
+        self._marks = re.compile(MARK + "([\ue001-\uf8ff])")
+        self._tokenizer = tokenizer
+        self._plain = None  # a copy of the Rust tokenizer that reads special tokens' texts as text
+        if backend is not None:
+            from tokenizers import Tokenizer
+            self._plain = Tokenizer.from_str(backend.to_str())
+            self._plain.encode_special_tokens = True
+
+    def hide(self, value):
+        if isinstance(value, str):
+            return self._find.sub(lambda m: self._names[m.group()], value)
+        if isinstance(value, dict):
+            return {k: self.hide(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.hide(v) for v in value]
+        return value
+
+    def encode(self, text: str, encode) -> list[int]:
+        pieces = self._marks.split(text)  # text, a mark's name, text, ...
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += encode(piece) if piece else []
+            else:
+                ids += self._encode_plain(self.texts[ord(piece) - 0xE001])
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._plain is not None:
+            return self._plain.encode(text, add_special_tokens=False).ids
+        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
