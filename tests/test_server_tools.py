@@ -49,6 +49,9 @@ def test_plan_of_a_request():
     assert bare.schema["anyOf"][0]["properties"]["arguments"] == {"type": "object", "properties": {},
                                                                   "additionalProperties": False}
     assert not bare.strict
+    open_object = tool_call_plan(_request(tools=[{"type": "function", "function": {
+        "name": "ping", "strict": False, "parameters": {"type": "object"}}}], tool_choice="required"))
+    assert open_object.schema["anyOf"][0]["properties"]["arguments"] == {"type": "object"}  # not strict: any object
     for choice in (None, "auto"):  # OpenAI's default with tools: a call or {"content": text}
         auto = tool_call_plan(_request(tools=TOOLS, tool_choice=choice))
         assert auto.allow_text and auto.forced is None and len(auto.schema["anyOf"]) == 3
@@ -594,11 +597,16 @@ def test_a_fault_in_a_function_s_parameters_names_the_function_and_its_own_path(
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-@pytest.mark.parametrize("parameters", [{}, {"properties": {"city": {"type": "string"}}, "required": ["city"]},
-                                        {"type": ["object", "null"], "properties": {"city": {"type": "string"}}}])
-def test_arguments_are_an_object_whatever_the_parameters_leave_out(tokenizer, backend, parameters):
+@pytest.mark.parametrize("parameters, an_object", [
+    ({}, "{}"), ({"type": "object"}, "{}"), ({"type": "object", "description": "no inputs"}, "{}"),
+    ({"properties": {"city": {"type": "string"}}, "required": ["city"]}, '{"city": "Paris"}'),
+    ({"type": ["object", "null"], "properties": {"city": {"type": "string"}}}, '{"city": "Paris"}')])
+def test_arguments_are_an_object_whatever_the_parameters_leave_out(tokenizer, backend, parameters, an_object):
     """A schema with no `type` (`{}`, `properties` alone) also accepts a string or an array: the
-    model wrote `"Paris"` as a call's arguments. Every call's arguments are an object."""
+    model wrote `"Paris"` as a call's arguments. Every call's arguments are an object. One that
+    says nothing of its properties (`{}`, `{"type": "object"}`: an MCP server's tool without inputs)
+    is no arguments under strict, the default, as omitted parameters are (QA 1129m agents D5: the
+    model filled it with whatever, the tool listing copied, or a call cut by max_tokens)."""
     from constrained_spec.grammar import GrammarBackend
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
     grammars = GrammarBackend(tokenizer, len(tokenizer), cache_dir=None)
@@ -607,8 +615,10 @@ def test_arguments_are_an_object_whatever_the_parameters_leave_out(tokenizer, ba
             plan = tool_call_plan(_request(tools=tools, tool_choice=choice))
             compiled = grammars.compile(plan.grammar().with_backend(backend), timeout_s=60)
             head = "" if plan.forced else '{"name": "get_weather", "arguments": '
+            other = '{"city": "Paris"}' if an_object == "{}" else "{}"
             for arguments, legal in (('"Paris"', False), ('["Paris"]', False), ('null', False),
-                                     ('{"city": "Paris"}', True)):
+                                     (an_object, True), (other, an_object != "{}" and other == "{}" and
+                                                         "required" not in parameters)):
                 ids = tokenizer.encode(head + arguments, add_special_tokens=False)
                 matcher = grammars.matcher(compiled)
                 assert (matcher.accept_tokens(ids) == len(ids)) == legal, (choice, arguments)

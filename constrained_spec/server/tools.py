@@ -39,6 +39,8 @@ from .errors import bad_request
 # an arguments object with no parameters declared: `{}` (OpenAI: "omitting parameters defines a
 # function with an empty parameter list")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# what a parameters schema may hold and still say nothing of the arguments' properties
+_SAYS_NOTHING_OF_PROPERTIES = {"type", "title", "description", "$schema", "$id", "$comment", "default", "examples"}
 TEXT_ANSWER = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
                "additionalProperties": False}
 # where an envelope's arguments start: after the call's name; where a text answer's string starts
@@ -212,13 +214,14 @@ class ToolCallPlan:
     def _index(self, name: str) -> int:
         return next(i for i, f in enumerate(self.functions) if f.name == name)
 
-    @staticmethod
-    def parameters(f) -> dict:
+    def parameters(self, f) -> dict:
         """A function's parameters schema, of an object: arguments are one (clients pass them as
         keywords), and a schema that does not say so (`{}`, `properties` alone, a type list with
-        "object") would let the model write a string or an array. None given: no arguments."""
+        "object") would let the model write a string or an array. None given, or under strict an
+        object that says nothing of its properties (`{"type": "object"}`, how MCP servers describe a
+        tool without inputs; OpenAI's strict mode has no open objects): no arguments."""
         p = f.parameters
-        if p is None:
+        if p is None or (self.strict and not set(p) - _SAYS_NOTHING_OF_PROPERTIES):
             return NO_PARAMETERS
         return p if p.get("type") == "object" else {**p, "type": "object"}
 
