@@ -282,7 +282,7 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object",
                                                                                         "minProperties": "a"}}}},
@@ -292,18 +292,38 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
      "text.format.schema"),
     ({"input": []}, "input"),
     ({"input": ""}, "input"),  # was served: the model wrote for an empty user turn
-    ({"input": [{"role": "user", "content": 5}]}, "input.0"),
+    ({"input": [{"role": "user", "content": 5}]}, "input.0.content"),
+    # a tool's result as a dict (a common slip): the field it is in, not a `content` it lacks (QA 1129m agents D6)
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": {"temp": 12}}]}, "input.1.output"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
      "tools.0.parameters"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    # logprobs asked for beside tools: the field that asks, `include`
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "include": ["message.output_text.logprobs"]},
+     "include"),
 ])
 def test_bad_requests_are_400s(http, body, param):
     r = http.post("/v1/responses", json={"model": MODEL_ID, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["message"] and (param is None or error["param"] == param), error
+    assert not param.startswith("input.") or error["message"].startswith(param), error
     assert ".function." not in error["message"], error  # a chat field's name (Responses tools are flat)
+
+
+def test_top_logprobs_alone_asks_for_none(http):
+    """A client's default `top_logprobs: 0` (or any) without `include` is no logprobs request: beside
+    tools it was a 400 naming `include`, which the request never sent (QA 1129m agents D2), and
+    alone it returned logprobs nobody asked for."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    for extra in ({"tools": tools, "tool_choice": "required"}, {}):
+        r = http.post("/v1/responses", json={"model": MODEL_ID, "input": "hi", "top_logprobs": 0,
+                                             "max_output_tokens": 8, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        parts = [p for item in r.json()["output"] for p in item.get("content") or []]
+        assert all(not p.get("logprobs") for p in parts), parts
 
 
 def test_disconnects_free_kv(openai_client, server, http):

@@ -97,7 +97,7 @@ def chat_request(req: ResponsesRequest, data: dict, history: list[dict] = ()) ->
         chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
-    if LOGPROBS in (req.include or ()) or req.top_logprobs is not None:
+    if LOGPROBS in (req.include or ()):  # (top_logprobs alone asks for none, as OpenAI's: a client's default 0)
         chat.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
         return ChatCompletionRequest.model_validate(chat)
@@ -158,7 +158,7 @@ def _message(item: dict, param: str) -> dict:
         role, content = item.get("role"), item.get("content")
         if role not in ("system", "developer", "user", "assistant"):
             raise bad_request(f"{param}.role must be system, developer, user or assistant", param=param)
-        return {"role": role, "content": content if isinstance(content, str) else _text_of(content, param)}
+        return {"role": role, "content": content if isinstance(content, str) else _text_of(content, f"{param}.content")}
     if kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -166,20 +166,21 @@ def _message(item: dict, param: str) -> dict:
     if kind == "function_call_output":
         output = item.get("output")
         return {"role": "tool", "tool_call_id": item.get("call_id"),
-                "content": output if isinstance(output, str) else _text_of(output, param)}
+                "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")}
     raise bad_request(f"{param} has type '{kind}'; this server takes messages, function_call and "
                       "function_call_output items", param=param, code="unsupported_parameter")
 
 
 def _text_of(parts: Any, param: str) -> str:
-    """A content list's text (input_text / output_text / text parts); other parts are refused."""
+    """A content list's text (input_text / output_text / text parts); other parts are refused. `param`
+    names the field (`input.2.content`, `input.3.output`)."""
     if not isinstance(parts, list):
-        raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
+        raise bad_request(f"{param} must be a string or a list of text parts", param=param)
     texts = []
     for part in parts:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{param}.content has a '{kind}' part; this model takes text only", param=param,
+            raise bad_request(f"{param} has a '{kind}' part; this model takes text only", param=param,
                               code="unsupported_parameter")
         texts.append(str(part.get("text", "")))
     return "".join(texts)
