@@ -100,7 +100,7 @@ def test_best_of_up_to_n_is_taken():
 
 
 @pytest.mark.parametrize("data, param, code", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0",
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content",
      "unsupported_parameter"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning"}]}, "input.1", "unsupported_parameter"),
     ({"input": [{"role": "wizard", "content": "a"}]}, "input.0", "invalid_request"),
