@@ -26,6 +26,7 @@ from ..engine.config import EngineConfig
 from ..engine.engine import RequestError
 from ..engine.request import FinishReason, RequestOutput
 from . import ipc
+from .engine_process import read_given_up
 
 log = logging.getLogger("constrained_spec.engine_client")
 
@@ -104,6 +105,7 @@ class EngineClient:
         self._call_ids = itertools.count(1)
         self._lock = threading.Lock()  # the dicts above, between the app's threads and the reader
         self.healthy = True
+        self.given_up: str | None = None  # why the engine will not come back (its supervisor gave up)
         self.closed = False
         self._reader = self._start_reader()
 
@@ -347,6 +349,10 @@ class EngineClient:
             try:
                 channel = self._open_channel()
             except OSError:
+                self.given_up = read_given_up(self.info.address)
+                if self.given_up is not None:
+                    log.error("%s", self.given_up)
+                    return
                 continue
             if self.closed:
                 channel.close()

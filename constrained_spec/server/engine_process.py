@@ -324,6 +324,28 @@ def _main(config, address: str, lifeline, response_store: str | None = None) -> 
     os._exit(0)  # no interpreter teardown: a compile thread inside native code would abort it
 
 
+def given_up_path(address: str) -> str:
+    """Beside the engine's socket: the supervisor's word that it will not start the engine again,
+    which every front-end process reads (no more reconnecting, no Retry-After to promise)."""
+    return address + ".given-up"
+
+
+def write_given_up(address: str, why: str) -> None:
+    try:
+        with open(given_up_path(address), "w") as f:
+            f.write(why)
+    except OSError as e:  # (its directory removed: the server is stopping anyway)
+        log.warning("could not record that the engine is not started again: %s", e)
+
+
+def read_given_up(address: str) -> str | None:
+    try:
+        with open(given_up_path(address)) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 class EngineProcess:
     """Starts the engine in a process of its own (spawned: the parent may hold threads and must not
     have touched CUDA) and stops it. `connect()` gives a front-end's `EngineClient`; `supervise()`
@@ -382,8 +404,10 @@ class EngineProcess:
                 now = time.monotonic()
                 deaths = [t for t in deaths if now - t < window_s] + [now]
                 if len(deaths) > max_restarts:
-                    log.error("the engine process died (%s), %d times within %.0f s: not starting it again",
-                              how, len(deaths), window_s)
+                    why = (f"the engine process died ({how}), {len(deaths)} times within {window_s:.0f} s, and is "
+                           f"not started again: the server must be restarted")
+                    log.error("%s", why)
+                    write_given_up(self.address, why)
                     return
                 log.error("the engine process died (%s); starting it again", how)
                 self._lifeline.close()

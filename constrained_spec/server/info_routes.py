@@ -25,7 +25,9 @@ def add_info_routes(app: FastAPI, service: Service) -> None:
     async def health():
         snap = await snapshot_if_running()
         if snap is None:
-            return json_response({"status": "unhealthy", "model": served, "error": "the engine is not running",
+            given_up = getattr(service.engine, "given_up", None)
+            why = f"the engine is not running; {given_up}" if given_up else "the engine is not running"
+            return json_response({"status": "unhealthy", "model": served, "error": why,
                                   "pending_requests": state.pending}, status=503)
         return json_response({"status": "ok", "model": served, "kv_free_slots": snap["kv_free"],
                               "kv_capacity": snap["kv_capacity"], "requests_running": snap["running"],
