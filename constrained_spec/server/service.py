@@ -133,6 +133,9 @@ class Service:
     def unavailable(self) -> APIError:
         # a dead engine process is started again (`EngineProcess.supervise`), which takes as long as
         # its first start did (seconds to minutes): retrying sooner finds it still down
+        given_up = getattr(self.engine, "given_up", None)
+        if given_up:  # nothing to wait for: a Retry-After would send the clients' retries to the same 503
+            return APIError(503, f"the engine is not running; {given_up}", code="engine_unavailable")
         info = getattr(self.engine, "info", None)
         retry = max(self.config.retry_after_s, math.ceil(getattr(info, "start_s", 0.0)))
         return APIError(503, "the engine is not running; the server cannot generate", code="engine_unavailable",
@@ -211,7 +214,7 @@ class Service:
         from ..grammar import GrammarSpec  # deferred, as in constraints.py
         from ..grammar.backend import may_accept_nothing
         alone = [(plan.parameters(f), f"tools.{i}.function.parameters", f.parameters)
-                 for i, f in enumerate(plan.functions) if plan.forced is None or f.name == plan.forced]
+                 for i, f in enumerate(plan.functions) if plan.allowed is None or f.name in plan.allowed]
         if plan.forced is None and plan.answer_schema is not None:
             alone.append((plan.answer_schema, "response_format.json_schema.schema", plan.answer_schema))
         for schema, param, given in alone:
