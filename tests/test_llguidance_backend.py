@@ -308,6 +308,19 @@ def test_numbers_past_2_53_go_to_xgrammar(backend, tokenizer, schema, inside, ou
         assert (m.accept_tokens(t) == len(t) and m.can_terminate()) == ok, value
 
 
+@pytest.mark.parametrize("keyword, bound, outside, inside", [
+    ("maximum", 999.9999999999999, "1000", "999.5"),  # 1000 was taken: the bound read rounded
+    ("exclusiveMaximum", 999.9999999999999, "1000", "999.25"),
+    ("minimum", -999.9999999999999, "-1000", "-999.5"),
+    ("maximum", 0.30000000000000004, "0.31", "0.3")])
+def test_fractional_bounds_of_many_digits_bound_what_is_written(backend, tokenizer, keyword, bound, outside, inside):
+    spec = llg(GrammarSpec.json_schema({"type": "number", keyword: bound}))
+    for text, ok in ((outside, False), (inside, True)):
+        m = backend.matcher(backend.compile(spec))
+        t = ids(tokenizer, text)
+        assert (m.accept_tokens(t) == len(t) and m.can_terminate()) == ok, text
+
+
 @pytest.mark.parametrize("schema,keyword", [
     ({"type": "integer", "minimum": 10**19}, "minimum"),  # answered 9223372036854775807 under llguidance
     ({"type": "number", "minimum": 2**53 + 1}, "minimum"),  # xgrammar bounds numbers as doubles

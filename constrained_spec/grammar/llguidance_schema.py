@@ -15,12 +15,15 @@ matches S"), which llguidance does not take and xgrammar ignores, become an `all
 `anyOf`s that say the same (`dependencies_as_all_of`), and so do a `oneOf` of required property
 sets ("length and width, or radius", `one_of_required_sets_as_any_of`) and a `not` of required
 names ("not both crs and srs", `required_negations_as_absences`); a `not` of types becomes the
-types left (`type_negations_as_types`). Every rewrite leaves `enum`, `const`, `default` and
+types left (`type_negations_as_types`); a fractional bound of more digits than llguidance reads
+exactly is rounded inward (`bounds_as_read`). Every rewrite leaves `enum`, `const`, `default` and
 `examples` values alone (data, not schemas), and none changes the input.
 """
 from __future__ import annotations
 
+import math
 import re
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any, Optional
 
 from .errors import GrammarError
@@ -40,6 +43,7 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
     # after close_objects: the `allOf` it adds would leave a strict object open, and it would close
     # the `{"properties": {name: false}}` branches these two add
     schema = dependencies_as_all_of(without_inert_keywords(schema))
+    schema = bounds_as_read(schema)
     return type_negations_as_types(required_negations_as_absences(one_of_required_sets_as_any_of(schema)))
 
 
@@ -348,6 +352,28 @@ def required_negations_as_absences(schema: Any) -> Any:
         absent = [{"properties": {n: False}} for n in dict.fromkeys(names)]
         one = absent[0] if len(absent) == 1 else {"anyOf": absent}
         out["allOf"] = [*out.get("allOf", []), {"type": "object", **one}]
+    return out
+
+
+# llguidance (1.9.1, measured) reads a fractional bound of 16 or more significant digits rounded near a
+# round number: `maximum: 999.9999999999999` let 1000 through. Up to 15 it reads them exactly.
+_BOUND_DIGITS = 15
+
+
+def bounds_as_read(schema: Any) -> Any:
+    """The schema with each fractional bound of more than `_BOUND_DIGITS` significant digits rounded
+    inward to that many (a narrowing by less than one unit in the 15th digit), so that llguidance
+    bounds what it writes by what the schema says."""
+    if not isinstance(schema, dict):
+        return _each(schema, bounds_as_read)
+    out = _subschemas_rewritten(schema, bounds_as_read)
+    for keyword, up in (("maximum", False), ("exclusiveMaximum", False), ("minimum", True), ("exclusiveMinimum", True)):
+        v = schema.get(keyword)
+        if isinstance(v, float) and math.isfinite(v) and v != int(v):
+            x = Decimal(repr(v))
+            unit = Decimal(1).scaleb(x.adjusted() - _BOUND_DIGITS + 1)
+            if x != x.quantize(unit):  # more digits than it reads
+                out[keyword] = float(x.quantize(unit, rounding=ROUND_CEILING if up else ROUND_FLOOR))
     return out
 
 
