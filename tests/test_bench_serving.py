@@ -19,13 +19,15 @@ pytestmark = pytest.mark.slow
 def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--model", tiny_llama_dir, "--device", "cpu",
            "--workloads", "plain,json,schemas", "--clients", "2", "--rates", "4", "--rate-seconds", "1",
-           "--max-tokens", "4", "--servers", "split-2,single", "--rounds", "1", "--client-procs", "1", "--results-dir", str(tmp_path),
+           "--max-tokens", "4", "--servers", "split-2", "--rounds", "1", "--client-procs", "1", "--results-dir", str(tmp_path),
            "--server-args", "--dtype float32 --grammar-cache-dir none"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((tmp_path / "bench_serving.json").read_text())
     runs = data["runs"]
-    assert len(runs) == 2 * (3 * 2 + 1)  # servers x (workloads x streamed/not + the rate)
+    # (one server: a second one's start is ~10 s of the suite; the single-process server is benched
+    # beside another in test_interleaved_rounds_pair_the_arms)
+    assert len(runs) == 3 * 2 + 1  # workloads x streamed/not + the rate
     for run in runs + data["engine"]:
         assert run["errors"] == 0 and run.get("invalid", 0) == 0 and run["ok"] == run["requests"] >= 8, run
         assert run["out_tok_s"] > 0 and run["ttft"]["p99"] is not None
@@ -37,17 +39,17 @@ def test_bench_serving_cpu_smoke(tiny_llama_dir, tmp_path):
         # the engine's part of TTFT, split at admission; it fits in the clients' own TTFT
         assert side["queue_ms"] >= 0 and side["prefill_ms"] > 0, side
         assert side["queue_ms"] + side["prefill_ms"] <= run["ttft"]["p99"] * 1e3 * 1.05 + 1, (side, run["ttft"])
-    assert {run["server"] for run in runs} == {"split-2", "single"}
+    assert {run["server"] for run in runs} == {"split-2"}
     assert any(run["stream"] and run["itl"]["p50"] is not None for run in runs)
     assert len(data["engine"]) == 3
     md = (tmp_path / "bench_serving.md").read_text()
-    assert "split-2 / engine" in md and "Streamed / non-streamed" in md and "| single | 4 |" in md
+    assert "split-2 / engine" in md and "Streamed / non-streamed" in md and "| split-2 | 4 |" in md
     assert "The engine's side of each run" in md and "split-2 prefills/s" in md and "split-2 prefill ms" in md
     if sys.platform == "linux":  # the CPU by role: the server's threads are named
         for run in [r for r in runs if r["mode"] == "clients"]:
             busy = run["cores_busy"]
             assert busy["engine loop"] > 0 and busy["clients"] > 0 and busy["host"] > 0, busy
-            assert (busy["front-ends"] > 0) == (run["server"] == "split-2"), busy
+            assert busy["front-ends"] > 0, busy
         assert "## CPU cores busy" in md
 
 
