@@ -41,7 +41,8 @@ def test_chat_request_errors(bad, param):
 @pytest.mark.parametrize("tool_choice, param, says", [
     ({"type": "function"}, "tool_choice.function", "missing required field 'tool_choice.function'"),
     ({"function": {"name": "f"}}, "tool_choice.type", "missing required field 'tool_choice.type'"),
-    ({"type": "allowed_tools"}, "tool_choice.type", "should be 'function'"),
+    ({"type": "allowed_tools"}, "tool_choice.allowed_tools", "missing required field 'tool_choice.allowed_tools'"),
+    ({"type": "auto"}, "tool_choice.type", "'function', 'allowed_tools'"),
     ("sometimes", "tool_choice", "'none', 'auto' or 'required'")])
 def test_a_union_field_names_the_member_the_body_meant(tool_choice, param, says):
     """A union's error is one per member: the first, tool_choice's "none"/"auto"/"required", was
@@ -163,6 +164,21 @@ def test_only_an_assistant_turn_may_lack_content():
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"},
                                                        {"role": "assistant", "content": None, "tool_calls": calls}]})
+
+
+def test_openai_s_older_and_refusal_shapes_are_read():
+    """An assistant turn that refused (the `openai` package's parse hands back `refusal`, or a
+    content part of type refusal) is its text; the deprecated `function` role is a tool's result."""
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+             {"role": "assistant", "content": None, "refusal": "No."},
+             {"role": "function", "name": "get_time", "content": "12:00"}]
+    messages = ChatCompletionRequest.model_validate({"messages": turns}).messages
+    assert [m.text() for m in messages[1:]] == ["I can't.", "No.", "12:00"]
+    assert messages[3].role == "tool" and messages[3].name == "get_time"
+    for part in ({"type": "refusal", "refusal": "x"}, {"type": "image_url", "image_url": {"url": "x"}}):
+        with pytest.raises(ValidationError, match="only 'text' and"):  # a refusal is an assistant's alone
+            ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
 
 
 def test_masked_tokens_get_a_finite_logprob():

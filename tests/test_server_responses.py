@@ -300,6 +300,8 @@ def test_a_response_store_file_outlives_the_server(server_engine, tmp_path):
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
      "tools.0.parameters"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [
+        {"type": "function", "name": "get_weather"}, {"type": "function", "name": "nope"}]}}, "tool_choice.tools.1"),
     # logprobs asked for beside tools: the field that asks, `include`
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "include": ["message.output_text.logprobs"]},
      "include"),
@@ -311,6 +313,17 @@ def test_bad_requests_are_400s(http, body, param):
     assert error["message"] and (param is None or error["param"] == param), error
     assert not param.startswith("input.") or error["message"].startswith(param), error
     assert ".function." not in error["message"], error  # a chat field's name (Responses tools are flat)
+
+
+def test_allowed_tools_limit_the_calls(http):
+    clock = {"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}}
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    r = http.post("/v1/responses", json={"model": MODEL_ID, "input": "Weather in Oslo?", "tools": [WEATHER, clock],
+                                         "tool_choice": allowed, "max_output_tokens": 30, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert [(o["type"], o["name"]) for o in r.json()["output"]] == [("function_call", "get_time")], r.text
+    assert r.json()["tool_choice"] == allowed
 
 
 def test_top_logprobs_alone_asks_for_none(http):

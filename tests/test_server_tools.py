@@ -567,7 +567,39 @@ def test_a_function_whose_parameters_accept_no_arguments_is_a_400_naming_them(ht
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
 
 
-@pytest.mark.parametrize("choice", ["required", "auto", _named("bad")])
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [_named(n) for n in names]}}
+
+
+def test_allowed_tools_plan():
+    """OpenAI's `allowed_tools`: every tool in the prompt, calls of the listed ones alone."""
+    required = tool_call_plan(_request(tools=TOOLS, tool_choice=_allowed("required", "get_time")))
+    assert [alt["properties"]["name"]["const"] for alt in required.schema["anyOf"]] == ["get_time"]
+    assert not required.allow_text and required.forced is None
+    assert [t["function"]["name"] for t in required.tools_for_template()] == ["get_weather", "get_time"]
+    assert "may call now: get_time." in required.with_instructions([])[0]["content"]
+    auto = tool_call_plan(_request(tools=TOOLS, tool_choice=_allowed("auto", "get_weather")))
+    assert [alt["properties"].get("name", {}).get("const") for alt in auto.schema["anyOf"]] == ["get_weather", None]
+    with pytest.raises(APIError) as e:
+        tool_call_plan(_request(tools=TOOLS, tool_choice=_allowed("required", "get_time", "nope")))
+    assert e.value.param == "tool_choice.allowed_tools.tools.1" and "'nope'" in e.value.message
+    with pytest.raises(ValidationError):  # an empty list, an unknown mode
+        _request(tools=TOOLS, tool_choice=_allowed("required"))
+    with pytest.raises(ValidationError):
+        _request(tools=TOOLS, tool_choice=_allowed("sometimes", "get_time"))
+
+
+def test_allowed_tools_through_openai(openai_client):
+    r = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "What is the weather in Oslo?"}], tools=TOOLS,
+        tool_choice=_allowed("required", "get_time"), max_tokens=40, temperature=1.0, seed=5, n=3)
+    for choice in r.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time", call
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", _named("bad"), _allowed("required", "bad")])
 def test_a_fault_in_a_function_s_parameters_names_the_function_and_its_own_path(http, choice):
     """The calls' grammar holds every function's parameters inside an envelope of its own
     (`/anyOf/1/properties/arguments`, `$defs` renamed `bad__Y`): a fault there is named as the user

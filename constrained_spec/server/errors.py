@@ -53,7 +53,9 @@ def validation_error_to_api(errors: list[dict[str, Any]], body: Any = None) -> A
     # (`{"type": "function"}` for tool_choice: its `function` is missing, not "none"/"auto"/"required")
     paths = [_field_path([x for x in e.get("loc", ()) if x != "body"], body, e.get("type") == "missing")
              for e in errors]
-    deepest = max(range(len(errors)), key=lambda i: (len(paths[i]), -i))
+    # (a tagged union's tag error names the tag, one level below its path)
+    depth = [len(p) + str(e.get("type", "")).startswith("union_tag_") for p, e in zip(paths, errors)]
+    deepest = max(range(len(errors)), key=lambda i: (depth[i], -i))
     first = errors[deepest]
     param = ".".join(str(x) for x in paths[deepest]) or None
     msg = first.get("msg", "invalid value")

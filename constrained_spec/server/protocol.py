@@ -17,9 +17,10 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from ..sampling_params import INT64_MAX, INT64_MIN
@@ -83,19 +84,37 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn's: the call it answers
+    refusal: str | None = None  # an assistant turn that refused (the `openai` package's parse gives it back)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_role_is_tool(cls, v: Any) -> Any:
+        # OpenAI's deprecated `function` role (a function's result, named by `name`), which older
+        # agent frameworks still send: the result of a call, as a `tool` turn is
+        if isinstance(v, dict) and v.get("role") == "function":
+            v = {**v, "role": "tool"}
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
-    def _only_text_parts(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            for i, part in enumerate(v):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
-        return v
+    def _only_text_parts(cls, v: Any, info: ValidationInfo) -> Any:
+        if not isinstance(v, list):
+            return v
+        parts = []
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "refusal" and info.data.get("role") == "assistant":  # an earlier answer's refusal, as text
+                part = {"type": "text", "text": part.get("refusal")}
+            elif kind != "text":
+                allowed = "'text' and (in an assistant message) 'refusal'"
+                raise ValueError(f"content part {i} has type {kind!r}; only {allowed} parts are supported")
+            parts.append(part)
+        return parts
 
     @model_validator(mode="after")
     def _content_unless_calls(self) -> "ChatMessage":
+        if self.content is None and self.role == "assistant" and self.refusal:
+            self.content = self.refusal  # the turn's words were its refusal
         if self.content is None and self.role != "assistant":  # an assistant turn may be calls alone
             raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
         return self
@@ -182,6 +201,30 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class AllowedTool(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(_Lenient):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Lenient):
+    """OpenAI's `allowed_tools`: every tool stays in the prompt, the answer may call only these
+    (`required`), or these or none (`auto`)."""
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    @property
+    def names(self) -> list[str]:
+        return [t.function.name for t in self.allowed_tools.tools]
+
+
+ToolChoiceObject = Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")]
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -255,7 +298,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = Field(default=False, strict=True)
     top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     tools: list[Tool] | None = Field(default=None, max_length=128)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceObject, None] = None
     parallel_tool_calls: bool | None = None  # one call per choice either way
     functions: list[Any] | None = None  # the deprecated form of tools
     modalities: list[str] | None = None  # text only

@@ -208,14 +208,19 @@ def _chat_tool_choice(choice: Union[str, dict]) -> Union[str, dict]:
         return choice
     if choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
-                      param="tool_choice")
+    if choice.get("type") == "allowed_tools" and isinstance(choice.get("tools"), list):
+        tools = [{"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+                 for t in choice["tools"]]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
+    raise bad_request("tool_choice must be none, auto, required, {\"type\": \"function\", \"name\": ...} or "
+                      "{\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]}", param="tool_choice")
 
 
 # chat fields that errors name -> the Responses fields they came from
 _PARAM_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
                 ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-                ("max_completion_tokens", "max_output_tokens"), ("logprobs", "include"))
+                ("max_completion_tokens", "max_output_tokens"), ("logprobs", "include"),
+                ("tool_choice.allowed_tools", "tool_choice"))
 
 
 def in_responses_terms(e: APIError) -> APIError:

@@ -35,6 +35,7 @@ import orjson
 
 from ..engine.detokenizer import StopScan, first_stop
 from .errors import bad_request
+from .protocol import AllowedToolsChoice
 
 # an arguments object with no parameters declared: `{}` (OpenAI: "omitting parameters defines a
 # function with an empty parameter list")
@@ -71,13 +72,17 @@ class ToolCallPlan:
     allow_text: bool = False
     answer_schema: dict | None = None
     stop: tuple = ()  # the request's stop strings, matched against the visible text (envelopes only)
+    allowed: frozenset | None = None  # the names it may call (`allowed_tools`); None: every function
+
+    def callable_functions(self) -> list:
+        return [f for f in self.functions if self.allowed is None or f.name in self.allowed]
 
     @property
     def schema(self) -> dict:
         if self.forced is not None:
             return self.parameters(self._function(self.forced))
         calls, defs = [], {}
-        for f in self.functions:
+        for f in self.callable_functions():
             arguments, needed = _envelope_parameters(f.name, self.parameters(f))
             defs.update(needed)
             calls.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
@@ -109,6 +114,8 @@ class ToolCallPlan:
             lines.append("You can call these functions:")
             lines += [orjson.dumps({"name": f.name, "description": f.description or "",
                                     "parameters": self.parameters(f)}).decode() for f in self.functions]
+        if self.forced is None and self.allowed is not None:
+            lines.append("The functions you may call now: " + ", ".join(f.name for f in self.callable_functions()) + ".")
         if self.forced is not None:
             lines.append(f"Call the function {self.forced}: answer with its arguments as one JSON object.")
         elif self.allow_text and self.answer_schema is not None:
@@ -191,8 +198,9 @@ class ToolCallPlan:
         m = _ENVELOPE_PATH.match(path)
         if m is not None:
             k, rest = int(m.group(1)), m.group(2)
-            if k < len(self.functions):
-                return f"tools.{k}.function.parameters", rest
+            callable_ = self.callable_functions()  # the envelope's branches, in order
+            if k < len(callable_):
+                return f"tools.{self._index(callable_[k].name)}.function.parameters", rest
             return (_ANSWER_PARAM, rest) if self.answer_schema is not None else None
         m = _DEFS_PATH.match(path)
         if m is None:
@@ -454,18 +462,26 @@ def tool_call_plan(req) -> ToolCallPlan | None:
                               f"is {kind!r}", param=f"tools.{i}.function.parameters", code="invalid_schema")
     if choice == "none":
         return None
-    forced, allow_text, strict_of = None, choice is None or choice == "auto", functions
-    if not isinstance(choice, str) and choice is not None:
+    forced, allow_text, allowed = None, choice is None or choice == "auto", None
+    if isinstance(choice, AllowedToolsChoice):
+        allowed, allow_text = frozenset(choice.names), choice.allowed_tools.mode == "auto"
+        for i, name in enumerate(choice.names):
+            if name not in names:
+                raise bad_request(f"tool_choice.allowed_tools names the function {name!r}, which is not among the "
+                                  f"tools ({', '.join(names)})", param=f"tool_choice.allowed_tools.tools.{i}")
+    elif not isinstance(choice, str) and choice is not None:
         forced = choice.function.name
         if forced not in names:
             raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools "
                               f"({', '.join(names)})", param="tool_choice")
-        strict_of = [f for f in functions if f.name == forced]
+        allowed = frozenset([forced])
+    strict_of = [f for f in functions if allowed is None or f.name in allowed]
     # strict as response_format's json_schema: closed objects unless a function says strict false;
     # stop strings: an envelope's visible text meets them here (a named call's output, in the engine)
     stop = tuple(s for s in req.stop_list() if s) if forced is None else ()
     return ToolCallPlan(functions, forced, strict=all(f.strict is not False for f in strict_of), allow_text=allow_text,
-                        answer_schema=response_format_schema(req) if allow_text else None, stop=stop)
+                        answer_schema=response_format_schema(req) if allow_text else None, stop=stop,
+                        allowed=allowed)
 
 
 def response_format_schema(req) -> dict | None:
