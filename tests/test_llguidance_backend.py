@@ -5,6 +5,8 @@ and `auto` serves a schema with llguidance, falls back to the normalizer and xgr
 llguidance refuses, and refuses (naming the keyword) only when neither enforces it."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -270,6 +272,38 @@ def test_a_regex_anchor_inside_is_refused(backend, pattern):
     for name in ("llguidance", "xgrammar", "auto"):
         with pytest.raises(GrammarError, match="anchors"):
             backend.compile(GrammarSpec.regex(pattern).with_backend(name))
+
+
+@pytest.mark.parametrize("kind, text, says", [
+    ("regex", r"\A\d{3}\z", "leave the anchor out"),  # llguidance: anchors; xgrammar (as JavaScript): letters
+    ("regex", r"\d{3}\Z", "letter 'Z'"),
+    ("regex", r"\p{L}+", "letter 'p'"),  # llguidance: Unicode letters; JavaScript without u: `p{L}`
+    ("regex", r"\x4", r"\x4"),
+    ("regex", "abc\\", "lone backslash"),  # llguidance dropped it: "abc"
+    ("regex", "a**", "Two consecutive repetition modifiers"),
+    ("regex", "(?i)abc", "inline flags"),  # llguidance: case-insensitive
+    ("regex", "(?P<n>a)", "inline flags"),
+    ("regex", r"(a)\1", "backreferences"),
+    ("ebnf", "root ::= ", "Expect element"),  # llguidance: the empty answer
+    ("ebnf", 'root ::= "a"\nroot ::= "b"', "defined multiple times"),  # llguidance: the last one
+])
+def test_a_grammar_one_backend_refuses_the_other_refuses_too(backend, kind, text, says):
+    """QA 1130 D1-D3: llguidance's parsers (Rust's regex syntax, its GBNF) took what xgrammar's
+    refuses, and gave it another meaning; under auto a repeated request moved between them."""
+    spec = GrammarSpec.regex(text) if kind == "regex" else GrammarSpec.ebnf(text)
+    for name in ("llguidance", "xgrammar", "auto"):
+        with pytest.raises(GrammarError, match=re.escape(says)):
+            backend.compile(spec.with_backend(name))
+
+
+@pytest.mark.parametrize("pattern, text", [(r"[(?]x", "?x"), (r"[\b]", "\b"), (r"(?:ab)+", "abab"),
+                                           (r"\x41\u0042\cJ", "AB\n"), (r"a\.b\-c\/", "a.b-c/")])
+def test_javascript_s_own_syntax_is_kept(backend, tokenizer, pattern, text):
+    # (llguidance refuses `\cJ` and `[\b]`, which auto serves with xgrammar)
+    for name in ("auto", "xgrammar"):
+        m = backend.matcher(backend.compile(GrammarSpec.regex(pattern).with_backend(name)))
+        t = ids(tokenizer, text)
+        assert m.accept_tokens(t) == len(t) and m.can_terminate(), (pattern, name)
 
 
 def test_regex_anchors_at_the_edges_and_literal_ones_are_kept(backend, tokenizer):

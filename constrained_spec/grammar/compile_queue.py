@@ -213,6 +213,8 @@ class CompileQueue:
             hit = self._cache.get(key)
             if hit is not None:
                 self._stats["cache_hits"] += 1
+            elif self._closed:  # no worker would take it (QA 1130: compile_grammar after shutdown hung)
+                hit = GrammarError("the grammar backend was closed")
             else:
                 job = self._jobs.get(key)
                 if job is None:

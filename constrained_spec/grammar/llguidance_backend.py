@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import llguidance as llg
 import torch
 
-from .errors import GrammarError
+from .errors import GrammarError, check_syntax_as_xgrammar
 from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
 from . import regex_dialect
 from .llguidance_schema import for_llguidance
@@ -154,6 +154,7 @@ class LLGuidanceCompiler:
         if spec.kind == "choice":
             return llg.grammar_from("choice", spec.value)
         if spec.kind == "ebnf":
+            check_syntax_as_xgrammar("ebnf", spec.value)  # (QA 1130 D3: `root ::=` empty, a rule defined twice)
             try:
                 return llg.grammar_from("gbnf", spec.value)
             except ValueError as e:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import llguidance as llg
 
-from .errors import GrammarError
+from .errors import GrammarError, check_syntax_as_xgrammar
 from .json_regex import edge_anchors, scan_regex
 
 __all__ = ["for_llguidance", "for_xgrammar"]
@@ -26,11 +26,71 @@ _DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
 def for_xgrammar(pattern: str) -> str:
-    return _ecma_dot(_edge_anchors_only(pattern))
+    return _ecma_dot(_edge_anchors_only(_ecma_syntax_only(pattern)))
 
 
 def for_llguidance(pattern: str) -> str:
-    return llg.regex_to_lark(_ecma_dot(_edge_anchors_only(pattern)), "dw")
+    ecma = _ecma_dot(_edge_anchors_only(_ecma_syntax_only(pattern)))
+    # llguidance (Rust's regex syntax) takes what JavaScript refuses (`a**`; a trailing `\\`, which
+    # it dropped): parsed as xgrammar parses it, a regex one backend refuses is refused by both
+    check_syntax_as_xgrammar("regex", ecma)
+    return llg.regex_to_lark(ecma, "dw")
+
+
+# the escapes of ECMA-262's regexes (no flags) that stand for something other than their letter;
+# after `c` a control letter, after `x` two hex digits, after `u` four; and `\\U` with eight, a
+# code point past U+FFFF, which JavaScript has no escape for without its u flag and both backends read
+_ECMA_ESCAPE_LETTERS = set("dDwWsSbBtnvfr0cxuU")
+_HEX = set("0123456789abcdefABCDEF")
+
+
+def _ecma_syntax_only(pattern: str) -> str:
+    """The pattern, or GrammarError for syntax JavaScript reads otherwise than another dialect:
+    a letter escape JavaScript does not define (`\\A`, `\\z`: JavaScript reads the letter, Python
+    and llguidance an anchor; `\\p{L}`: `p{L}` to JavaScript without its u flag, a Unicode class to
+    llguidance), backreferences, a lone `\\` at the end, and `(?` groups other than JavaScript's
+    (inline flags `(?i)`, Python's `(?P<n>`). The backends disagreed on each (QA 1130 D1, D2)."""
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 == n:
+                raise GrammarError("the regex ends with a lone backslash (escape it as \\\\ for a backslash)")
+            e = pattern[i + 1]
+            if e.isdigit() and e != "0" or e == "k":
+                raise GrammarError(f"backreferences (\\{e}) are not supported in a regex constraint")
+            if e.isascii() and e.isalpha() and (e not in _ECMA_ESCAPE_LETTERS or not _escape_complete(pattern, i + 1)):
+                hint = (" (a regex constraint matches the whole answer: leave the anchor out)" if e in "AzZ"
+                        else f" (write {e!r} for the letter)")
+                raise GrammarError(f"\\{pattern[i + 1:i + 3] if e in 'xuU' else e} is not an escape of JavaScript's "
+                                   f"regexes, which read it as the letter {e!r} where other dialects read something "
+                                   f"else{hint}")
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":  # (a `]` first in the class is a member, as `_ecma_dot` reads it)
+            j = i + 1 + pattern.startswith("^", i + 1)
+            i, in_class = j + pattern.startswith("]", j), True
+            continue
+        elif pattern.startswith("(?", i) and not pattern.startswith((("(?:", "(?=", "(?!", "(?<=", "(?<!")), i) \
+                and not (pattern.startswith("(?<", i) and pattern[i + 3:i + 4].isalpha()):
+            raise GrammarError(f"the group {pattern[i:i + 4]!r}... is not JavaScript's regex syntax (inline flags and "
+                               "Python's (?P<name>...) are not supported)")
+        i += 1
+    return pattern
+
+
+def _escape_complete(pattern: str, at: int) -> bool:
+    """The escape whose letter is at `at` has what its letter needs after it (`\\cX`, `\\xHH`, `\\uHHHH`)."""
+    kind = pattern[at]
+    if kind == "c":
+        return pattern[at + 1:at + 2].isascii() and pattern[at + 1:at + 2].isalpha()
+    if kind in "xuU":
+        width = {"x": 2, "u": 4, "U": 8}[kind]
+        digits = pattern[at + 1:at + 1 + width]
+        return len(digits) == width and set(digits) <= _HEX
+    return True
 
 
 def _edge_anchors_only(pattern: str) -> str:

@@ -21,7 +21,7 @@ import xgrammar as xgr
 
 from .compile_queue import CompiledGrammar
 from .disk_cache import DiskCache, fingerprint
-from .errors import GrammarError
+from .errors import GrammarError, xgrammar_message
 from .matcher import RequestMatcher, as_i64
 from . import regex_dialect
 from .schema import prepare_schema
@@ -408,10 +408,7 @@ class XGrammarCompiler:
                 opts = json.loads(spec.value)
                 return self.compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(o) for o in opts))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ trace
-            msg = str(e).strip().splitlines()
-            msg = msg[-1] if msg else repr(e)
-            msg = msg.split(": ", 1)[-1] if "/project/cpp/" in msg else msg
-            raise GrammarError(f"{spec.kind} failed to compile: {msg}") from None
+            raise GrammarError(f"{spec.kind} failed to compile: {xgrammar_message(e)}") from None
         raise GrammarError(f"unknown grammar kind '{spec.kind}'")
 
     def grammar(self, spec: GrammarSpec, prepared: Optional[str]) -> Optional["xgr.Grammar"]:
