@@ -314,6 +314,58 @@ def test_a_shut_down_engine_refuses_requests(tiny_llama_dir):
     eng.shutdown()
     with pytest.raises(RequestError, match="shut down"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    # a grammar not compiled yet: no worker takes it any more (QA 1130 D1: compile_grammar hung)
+    from constrained_spec.grammar import GrammarError, GrammarSpec
+    raised = []
+
+    def check():
+        try:
+            eng.compile_grammar(GrammarSpec.regex("[a-q]{3}"))
+        except GrammarError as e:
+            raised.append(e)
+    checker = threading.Thread(target=check, daemon=True)  # (daemon: a hang fails the test, not the run)
+    checker.start()
+    checker.join(10)
+    assert raised and "closed" in str(raised[0])
+
+
+def test_ctrl_c_in_generate_aborts_its_prompts(tiny_llama_dir):
+    """QA 1130 D2: a KeyboardInterrupt while `generate` waited left its prompts decoding for nobody."""
+    import os
+    import signal
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32")
+    try:
+        long = SamplingParams(max_tokens=eng.max_context - 8, ignore_eos=True)
+        # a real SIGINT (Ctrl-C): `_thread.interrupt_main` would wait for the blocked wait to end
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate([[1, 2, 3], [4, 5, 6]], long)
+        deadline = time.monotonic() + 5
+        while eng.num_queued() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert eng.num_queued() == 0 and eng.kv_usage() == 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_script_may_end_with_requests_in_flight(tiny_llama_dir, tmp_path):
+    """QA 1130 D3: a script ending (or interrupted) with requests running and no `shutdown()`
+    aborted the process ("terminate called without an active exception", SIGABRT)."""
+    import subprocess
+    import sys
+    script = tmp_path / "ends.py"
+    script.write_text(f"""
+import threading
+from constrained_spec import Engine, SamplingParams
+eng = Engine(model={tiny_llama_dir!r}, device="cpu", dtype="float32")
+long = SamplingParams(max_tokens=eng.max_context - 8, ignore_eos=True)
+it = eng.stream([1, 2, 3], long)
+next(it)
+threading.Thread(target=lambda: eng.generate([[4, 5, 6]], long), daemon=True).start()
+print("end of script", flush=True)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "end of script" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
 def test_shutdown_ends_the_requests_in_flight(tiny_llama_dir):

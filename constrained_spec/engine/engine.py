@@ -24,11 +24,13 @@ step at the same position, so its output is exactly what it would have been.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
@@ -92,6 +94,19 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
+
+
+_OPEN_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_open_engines() -> None:
+    """A script that ends, or is interrupted (Ctrl-C), with requests in flight and no `shutdown()`:
+    its engine's loop was inside torch or native code when the interpreter stopped its daemon
+    threads, and the process aborted ("terminate called without an active exception", QA 1130 D3).
+    atexit runs before that (and before the compile queues' own handler, registered earlier)."""
+    for engine in list(_OPEN_ENGINES):
+        engine.shutdown()
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded=None, **overrides):
@@ -161,6 +176,7 @@ class Engine:
         long_lived.freeze()  # the engine's objects, for the process's life (`long_lived.py`)
         self._thread = threading.Thread(target=self._loop, name="constrained-spec-engine", daemon=True)
         self._thread.start()
+        _OPEN_ENGINES.add(self)
         log.info("engine ready: model %s on %s (%s), %d KV slots, max context %d", self.model_name, self.device,
                  dtype, self.runner.pool.capacity, self.max_context)
 
@@ -256,7 +272,13 @@ class Engine:
             for r in reqs:
                 self.abort(r.request_id)
             raise
-        return [c.result(r) for c, r in zip(collectors, reqs)]
+        try:
+            return [c.result(r) for c, r in zip(collectors, reqs)]
+        except BaseException:  # Ctrl-C in a notebook or a shell: nobody waits for them any more
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.request_id)
+            raise
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                grammar: GrammarSpec | None = None) -> Iterator[RequestOutput]:
@@ -306,6 +328,7 @@ class Engine:
         default) for grammar compiles still running, and says whether they ended: a process that
         exits with one inside native code aborts, unless it leaves by `os._exit`, as the servers
         do (`EXIT_COMPILE_WAIT_S`)."""
+        _OPEN_ENGINES.discard(self)
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
