@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -527,6 +528,17 @@ def _bad_flag(problem: str) -> SystemExit:
 
 
 def _grammar_from_args(args: argparse.Namespace):
+    """The constraint the flags ask for, checked as the engine will check it: a bad one exits 2 with
+    one line (QA 1130: an array as --schema, an empty --ebnf file or --choice "" were a traceback,
+    and --regex "" ran unconstrained)."""
+    from .grammar import GrammarError
+    try:
+        return _grammar_spec_from_args(args)
+    except GrammarError as e:
+        raise _bad_flag(str(e))
+
+
+def _grammar_spec_from_args(args: argparse.Namespace):
     from .grammar import GrammarSpec
     if args.schema:
         try:
@@ -538,7 +550,7 @@ def _grammar_from_args(args: argparse.Namespace):
         return GrammarSpec.json_schema(schema, strict=True), schema
     if args.json:
         return GrammarSpec.json_object(), None
-    if args.regex:
+    if args.regex is not None:
         return GrammarSpec.regex(args.regex), None
     if args.ebnf:
         try:
@@ -553,7 +565,7 @@ def _grammar_from_args(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from .engine import Engine
+    from .engine import Engine, RequestError
     from .grammar import GrammarError
     from .sampling_params import SamplingParams
 
@@ -561,8 +573,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.request_seed)
-    except ValueError as e:
-        raise _bad_flag(str(e))
+    except ValueError as e:  # (the flag's name, not the parameter's: --seed is the engine's)
+        raise _bad_flag(str(e).replace("seed", "--request-seed", 1) if "seed" in str(e) else str(e))
+    if args.raw and args.system:
+        raise _bad_flag("--system needs the chat template, which --raw leaves out")
     engine = Engine(engine_config_from_args(args))
     try:
         log.info("engine ready: %s", describe_engine(engine))
@@ -580,7 +594,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = engine.chat_prompt(messages)
         pieces = []
         final = None
-        for out in engine.stream(ids, params, grammar):
+        try:
+            outputs = engine.stream(ids, params, grammar)
+            first = next(outputs)
+        except RequestError as e:  # a prompt past the context or the KV cache, or empty
+            print(f"constrained-spec: {e}", file=sys.stderr)
+            return 2
+        for out in itertools.chain([first], outputs):
             if out.new_text:
                 pieces.append(out.new_text)
                 sys.stdout.write(out.new_text)
@@ -635,6 +655,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     if problem is not None:
         return problem
     model = getattr(args, "model", None)
+    if model is not None and not model.strip():  # (it loaded the default model)
+        return "--model is empty: give a path or an alias, or leave the flag out for the default model"
     if model and model.strip():
         from .models.registry import MODELS, lookup_alias
         if not Path(os.path.expanduser(model.strip())).exists() and lookup_alias(model) is None:
@@ -646,6 +668,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         import torch
         if not torch.cuda.is_available():
             return f"--device {device}: CUDA is not available here (torch {torch.__version__})"
+    backend = getattr(args, "attention_backend", None)
+    if backend in ("triton", "flashinfer") and device in ("cpu", "auto"):  # (refused after the load, before)
+        import torch
+        if device == "cpu" or not torch.cuda.is_available():
+            return f"--attention-backend {backend} needs a CUDA device; use --attention-backend torch on the CPU"
     return None
 
 

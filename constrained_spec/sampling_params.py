@@ -63,17 +63,23 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
 
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        need(0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]")
-        need(0.0 <= self.top_p <= 1.0, "top_p", "must be in [0, 1]")  # 0 keeps the most likely token alone
-        need(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
-        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        # numbers, not strings or None (a TypeError from the comparison, QA 1130) nor booleans
+        need(_is_number(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature", "must be a number in [0, 2]")
+        need(_is_number(self.top_p) and 0.0 <= self.top_p <= 1.0, "top_p",
+             "must be a number in [0, 1]")  # 0 keeps the most likely token alone
+        need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or an integer >= 1")
+        need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be a number in [0, 1]")
+        need(_is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             "must be a number in [-2, 2]")
+        need(_is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             "must be a number in [-2, 2]")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False")
         need(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs",
              "must be an integer in [0, 20]")  # (a float or a bool failed the step's topk)
         need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop), "stop",
              "must be a string or a list of strings")  # (bytes failed the detokenizer's search)
+        need(all(self.stop), "stop", "strings must not be empty")  # (matched nothing; the HTTP API refuses them)
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
         # every token's text is searched for each of them over the last (longest - 1) characters
         need(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
@@ -85,7 +91,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             self._validate_logit_bias(need)
         if self.prediction is not None:
-            need(isinstance(self.prediction, list) and all(isinstance(t, int) and t >= 0 for t in self.prediction),
+            need(isinstance(self.prediction, list) and all(_is_int(t) and t >= 0 for t in self.prediction),
                  "prediction", "must be a list of token ids")
 
     def _validate_logit_bias(self, need) -> None:
@@ -102,3 +108,7 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

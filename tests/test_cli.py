@@ -84,6 +84,37 @@ def test_bad_flags_exit_2_with_one_line(argv, says, capsys):
     assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--schema", "{array}"], "JSON schema must be a JSON object or boolean"),
+    (["--schema", "{loop}"], "leads only to references back to itself"),
+    (["--ebnf", "{empty}"], "EBNF grammar must be a non-empty string"),
+    (["--choice", ""], "choice must be a non-empty list"),
+    (["--regex", ""], "regex must be a non-empty string"),  # (it ran unconstrained)
+    (["--system", "Be brief", "--raw"], "--system needs the chat template"),  # (dropped without a word)
+    (["--request-seed", str(2**70)], "--request-seed must be a 64-bit"),  # (named --seed's parameter)
+    (["--model", ""], "--model is empty"),  # (loaded the default model)
+    (["--attention-backend", "triton", "--device", "cpu"], "needs a CUDA device"),  # (after the load, a traceback)
+])
+def test_bad_generate_inputs_exit_2_with_one_line(extra, says, tmp_path, capsys):
+    """QA 1130 engine D5, D7, D9: checked before the model loads."""
+    from constrained_spec.cli import main
+    files = {"array": "[1, 2]", "loop": '{"$ref": "#"}', "empty": ""}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = ["generate", "hi", *[a.format(**{k: str(tmp_path / k) for k in files}) for a in extra]]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_a_prompt_past_the_context_is_one_line(tiny_llama_dir):
+    """QA 1130 engine D6: a RequestError traceback, exit 1."""
+    r = run_cli("generate", "word " * 300, "--max-model-len", "64", "--model", tiny_llama_dir, "--device", "cpu")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("constrained-spec: the prompt has"), \
+        r.stderr[-2000:]
+
+
 def test_a_cuda_device_without_cuda_is_one_line(capsys, monkeypatch):
     import torch
     from constrained_spec.cli import main

@@ -142,6 +142,7 @@ def test_error_bodies_become_api_errors():
         _raise_for(unhealthy)
     assert e.value.status_code == 503 and e.value.message == "the engine is not running"
     for code, kind, status in (("engine_unavailable", "server_error", 503), ("invalid_value", "invalid_request_error", 400),
+                               ("server_shutting_down", "server_error", 503),  # (QA 1130 D4: a 500)
                                (None, "server_error", 500)):
         with pytest.raises(APIError) as e:
             _parse_chunk(json.dumps({"error": {"message": "m", "type": kind, "param": None, "code": code}}),

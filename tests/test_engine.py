@@ -635,3 +635,11 @@ def test_engine_options_out_of_range_are_refused_before_anything_loads(option, v
     does not know failed inside torch. The CLI's flags are checked against the same ranges."""
     with pytest.raises(ValueError, match=f"engine option {option}.*{says}"):
         Engine(model="/nonexistent/model", **{option: value})
+
+
+def test_a_cuda_device_without_cuda_is_a_value_error(monkeypatch):
+    """QA 1130 D11: torch's bare AssertionError ("Torch not compiled with CUDA enabled")."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda'.*CUDA is not available"):
+        Engine(model="/nonexistent/model", device="cuda")

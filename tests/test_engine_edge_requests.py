@@ -48,6 +48,13 @@ def _one(eng: Engine, params: SamplingParams, grammar=None, prompt=(5, 6, 7)):
     ({"stop": ["a", ["b"]]}, "stop must be a string or a list of strings"),
     ({"stop_token_ids": 2}, "stop_token_ids must be a list of token ids"),
     ({"stop_token_ids": [2.5]}, "stop_token_ids must be a list of token ids"),
+    # QA 1130 D8: a TypeError from the comparison, or taken and run
+    ({"temperature": "0.5"}, "temperature must be a number"), ({"temperature": None}, "temperature must be a number"),
+    ({"top_p": "x"}, "top_p must be a number"), ({"min_p": True}, "min_p must be a number"),
+    ({"presence_penalty": "1"}, "presence_penalty must be a number"),
+    ({"top_k": 2.5}, "top_k must be -1"),
+    ({"top_k": True}, "top_k must be -1"), ({"prediction": [True]}, "prediction must be a list of token ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be True or False"), ({"stop": [""]}, "stop strings must not be empty"),
 ])
 def test_values_the_step_cannot_take_are_refused_up_front(engine, fields, says):
     with pytest.raises(ValueError, match=says):
@@ -58,6 +65,11 @@ def test_values_the_step_cannot_take_are_refused_up_front(engine, fields, says):
         setattr(params, name, value)
     with pytest.raises(ValueError, match=says):
         _beside(engine, lambda: engine.generate([[5, 6, 7]], params))
+
+
+def test_a_boolean_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):  # (it ran 1 token)
+        SamplingParams(max_tokens=True)
 
 
 def test_params_of_another_type_are_refused_up_front(engine):

@@ -12,7 +12,7 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
         return TorchAttention()
     if name == "triton":
         if not str(device).startswith("cuda"):
-            raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch")
+            raise ValueError("the triton attention backend needs a CUDA device; use the torch one (attention_backend=\"torch\", --attention-backend torch)")
         from .triton_backend import TritonAttention
         return TritonAttention()
     raise ValueError(f"unknown attention backend {name!r}; choose torch, triton or auto")

@@ -180,7 +180,7 @@ def _sse_data(line: str) -> str | None:
 
 
 # a streamed error comes after the 200 went out: the status the same error has unstreamed
-_UNAVAILABLE = frozenset({"engine_unavailable", "server_busy", "queue_full"})
+_UNAVAILABLE = frozenset({"engine_unavailable", "server_busy", "queue_full", "server_shutting_down"})
 
 
 def _stream_error_status(err: dict) -> int:

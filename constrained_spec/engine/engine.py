@@ -92,6 +92,8 @@ class GenerationOutput:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():  # (torch's own: a bare AssertionError)
+        raise ValueError(f"engine option device={device!r}: CUDA is not available here (torch {torch.__version__})")
     return torch.device(device)
 
 

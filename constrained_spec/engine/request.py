@@ -25,6 +25,9 @@ class FinishReason(str, Enum):
     ABORT = "abort"
     ERROR = "error"
 
+    def __str__(self) -> str:  # "stop", as the HTTP API says it (Python 3.11 printed "FinishReason.STOP")
+        return self.value
+
 
 # What kind of failure a request that ended "error" had (`RequestOutput.error_kind`), for the server
 # to answer it as it answers the same failure caught before the request was queued; None: the
