@@ -334,6 +334,8 @@ def test_ctrl_c_in_generate_aborts_its_prompts(tiny_llama_dir):
     import os
     import signal
     eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32")
+    # Python's own Ctrl-C handler (an xdist worker ignores SIGINT)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         long = SamplingParams(max_tokens=eng.max_context - 8, ignore_eos=True)
         # a real SIGINT (Ctrl-C): `_thread.interrupt_main` would wait for the blocked wait to end
@@ -345,6 +347,7 @@ def test_ctrl_c_in_generate_aborts_its_prompts(tiny_llama_dir):
             time.sleep(0.02)
         assert eng.num_queued() == 0 and eng.kv_usage() == 0
     finally:
+        signal.signal(signal.SIGINT, before)
         eng.shutdown()
 
 
