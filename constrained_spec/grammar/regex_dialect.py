@@ -10,7 +10,9 @@ llguidance 1.9, measured by accepting strings):
 As a request can move between backends (`auto`), both get the pattern rewritten to ECMA's meaning:
 `\\d` is [0-9], `\\w` [0-9A-Za-z_] (llguidance's own rewrite, the one it applies to JSON Schema
 patterns), and `.` any character but a line terminator (\\n, \\r, U+2028, U+2029). An answer under
-that meaning is matched by JavaScript's RegExp and by Python's `re.fullmatch` alike.
+that meaning is matched by JavaScript's RegExp and by Python's `re.fullmatch` alike. Syntax the
+dialects read apart (`\\A`, `\\z`, `\\p{L}`, `(?i)`) is refused under both (`_ecma_syntax_only`), and
+what xgrammar's parser refuses (`a**`) is refused under llguidance too.
 """
 from __future__ import annotations
 
