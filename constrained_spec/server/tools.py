@@ -149,7 +149,7 @@ class ToolCallPlan:
                     "stop" if stopped else call_finish_reason(finish_reason, complete))
         if not self.allow_text:  # cut before its call was named: no call, and no text is ever an answer here
             return {"role": "assistant", "content": None, "refusal": None}, finish_reason
-        content = ""
+        content = None  # cut before it said whether it calls or answers: neither (as streamed: no content)
         if self.answer_schema is not None:
             head = _ANSWER_HEAD.match(text)
             if head is not None:  # the JSON as far as it got (all of it, finished)
@@ -157,6 +157,8 @@ class ToolCallPlan:
                 content = _strip_wrapper(rest) if complete else rest
         elif _TEXT_HEAD.match(text):
             content = TextAnswer().feed(text).decoded  # the string as far as it got (all of it, finished)
+        if content is None:
+            return {"role": "assistant", "content": None, "refusal": None}, finish_reason
         content, stopped = self._cut(content)
         return {"role": "assistant", "content": content, "refusal": None}, "stop" if stopped else finish_reason
 
