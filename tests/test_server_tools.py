@@ -631,6 +631,17 @@ def test_a_fault_in_a_function_s_parameters_names_the_function_and_its_own_path(
         assert "at /$defs/N:" in err["message"] and "answer.format" not in err["message"], err
 
 
+@pytest.mark.parametrize("bad", [{"type": "object", "properties": {"b": {"type": "string", "pattern": "(["}}},
+                                 {"type": "object", "properties": {"x": {"if": {"required": ["a"]}, "then": {}}}}])
+def test_under_llguidance_a_refused_function_is_named_too(http, bad):
+    """llguidance's refusals carry no path: among the calls (`required`) the 400 named `tools`
+    alone; the function at fault, compiled alone, is named (its own path where the compiler gives one)."""
+    tools = TOOLS[:1] + [{"type": "function", "function": {"name": "bad", "parameters": bad}}]
+    r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice="required", max_tokens=4,
+                                                         grammar_backend="llguidance"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("parameters, an_object", [
     ({}, "{}"), ({"type": "object"}, "{}"), ({"type": "object", "description": "no inputs"}, "{}"),

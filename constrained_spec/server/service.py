@@ -184,7 +184,12 @@ class Service:
             return spec
         if plan is not None:
             await self._check_tool_parameters(req, plan, request)
-        await self._checked(spec, constraint_param(req), request, plan)
+        try:
+            await self._checked(spec, constraint_param(req), request, plan)
+        except APIError as e:
+            if plan is not None and e.param == "tools":  # the compiler said what, not where (llguidance):
+                await self._check_tool_parameters(req, plan, request, every=True)  # the function, alone
+            raise
         return spec
 
     async def _checked(self, spec, param: str | None, request: Request | None,
@@ -205,12 +210,13 @@ class Service:
             raise
 
     async def _check_tool_parameters(self, req: _GenerationRequest, plan: ToolCallPlan,
-                                     request: Request | None) -> None:
+                                     request: Request | None, every: bool = False) -> None:
         """Each function the calls may name whose parameters could accept no arguments object
         (`may_accept_nothing`) is compiled alone first: one that accepts none is the 400 naming its parameters. Among the
         calls it is a dead branch, which llguidance drops from its masks and xgrammar's check
         prunes: that function was silently never called. So is the answer format beside them
-        (`auto` with a JSON `response_format`), which names `response_format.json_schema.schema`."""
+        (`auto` with a JSON `response_format`), which names `response_format.json_schema.schema`.
+        With `every`, each is compiled alone (the calls' grammar was refused without a path)."""
         from ..grammar import GrammarSpec  # deferred, as in constraints.py
         from ..grammar.backend import may_accept_nothing
         alone = [(plan.parameters(f), f"tools.{i}.function.parameters", f.parameters)
@@ -224,7 +230,7 @@ class Service:
                 if _is_grammar_error(e):
                     raise grammar_error(e, param)
                 raise
-            if not may_accept_nothing(spec) and not _object_by_us(given):
+            if not every and not may_accept_nothing(spec) and not _object_by_us(given):
                 continue
             if req.grammar_backend is not None:
                 spec = spec.with_backend(req.grammar_backend)
