@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
     srv.add_argument("--served-model-name", metavar="NAME", default=None,
                      help="the model id clients send and /v1/models lists (default: the model's name)")
+    srv.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
+                     help="comma-separated origins browsers may call from (CORS), '*' any; '' none "
+                          "(default: %(default)s)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
                      help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     srv.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
@@ -452,7 +455,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                                  max_pending_requests=args.max_pending_requests,  # each front-end admits its share
                                  default_max_tokens=args.default_max_tokens, frontends=n_frontends,
-                                 response_store=args.response_store)
+                                 response_store=args.response_store,
+                                 allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
     # with other front-ends, the engine stops after them (below), not with this app; in one process,
     # below too, where a grammar compile still running can be left to the process's end
     try:

@@ -370,6 +370,20 @@ def test_single_process_server_answers_the_same(server, single_server):
     assert answers[0] == answers[1]
 
 
+def test_a_failed_stream_keeps_what_it_streamed():
+    """QA 1130 wire D2: `response.failed` had an empty output though an item was streamed, whose
+    `output_item.done` never came."""
+    from constrained_spec.server.responses import ResponseEvents
+    text = ResponseEvents({"id": "resp_1", "status": "in_progress", "output": []})
+    events = text.start() + text.delta({"content": "Hel"})
+    events += text.failed({"id": "resp_1", "status": "failed", "output": [],
+                           "error": {"code": "server_error", "message": "engine_error: x"}})
+    assert [e["type"] for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                                "response.output_item.done", "response.failed"]
+    (item,) = events[-1]["response"]["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "Hel"
+
+
 def test_event_sequence_from_chat_deltas():
     """ResponseEvents alone: text pieces become one message item's events, a call's pieces a
     function_call item's, numbered in order, and the final response carries the items streamed."""

@@ -226,7 +226,7 @@ def test_requests_past_the_drain_deadline_end_as_the_servers_own_errors(serve, l
     assert events[0] == 200 and events[-1] == "[DONE]", (events[-3:], log[-3000:])
     error = events[-2]
     assert isinstance(error, dict) and error["error"]["code"] == "server_shutting_down", events[-4:]
-    assert events[-3]["choices"][0]["finish_reason"] == "error", events[-4:]
+    assert all(c.get("finish_reason") is None for e in events[1:-2] for c in e["choices"]), events[-4:]
     assert time.monotonic() - t0 < 15, "the drain took too long"
     assert code == 0, log[-3000:]
     _assert_clean(log)

@@ -27,7 +27,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -35,7 +37,7 @@ from starlette.responses import Response
 from .chat_routes import add_chat_routes
 from .completions_routes import add_completions_routes
 from .engine_client import EngineUnavailable
-from .errors import APIError
+from .errors import APIError, validation_error_to_api
 from .gate import Gate
 from .info_routes import add_info_routes
 from .json_io import parse
@@ -62,6 +64,9 @@ class ServerConfig:
     frontends: int = 1  # front-end processes over the engine: each admits its share of the pending limit
     frontend: int = 0  # this one's number (0: the `serve` process); /health says it
     response_store: str | None = None  # a SQLite file the stored Responses persist in; None: memory only
+    # origins a browser may call from (CORS); empty: none. "*" as OpenAI's API and vLLM answer: a web
+    # page could call a server without --api-key anyway, through a page's own backend
+    allowed_origins: tuple = ("*",)
 
 
 def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool = False) -> FastAPI:
@@ -86,7 +91,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
                 except Exception:
                     log.exception("engine shutdown failed")
 
-    app = FastAPI(title="constrained-spec", version=_version(), lifespan=lifespan,
+    # redirect_slashes off: a POST to `/v1/chat/completions/` was a 307 to an absolute http:// URL
+    # (wrong behind a TLS proxy, not followed by httpx): a 404 in the error shape instead
+    app = FastAPI(title="constrained-spec", version=_version(), lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible structured-output serving (grammar-constrained + speculative "
                               "decoding). See docs/api.md.")
     app.state.engine = engine
@@ -100,6 +107,9 @@ def create_app(engine, config: ServerConfig | None = None, *, owns_engine: bool 
     for add_routes in (add_info_routes, add_chat_routes, add_responses_routes, add_completions_routes):
         add_routes(app, service)
     app.add_middleware(Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    if config.allowed_origins:  # outside the gate: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     _warm_up(engine, service.served)
     return app
 
@@ -116,7 +126,15 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         msg = exc.detail if isinstance(exc.detail, str) else "error"
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
-        return APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None).response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        # (Starlette's headers kept: a 405's `Allow`, which RFC 9110 requires)
+        return APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameters(request: Request, exc: RequestValidationError):
+        # a query or path parameter of the wrong type (`?limit=abc`): FastAPI's own 422 shape otherwise
+        return validation_error_to_api([{**e, "loc": [x for x in e.get("loc", ()) if x not in ("query", "path")]}
+                                        for e in exc.errors()]).response()
 
     @app.exception_handler(EngineUnavailable)
     async def _engine_unavailable(request: Request, exc: EngineUnavailable):

@@ -86,11 +86,13 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
                     ev.append(chunk([c]))
             if out.finished:
                 finals[i] = out
+                if reason == "error":  # the error itself, no finish chunk: "error" is no finish_reason of
+                    # OpenAI's, and a client that stops at the first finish_reason would not see the error
+                    ev.append(sse_event(service.generation_error(out, param).body()))
+                    return ev
                 if calls is not None:
                     reason = calls[i].finish_reason(reason, complete)
                 ev.append(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
-                if reason == "error":  # the choice ends "error", then the error itself
-                    ev.append(sse_event(service.generation_error(out, param).body()))
             return ev
 
         try:

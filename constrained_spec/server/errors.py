@@ -8,7 +8,7 @@ from starlette.responses import Response
 
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # (OpenAI's own, with code invalid_api_key)
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",

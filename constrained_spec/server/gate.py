@@ -1,8 +1,10 @@
-"""The ASGI gate in front of the routes: authentication, the declared body size, per-status metrics."""
+"""The ASGI gate in front of the routes: authentication, the declared body size and encoding, a
+request id on every answer, per-status metrics."""
 from __future__ import annotations
 
 import hmac
 import re
+import uuid
 
 from .errors import APIError, bad_request
 from .metrics import ServerMetrics
@@ -35,13 +37,18 @@ class Gate:
         endpoint = path if path in _KNOWN else _template(path)
         status_box = [500]
 
+        headers = dict(scope.get("headers") or [])
+        # OpenAI's `x-request-id` on every answer (the SDK's `_request_id`, quoted in client logs): the
+        # client's own if it sent one
+        request_id = headers.get(b"x-request-id") or f"req_{uuid.uuid4().hex}".encode()
+
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             await send(message)
 
         try:
-            headers = dict(scope.get("headers") or [])
             if self.api_key is not None and path.startswith("/v1"):
                 auth = headers.get(b"authorization", b"")
                 scheme, _, token = auth.partition(b" ")
@@ -49,6 +56,11 @@ class Gate:
                     err = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                     return await err.response()(scope, receive, send_wrapper)
+            encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+            if encoding != b"identity":  # (a gzip body was read as text: "not valid UTF-8")
+                err = APIError(415, f"Content-Encoding {encoding.decode(errors='replace')!r} is not supported; send the "
+                               "body uncompressed", code="unsupported_content_encoding")
+                return await err.response()(scope, receive, send_wrapper)
             length = headers.get(b"content-length")
             if length is not None:
                 try:

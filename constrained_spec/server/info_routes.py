@@ -12,6 +12,10 @@ from .json_io import json_response
 from .service import Service
 
 
+# HEAD as GET (uptime monitors and probes use it; it was a 405), its body left out by the server
+_GET_AND_HEAD = ["GET", "HEAD"]
+
+
 def add_info_routes(app: FastAPI, service: Service) -> None:
     state, config, served = service.state, service.config, service.served
 
@@ -21,7 +25,7 @@ def add_info_routes(app: FastAPI, service: Service) -> None:
         except (EngineUnavailable, asyncio.TimeoutError):
             return None
 
-    @app.get("/health")
+    @app.api_route("/health", methods=_GET_AND_HEAD)
     async def health():
         snap = await snapshot_if_running()
         if snap is None:
@@ -34,17 +38,17 @@ def add_info_routes(app: FastAPI, service: Service) -> None:
                               "requests_waiting": snap["waiting"], "pending_requests": state.pending,
                               "frontend": config.frontend, "frontends": config.frontends})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=_GET_AND_HEAD)
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         snap = await snapshot_if_running()
         return Response(service.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=_GET_AND_HEAD)
     async def list_models():
         return json_response({"object": "list", "data": [service.model_card()]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=_GET_AND_HEAD)
     async def get_model(model_id: str):
         service.check_model(model_id)
         return json_response(service.model_card())

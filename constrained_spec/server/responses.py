@@ -186,6 +186,17 @@ def _text_of(parts: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _format_echo(fmt: TextFormat | None) -> dict:
+    """The answer's `text.format` as the request gave it, with the name the server used where it
+    gave none (the openai package's json_schema format requires one)."""
+    if fmt is None:
+        return {"type": "text"}
+    echo = fmt.model_dump(by_alias=True, exclude_none=True)
+    if fmt.type == "json_schema":
+        echo.setdefault("name", "response")
+    return echo
+
+
 def _response_format(fmt: TextFormat) -> dict:
     if fmt.type != "json_schema":
         return {"type": fmt.type}
@@ -281,7 +292,7 @@ def response_object(rid: str, created: int, model: str, req: ResponsesRequest, c
         "output": output, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": chat.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "temperature": chat.temperature, "top_p": chat.top_p,
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "text": {"format": _format_echo(fmt)},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "metadata": {}, "store": req.store, "truncation": "disabled",
         "usage": None if usage is None else responses_usage(usage),
@@ -295,7 +306,9 @@ def status_of(finish_reason: str) -> str:
 
 def responses_usage(chat_usage: dict) -> dict:
     return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            # (cache_write_tokens: required by the openai package's ResponseUsage; the cache writes no tokens apart)
+            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 
@@ -364,9 +377,11 @@ class ResponseEvents:
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=response)]
 
-    def failed(self, response: dict) -> dict:
-        """The event that ends a stream whose generation failed."""
-        return self._event("response.failed", response={**response, "output": self.output})
+    def failed(self, response: dict) -> list[dict]:
+        """The events that end a stream whose generation failed: the item open then closed
+        "incomplete" (the output keeps what was streamed), and `response.failed`."""
+        events = self._close_item("incomplete")
+        return events + [self._event("response.failed", response={**response, "output": self.output})]
 
     def _open(self, item: dict) -> list[dict]:
         self.item, self.text, self.logprobs = item, "", []

@@ -138,9 +138,11 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                         continue
                     if reason == "error":
                         error = service.generation_error(out, param)
-                        failed = {**shell, "status": "failed", "error": {"code": error.code or "server_error",
-                                                                         "message": error.message}}
-                        out_events.append(events.failed(failed))
+                        # OpenAI's codes are an enum (the openai package's ResponseError.code): ours in the message
+                        code = "invalid_prompt" if error.status < 500 else "server_error"
+                        failed = {**shell, "status": "failed",
+                                  "error": {"code": code, "message": f"{error.code or code}: {error.message}"}}
+                        out_events += events.failed(failed)
                         continue
                     if call is not None:
                         reason = call.finish_reason(reason, complete)
