@@ -201,14 +201,9 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
-class AllowedTool(_Lenient):
-    type: Literal["function"]
-    function: NamedFunction
-
-
 class AllowedTools(_Lenient):
     mode: Literal["auto", "required"]
-    tools: list[AllowedTool] = Field(min_length=1)
+    tools: list[NamedToolChoice] = Field(min_length=1)  # (each entry has a named choice's shape)
 
 
 class AllowedToolsChoice(_Lenient):
