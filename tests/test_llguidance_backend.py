@@ -320,6 +320,21 @@ def test_only_a_wildcard_dot_is_rewritten():
     assert _ecma_dot("[]a.].[^].].") == "[]a.]" + _DOT + "[^].]" + _DOT  # `]` first in a class is a member
 
 
+def test_every_regex_walk_reads_classes_alike():
+    """A regex constraint's checks and a JSON Schema pattern's read one structure (`regex_pieces`):
+    the anchor check read `[]^]` as the class `[]` and a `^` after it, and refused it as an inner
+    anchor, where the dot rewrite and xgrammar's JSON-string rewrite read a class of `]` and `^`."""
+    from constrained_spec.grammar.regex_scan import regex_pieces, scan_regex
+    assert [p for _, p, _ in regex_pieces(r"a[^]\]x](\\")] == ["a", "[^", "]", "\\]", "x", "]", "(", "\\\\"]
+    assert [c for _, _, c in regex_pieces("[]a]b")] == [True, True, True, True, False]
+    assert scan_regex("[]^$|]") == (False, False)
+    assert scan_regex("[^]|]a|b") == (True, False)
+    assert scan_regex("(a|b)c") == (False, False)
+    assert scan_regex("a^b") == (False, True)
+    from constrained_spec.grammar.regex_dialect import ecma
+    assert ecma("[]^]x") == "[]^]x"  # (not an inner anchor)
+
+
 @pytest.mark.parametrize("schema,inside,outside", [
     # llguidance read these as f64: 2**53 was taken for 2**53 + 1, 10**19 clamped to i64's maximum
     ({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 3}, 2**53 + 1, 2**53),

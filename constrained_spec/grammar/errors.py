@@ -41,21 +41,3 @@ def unsupported(keyword: str, path: str, why: str = "") -> GrammarError:
 class GrammarBusy(RuntimeError):
     """More distinct grammars wait to compile than the queue holds: a load problem, not the
     grammar's (the server answers 503 with Retry-After)."""
-
-
-def xgrammar_message(err: Exception) -> str:
-    """xgrammar's error (RuntimeError/ValueError with a C++ trace) as its last line, without the trace's source location."""
-    lines = str(err).strip().splitlines()
-    msg = lines[-1] if lines else repr(err)
-    return msg.split(": ", 1)[-1] if "/project/cpp/" in msg else msg
-
-
-def check_syntax_as_xgrammar(kind: str, text: str) -> None:
-    """GrammarError if xgrammar's parser refuses a regex or an EBNF grammar: the syntax the docs
-    give for both backends is xgrammar's, and llguidance's parsers take more (`a**`, a rule defined
-    twice, an empty rule), which then meant something else there."""
-    import xgrammar as xgr  # (deferred: the errors module is imported where xgrammar is not needed)
-    try:
-        (xgr.Grammar.from_regex if kind == "regex" else xgr.Grammar.from_ebnf)(text)
-    except Exception as e:  # noqa: BLE001
-        raise GrammarError(f"{kind} failed to compile: {xgrammar_message(e)}") from None

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from .errors import GrammarError, at, unsupported
+from .regex_scan import edge_anchors, scan_regex
 
 # xgrammar 0.2.8 writes a string with minLength/maxLength as `[^"\\\r\n]{min,max}`: raw control
 # characters (a tab, U+0001) are not JSON. The bounds become the pattern `^.{min,max}$` instead
@@ -80,41 +81,6 @@ FORMAT_PATTERNS = {
     "ipv4": "^" + _IPV4 + "$",
     "ipv6": "^" + _ipv6() + "$",
 }
-
-
-def edge_anchors(p: str) -> tuple[bool, str, bool]:
-    """(whether `p` starts with `^`, the pattern between its edge anchors, whether it ends with `$`).
-    A `$` after an odd number of backslashes is a literal dollar (`a\\$` is one; `a\\\\$` ends
-    with a backslash and an anchor)."""
-    start = p.startswith("^")
-    head = p[:-1]
-    end = len(p) > start and p.endswith("$") and (len(head) - len(head.rstrip("\\"))) % 2 == 0
-    return start, p[int(start):len(p) - int(end)], end
-
-
-def scan_regex(p: str):
-    """Return (has_top_level_alternation, has_inner_anchor) for pattern body p."""
-    depth, in_class, i, alt, anchor = 0, False, 0, False, False
-    while i < len(p):
-        c = p[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            if c == "]":
-                in_class = False
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            alt = True
-        elif c in "^$":
-            anchor = True
-        i += 1
-    return alt, anchor
 
 
 def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:

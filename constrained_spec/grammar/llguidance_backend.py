@@ -26,11 +26,12 @@ from typing import Optional, Sequence
 import llguidance as llg
 import torch
 
-from .errors import GrammarError, check_syntax_as_xgrammar
+from .errors import GrammarError
 from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
 from . import regex_dialect
 from .llguidance_schema import for_llguidance
 from .spec import GrammarSpec
+from .xgrammar_backend import check_syntax as check_syntax_as_xgrammar
 
 NAME = "llguidance"
 WHITESPACE = r"[\x20\x0A\x0D\x09]"
@@ -150,7 +151,11 @@ class LLGuidanceCompiler:
         if spec.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', overrides=self.json_options)
         if spec.kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(regex_dialect.for_llguidance(spec.value))
+            pattern = regex_dialect.ecma(spec.value)
+            # llguidance (Rust's regex syntax) takes what JavaScript refuses (`a**`; a trailing `\\`,
+            # which it dropped): parsed as xgrammar parses it, a regex one backend refuses both do
+            check_syntax_as_xgrammar("regex", pattern)
+            return llg.LLMatcher.grammar_from_regex(llg.regex_to_lark(pattern, "dw"))
         if spec.kind == "choice":
             return llg.grammar_from("choice", spec.value)
         if spec.kind == "ebnf":

@@ -9,34 +9,27 @@ llguidance 1.9, measured by accepting strings):
       nor Python's `.` matches; any but `\\n` under llguidance.
 As a request can move between backends (`auto`), both get the pattern rewritten to ECMA's meaning:
 `\\d` is [0-9], `\\w` [0-9A-Za-z_] (llguidance's own rewrite, the one it applies to JSON Schema
-patterns), and `.` any character but a line terminator (\\n, \\r, U+2028, U+2029). An answer under
-that meaning is matched by JavaScript's RegExp and by Python's `re.fullmatch` alike. Syntax the
-dialects read apart (`\\A`, `\\z`, `\\p{L}`, `(?i)`) is refused under both (`_ecma_syntax_only`), and
-what xgrammar's parser refuses (`a**`) is refused under llguidance too.
+patterns, done by `llguidance_backend`), and `.` any character but a line terminator (\\n, \\r,
+U+2028, U+2029). An answer under that meaning is matched by JavaScript's RegExp and by Python's
+`re.fullmatch` alike. Syntax the dialects read apart (`\\A`, `\\z`, `\\p{L}`, `(?i)`) is refused under
+both (`_ecma_syntax_only`), and what xgrammar's parser refuses (`a**`) is refused under llguidance
+too (`llguidance_backend`).
 """
 from __future__ import annotations
 
-import llguidance as llg
+from .errors import GrammarError
+from .regex_scan import edge_anchors, regex_pieces, scan_regex
 
-from .errors import GrammarError, check_syntax_as_xgrammar
-from .json_regex import edge_anchors, scan_regex
-
-__all__ = ["for_llguidance", "for_xgrammar"]
+__all__ = ["ecma"]
 
 # ECMA-262's `.` outside the s flag: anything but a line terminator
 _DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
-def for_xgrammar(pattern: str) -> str:
+def ecma(pattern: str) -> str:
+    """The pattern as both backends are to read it (ECMA's `.`), or GrammarError for syntax the
+    dialects read apart."""
     return _ecma_dot(_edge_anchors_only(_ecma_syntax_only(pattern)))
-
-
-def for_llguidance(pattern: str) -> str:
-    ecma = _ecma_dot(_edge_anchors_only(_ecma_syntax_only(pattern)))
-    # llguidance (Rust's regex syntax) takes what JavaScript refuses (`a**`; a trailing `\\`, which
-    # it dropped): parsed as xgrammar parses it, a regex one backend refuses is refused by both
-    check_syntax_as_xgrammar("regex", ecma)
-    return llg.regex_to_lark(ecma, "dw")
 
 
 # the escapes of ECMA-262's regexes (no flags) that stand for something other than their letter;
@@ -52,35 +45,38 @@ def _ecma_syntax_only(pattern: str) -> str:
     and llguidance an anchor; `\\p{L}`: `p{L}` to JavaScript without its u flag, a Unicode class to
     llguidance), backreferences, a lone `\\` at the end, and `(?` groups other than JavaScript's
     (inline flags `(?i)`, Python's `(?P<n>`). The backends disagreed on each (QA 1130 D1, D2)."""
-    i, n, in_class = 0, len(pattern), False
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            if i + 1 == n:
-                raise GrammarError("the regex ends with a lone backslash (escape it as \\\\ for a backslash)")
-            e = pattern[i + 1]
-            if e.isdigit() and e != "0" or e == "k":
-                raise GrammarError(f"backreferences (\\{e}) are not supported in a regex constraint")
-            if e.isascii() and e.isalpha() and (e not in _ECMA_ESCAPE_LETTERS or not _escape_complete(pattern, i + 1)):
-                hint = (" (a regex constraint matches the whole answer: leave the anchor out)" if e in "AzZ"
-                        else f" (write {e!r} for the letter)")
-                raise GrammarError(f"\\{pattern[i + 1:i + 3] if e in 'xuU' else e} is not an escape of JavaScript's "
-                                   f"regexes, which read it as the letter {e!r} where other dialects read something "
-                                   f"else{hint}")
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":  # (a `]` first in the class is a member, as `_ecma_dot` reads it)
-            j = i + 1 + pattern.startswith("^", i + 1)
-            i, in_class = j + pattern.startswith("]", j), True
-            continue
-        elif pattern.startswith("(?", i) and not pattern.startswith((("(?:", "(?=", "(?!", "(?<=", "(?<!")), i) \
-                and not (pattern.startswith("(?<", i) and pattern[i + 3:i + 4].isalpha()):
+    for i, piece, in_class in regex_pieces(pattern):
+        if piece == "\\":
+            raise GrammarError("the regex ends with a lone backslash (escape it as \\\\ for a backslash)")
+        if piece.startswith("\\"):
+            _check_escape(pattern, i)
+        elif piece == "(" and not in_class and not _javascript_group(pattern, i):
             raise GrammarError(f"the group {pattern[i:i + 4]!r}... is not JavaScript's regex syntax (inline flags and "
                                "Python's (?P<name>...) are not supported)")
-        i += 1
     return pattern
+
+
+def _check_escape(pattern: str, at: int) -> None:
+    """GrammarError if the escape at `at` is a backreference or a letter escape JavaScript reads as
+    its letter where other dialects read something else."""
+    e = pattern[at + 1]
+    if e.isdigit() and e != "0" or e == "k":
+        raise GrammarError(f"backreferences (\\{e}) are not supported in a regex constraint")
+    if e.isascii() and e.isalpha() and (e not in _ECMA_ESCAPE_LETTERS or not _escape_complete(pattern, at + 1)):
+        hint = (" (a regex constraint matches the whole answer: leave the anchor out)" if e in "AzZ"
+                else f" (write {e!r} for the letter)")
+        raise GrammarError(f"\\{pattern[at + 1:at + 3] if e in 'xuU' else e} is not an escape of JavaScript's "
+                           f"regexes, which read it as the letter {e!r} where other dialects read something "
+                           f"else{hint}")
+
+
+_JAVASCRIPT_GROUPS = ("(?:", "(?=", "(?!", "(?<=", "(?<!")
+
+
+def _javascript_group(pattern: str, at: int) -> bool:
+    """The group opening at `at` is plain or one of JavaScript's `(?` groups (a named group `(?<n>`)."""
+    return (not pattern.startswith("(?", at) or pattern.startswith(_JAVASCRIPT_GROUPS, at)
+            or pattern.startswith("(?<", at) and pattern[at + 3:at + 4].isalpha())
 
 
 def _escape_complete(pattern: str, at: int) -> bool:
@@ -106,28 +102,5 @@ def _edge_anchors_only(pattern: str) -> str:
 
 def _ecma_dot(pattern: str) -> str:
     """The pattern with every `.` that means "any character" (not escaped, not in a class) replaced
-    by ECMA's class. A class ends at the first unescaped `]` past its first member, as llguidance
-    reads it (`[]a]` holds `]` and `a`; xgrammar refuses the empty class `[]`)."""
-    out: list[str] = []
-    i, n = 0, len(pattern)
-    in_class = False
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            # the class's first member may be a `]` (after an optional `^`): copy it with the `[`
-            j = i + 1 + (pattern.startswith("^", i + 1))
-            j += pattern.startswith("]", j)
-            out.append(pattern[i:j])
-            i, in_class = j, True
-            continue
-        elif c == ".":
-            c = _DOT
-        out.append(c)
-        i += 1
-    return "".join(out)
+    by ECMA's class."""
+    return "".join(_DOT if piece == "." and not in_class else piece for _, piece, in_class in regex_pieces(pattern))

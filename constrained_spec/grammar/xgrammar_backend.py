@@ -21,7 +21,7 @@ import xgrammar as xgr
 
 from .compile_queue import CompiledGrammar
 from .disk_cache import DiskCache, fingerprint
-from .errors import GrammarError, xgrammar_message
+from .errors import GrammarError
 from .matcher import RequestMatcher, as_i64
 from . import regex_dialect
 from .schema import prepare_schema
@@ -30,6 +30,23 @@ from .spec import GrammarSpec
 log = logging.getLogger("constrained_spec.grammar")
 
 NAME = "xgrammar"
+
+
+def xgrammar_message(err: Exception) -> str:
+    """xgrammar's error (RuntimeError/ValueError with a C++ trace) as its last line, without the trace's source location."""
+    lines = str(err).strip().splitlines()
+    msg = lines[-1] if lines else repr(err)
+    return msg.split(": ", 1)[-1] if "/project/cpp/" in msg else msg
+
+
+def check_syntax(kind: str, text: str) -> None:
+    """GrammarError if xgrammar's parser refuses a regex or an EBNF grammar: the syntax the docs
+    give for both backends is xgrammar's, and llguidance's parsers take more (`a**`, a rule defined
+    twice, an empty rule), which then meant something else there."""
+    try:
+        (xgr.Grammar.from_regex if kind == "regex" else xgr.Grammar.from_ebnf)(text)
+    except Exception as e:  # noqa: BLE001
+        raise GrammarError(f"{kind} failed to compile: {xgrammar_message(e)}") from None
 
 
 class XGrammarMatcher(RequestMatcher):
@@ -377,7 +394,7 @@ class XGrammarCompiler:
         that differ only in annotations or key order share a key. GrammarError if the normalizer
         refuses."""
         if spec.kind == "regex":  # keyed by what xgrammar compiles: the meaning is in the key
-            pattern = regex_dialect.for_xgrammar(spec.value)
+            pattern = regex_dialect.ecma(spec.value)
             return (NAME, "regex", pattern) + spec.key[2:3], pattern
         if spec.kind != "json_schema":
             return (NAME,) + spec.key[:3], None
