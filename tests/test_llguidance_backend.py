@@ -370,6 +370,35 @@ def test_fractional_bounds_of_many_digits_bound_what_is_written(backend, tokeniz
         assert (m.accept_tokens(t) == len(t) and m.can_terminate()) == ok, text
 
 
+@pytest.mark.parametrize("schema,inside,outside", [
+    # llguidance refused a decimal whose digits begin the bound's: the model, having written `1.4`,
+    # had to write another digit (`1.45` at T=0 for an intended 1.4)
+    ({"type": "number", "maximum": 1.49}, ["1.4", "1", "1.48", "1.49", "-3.7"], ["1.5", "1.491", "2"]),
+    ({"type": "number", "exclusiveMaximum": 1.49}, ["1.4", "1.489"], ["1.49", "1.5"]),
+    ({"type": "number", "minimum": -1.49, "description": "d"}, ["-1.4", "-1", "-1.49", "0.3"], ["-1.5", "-1.491"]),
+    ({"type": "number", "minimum": 0.5, "maximum": 0.75, "multipleOf": 0.05}, ["0.7", "0.75", "0.5"], ["0.8", "0.4", "0.72"]),
+    ({"type": "number", "maximum": 100.25}, ["100.2", "100.25", "99"], ["100.3", "100.251"]),
+    ({"type": "number", "maximum": 1.049}, ["1.04", "1.0", "1.049"], ["1.05", "1.1"]),
+])
+def test_a_decimal_beginning_a_bound_s_digits_is_taken(backend, tokenizer, schema, inside, outside):
+    spec = llg(GrammarSpec.json_schema({"type": "object", "properties": {"x": schema}, "required": ["x"]}))
+    for value, ok in [(v, True) for v in inside] + [(v, False) for v in outside]:
+        m = backend.matcher(backend.compile(spec))
+        t = ids(tokenizer, '{"x": ' + value + "}")
+        assert (m.accept_tokens(t) == len(t) and m.can_terminate()) == ok, value
+
+
+def test_only_plain_bounded_numbers_are_rewritten_for_their_bound_s_decimals():
+    from constrained_spec.grammar.llguidance_schema import bound_prefixes_kept
+    assert bound_prefixes_kept({"type": "number", "maximum": 1.49, "title": "t"}) == {
+        "anyOf": [{"type": "number", "maximum": 1.49}, {"type": "number", "maximum": 1.4}], "title": "t"}
+    for unchanged in ({"type": "number", "maximum": 1.5}, {"type": "number", "minimum": 1.49},
+                      {"type": "number", "maximum": -1.49}, {"type": "integer", "maximum": 12},
+                      {"type": ["number", "string"], "maximum": 1.49, "maxLength": 3},
+                      {"enum": [1.49], "maximum": 1.49}):
+        assert bound_prefixes_kept(unchanged) == unchanged
+
+
 @pytest.mark.parametrize("schema,keyword", [
     ({"type": "integer", "minimum": 10**19}, "minimum"),  # answered 9223372036854775807 under llguidance
     ({"type": "number", "minimum": 2**53 + 1}, "minimum"),  # xgrammar bounds numbers as doubles

@@ -16,14 +16,16 @@ matches S"), which llguidance does not take and xgrammar ignores, become an `all
 sets ("length and width, or radius", `one_of_required_sets_as_any_of`) and a `not` of required
 names ("not both crs and srs", `required_negations_as_absences`); a `not` of types becomes the
 types left (`type_negations_as_types`); a fractional bound of more digits than llguidance reads
-exactly is rounded inward (`bounds_as_read`). Every rewrite leaves `enum`, `const`, `default` and
-`examples` values alone (data, not schemas), and none changes the input.
+exactly is rounded inward (`bounds_as_read`), and a number whose bound llguidance cuts short is
+joined by the same number under the bound's shorter decimals (`bound_prefixes_kept`). Every rewrite
+leaves `enum`, `const`, `default` and `examples` values alone (data, not schemas), and none changes
+the input.
 """
 from __future__ import annotations
 
 import math
 import re
-from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from decimal import ROUND_CEILING, ROUND_DOWN, ROUND_FLOOR, Decimal
 from typing import Any, Optional
 
 from .errors import GrammarError
@@ -43,7 +45,7 @@ def for_llguidance(schema: Any, strict: bool) -> Any:
     # after close_objects: the `allOf` it adds would leave a strict object open, and it would close
     # the `{"properties": {name: false}}` branches these two add
     schema = dependencies_as_all_of(without_inert_keywords(schema))
-    schema = bounds_as_read(schema)
+    schema = bound_prefixes_kept(bounds_as_read(schema))
     return type_negations_as_types(required_negations_as_absences(one_of_required_sets_as_any_of(schema)))
 
 
@@ -375,6 +377,46 @@ def bounds_as_read(schema: Any) -> Any:
             if x != x.quantize(unit):  # more digits than it reads
                 out[keyword] = float(x.quantize(unit, rounding=ROUND_CEILING if up else ROUND_FLOOR))
     return out
+
+
+# llguidance (1.9.1, measured) refuses a decimal whose digits are a prefix of a fractional bound's on
+# the bound's far side from zero: `1.4` under `maximum: 1.49` (and `exclusiveMaximum`), `0.7` under
+# `maximum: 0.75`, `-1.4` under `minimum: -1.49`; `1.40` and `1.48` it takes.
+_NUMBER_NODE = frozenset(("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+
+
+def bound_prefixes_kept(schema: Any) -> Any:
+    """The schema with each number whose bound llguidance reads that way written as an `anyOf` of
+    it and of the same number bounded at each shorter decimal of the bound (`maximum: 1.4` beside
+    `maximum: 1.49`), which takes the decimals the first refuses: the same numbers, all of them
+    within the bound. Only plain number subschemas (a type, bounds, notes) are rewritten."""
+    if not isinstance(schema, dict):
+        return _each(schema, bound_prefixes_kept)
+    out = _subschemas_rewritten(schema, bound_prefixes_kept)
+    if set(out) - _NUMBER_NODE - _NOTES:
+        return out
+    body = {k: v for k, v in out.items() if k not in _NOTES}
+    branches = [body]
+    for keyword, sign in (("maximum", 1), ("exclusiveMaximum", 1), ("minimum", -1), ("exclusiveMinimum", -1)):
+        for shorter in _shorter_decimals(out.get(keyword), sign):
+            bounded = {k: v for k, v in body.items() if k != keyword}
+            inclusive = "maximum" if sign > 0 else "minimum"
+            bounded[inclusive] = shorter if inclusive not in body else (
+                min(shorter, body[inclusive]) if sign > 0 else max(shorter, body[inclusive]))
+            branches.append(bounded)
+    if len(branches) == 1:
+        return out
+    return {"anyOf": branches, **{k: v for k, v in out.items() if k in _NOTES}}
+
+
+def _shorter_decimals(bound: Any, sign: int) -> list[float]:
+    """The bound cut to each shorter count of fraction digits (toward zero), for a fractional bound
+    on the side `sign` of zero (1: a positive maximum, -1: a negative minimum); else none."""
+    if not isinstance(bound, float) or not math.isfinite(bound) or bound == int(bound) or bound * sign <= 0:
+        return []
+    x = Decimal(repr(bound))
+    places = -x.as_tuple().exponent
+    return sorted({float(x.quantize(Decimal(1).scaleb(-j), rounding=ROUND_DOWN)) for j in range(1, places)})
 
 
 def type_negations_as_types(schema: Any) -> Any:
