@@ -100,6 +100,11 @@ def test_json_schema_strict_semantics(backend, tokenizer):
     ({"$ref": "#/$defs/missing"}, "$ref", ""),
     ({"$defs": {"x": {"type": "array", "items": {"not": {}}}},
       "type": "object", "properties": {"p": {"$ref": "#/$defs/x"}}}, "not", "/$defs/x/items"),
+    # a count that is no count: `maxLength: "2"` failed a comparison in the normalizer (a TypeError)
+    ({"type": "string", "maxLength": "2"}, "maxLength", ""),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"minItems": -1}}}}, "minItems",
+     "/properties/a/items"),
+    ({"allOf": [{"maxProperties": 1.5}, {"maxProperties": 2}]}, "maxProperties", "/allOf/0"),
 ])
 def test_refusals_name_keyword_and_path(backend, schema, keyword, path):
     with pytest.raises(GrammarError) as ei:

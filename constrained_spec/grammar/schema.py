@@ -33,6 +33,7 @@ from urllib.parse import unquote
 from .errors import GrammarError, at, unsupported
 from .json_regex import FORMAT_PATTERNS, MAX_LENGTH_BOUND, convert_pattern, json_must_escape, json_string_regex
 from .json_types import types_overlap, value_type
+from .unique_items import MAX_SET_VALUES
 
 ANNOTATIONS = {
     "title", "description", "default", "examples", "example", "$comment", "deprecated",
@@ -369,8 +370,9 @@ class _Normalizer:
                 # of 2 items is left for minItems 2)
                 out["items"] = {}
             if node.get("uniqueItems") is True and not (node.get("maxItems", 2) <= 1):
-                raise unsupported("uniqueItems", path, "a grammar cannot keep items distinct; drop it, "
-                                                       "or use list[...] where a pydantic model has set[...]")
+                raise unsupported("uniqueItems", path, "a grammar keeps items distinct only over a few known "
+                                                       f"values (an enum of at most {MAX_SET_VALUES}); drop it, or "
+                                                       "use list[...] where a pydantic model has set[...]")
         # objects
         if tset & {"object"}:
             self._object(node, out, path)
@@ -891,6 +893,32 @@ def prepare_schema(schema: Any, strict: bool = True) -> dict:
     if not isinstance(schema, dict):
         raise GrammarError("JSON schema must be an object or boolean")
     try:
+        _check_counts(schema, "")
         return _Normalizer(schema, strict).run()
     except RecursionError:
         raise GrammarError("JSON schema nests too deeply") from None
+
+
+_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _check_counts(node: Any, path: str) -> None:
+    """GrammarError naming the first length or count bound that is not a non-negative integer
+    (`maxLength: "2"` had failed a comparison deep in the normalizer: a TypeError, not a 400)."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_counts(v, f"{path}/{i}")
+        return
+    if not isinstance(node, dict):
+        return
+    for k, v in node.items():
+        if k in ("enum", "const", "default", "examples"):
+            continue
+        if k in _COUNT_KEYWORDS and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise GrammarError(f"'{k}' must be a non-negative integer {at(path)} (it is {json.dumps(v)})", k, path)
+        if k in _NAMED_SCHEMAS and isinstance(v, dict):
+            for name, sub in v.items():
+                _check_counts(sub, f"{path}/{k}/{_esc(name)}")
+        else:
+            _check_counts(v, f"{path}/{k}")

@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from .errors import GrammarError
 from .schema_refs import check_ref_cycles
+from .unique_items import known_value_sets_as_enums
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 # JSON nesting of a schema document (objects and arrays). The compilers walk schemas recursively;
@@ -59,6 +60,9 @@ class GrammarSpec:
             _check_schema(schema)
         else:
             _check_document(value)
+        if '"uniqueItems":true' in value:
+            # a set of a few known values is listed for both backends (neither keeps items distinct)
+            value = json.dumps(known_value_sets_as_enums(schema), separators=(",", ":"), ensure_ascii=False)
         return cls("json_schema", value, bool(strict))
 
     @classmethod
@@ -120,3 +124,4 @@ def _check_depth(schema) -> None:
         if depth > MAX_SCHEMA_DEPTH:
             raise GrammarError(_TOO_DEEP)
         stack.extend((child, depth + 1) for child in children)
+

@@ -1,0 +1,120 @@
+"""`uniqueItems` over a few known values: the one kind of it a grammar can keep.
+
+A grammar cannot remember which items an array has written, so `uniqueItems: true` is refused in
+general. Where an array's items are a small finite set of values (pydantic's `set[Literal["a",
+"b"]]`, `set[SomeEnum]`, `set[bool]`), the arrays without repeats are few enough to list: each is
+written as its values in the set's order, and the array schema becomes the `anyOf` of those arrays
+that fit its `minItems`/`maxItems`, each an array of `const` items (an `enum` of the arrays would
+have xgrammar write them without whitespace). That is a narrowing (one order of each set), which a
+set does not notice.
+"""
+from __future__ import annotations
+
+import json
+from itertools import combinations
+from math import comb
+from typing import Any, Optional
+
+from .json_types import value_type
+from .schema_refs import DATA_KEYWORDS, INERT_BESIDE_REF, local_target
+
+# arrays listed at most: 7 values without bounds on the count (2**7); more values with a bound. The
+# normalizer takes an anyOf of up to 129 branches for xgrammar; 128 compile in ~0.1 s (dev VM)
+MAX_ARRAYS = 128
+MAX_SET_VALUES = 7
+_NOTES = frozenset(("title", "description", "$comment", "default", "examples", "deprecated", "readOnly",
+                    "writeOnly"))
+# kept beside the rewritten array (a root array holds the document's definitions)
+_KEPT = _NOTES | {"$defs", "definitions", "$schema", "$id"}
+_ARRAY_KEYWORDS = frozenset(("type", "items", "uniqueItems", "minItems", "maxItems")) | _KEPT
+_VALUE_KEYWORDS = frozenset(("type", "enum", "const")) | _NOTES
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def known_value_sets_as_enums(schema: Any) -> Any:
+    """The schema with each `uniqueItems` array over a few known values written as the `anyOf` of
+    its arrays; everything else as it is (the input is not changed)."""
+    root = schema
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: v if k in DATA_KEYWORDS else
+               {name: walk(s) for name, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else walk(v)
+               for k, v in node.items()}
+        arrays = _distinct_arrays(root, node) if node.get("uniqueItems") is True else None
+        if arrays is None:
+            return out
+        return {"anyOf": [_exactly(a) for a in arrays], **{k: v for k, v in out.items() if k in _KEPT}}
+
+    return walk(schema)
+
+
+def _distinct_arrays(root: Any, node: dict) -> Optional[list]:
+    """Every array of distinct values of the node's items, in their order, that its counts allow;
+    None unless the node is such an array and they are at most MAX_ARRAYS."""
+    if set(node) - _ARRAY_KEYWORDS or node.get("type", "array") not in ("array", ["array"]):
+        return None
+    values = _known_values(root, node.get("items"))
+    lo, hi = node.get("minItems", 0), node.get("maxItems")
+    if values is None or not _count(lo) or (hi is not None and not _count(hi)):
+        return None
+    hi = len(values) if hi is None else min(hi, len(values))
+    if sum(comb(len(values), n) for n in range(lo, hi + 1)) > MAX_ARRAYS:
+        return None
+    return [list(c) for n in range(lo, hi + 1) for c in combinations(values, n)]
+
+
+def _exactly(array: list) -> dict:
+    """The schema of this one array."""
+    if not array:
+        return {"type": "array", "maxItems": 0}
+    return {"type": "array", "prefixItems": [{"const": v} for v in array], "items": False, "minItems": len(array)}
+
+
+def _known_values(root: Any, items: Any, depth: int = 0) -> Optional[list]:
+    """The values an items schema allows, distinct and in its order, where it lists them (`enum`,
+    `const`, a `boolean` or `null` type, or a local `$ref` to one); else None."""
+    if not isinstance(items, dict) or depth > 8:
+        return None
+    if "$ref" in items:
+        if set(items) - INERT_BESIDE_REF:
+            return None
+        return _known_values(root, local_target(root, items["$ref"]), depth + 1)
+    if set(items) - _VALUE_KEYWORDS:
+        return None
+    types = items.get("type")
+    types = [types] if isinstance(types, str) else types
+    if "const" in items:
+        listed = [items["const"]]
+    elif "enum" in items and isinstance(items["enum"], list):
+        listed = items["enum"]
+    elif types in (["boolean"], ["null"]):
+        listed = [False, True] if types == ["boolean"] else [None]
+    else:
+        return None
+    if types is not None:
+        if not isinstance(types, list):
+            return None
+        allowed = set(types) | ({"integer"} if "number" in types else set())
+        listed = [v for v in listed if value_type(v) in allowed]
+    distinct, seen = [], set()
+    for v in listed:
+        key = _json_identity(v)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(v)
+    return distinct
+
+
+def _json_identity(v: Any) -> str:
+    """Values JSON Schema calls equal (1 and 1.0) share it; true and 1 do not."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return json.dumps(v, sort_keys=True)
+
+
+def _count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
