@@ -21,7 +21,7 @@ from typing import Optional
 log = logging.getLogger("constrained_spec.grammar")
 
 ENV_DIR = "CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR"
-FORMAT = 1  # bump when the file layout or the meaning of a key changes
+FORMAT = 2  # bump when the file layout or the meaning of a key changes (2: strings without lone surrogates)
 
 
 def default_dir() -> str:
