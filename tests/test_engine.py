@@ -87,6 +87,22 @@ def test_sampling_filters_and_penalties_run(exact_engine):
     assert len(set(pen.token_ids)) >= len(set(rep.token_ids))
 
 
+def test_a_row_without_top_p_keeps_its_tail_beside_one_with_it():
+    """Filters run for the whole batch once any row asks for one: a float32 cumsum passes 1.0 before
+    the last tokens, and `cum_before < 1.0` cut ~1,800 of 49,152 tokens from a row without top-p
+    (random logits), which then drew otherwise beside a top-p request than alone."""
+    import torch
+    from constrained_spec.engine.sampler import SamplingBatch, filter_probs
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 49152, generator=gen) * 3, -1)
+    sb = SamplingBatch(temperature=torch.ones(2), top_k=torch.full((2,), 49152), top_p=torch.tensor([1.0, 0.5]),
+                       min_p=torch.zeros(2), seeds=torch.zeros(2, dtype=torch.long),
+                       steps=torch.zeros(2, dtype=torch.long), needs_filter=True)
+    kept = filter_probs(probs, sb)
+    assert torch.equal(kept[0], probs[0])
+    assert kept[1].count_nonzero() < probs[1].count_nonzero()
+
+
 def test_logit_bias(exact_engine):
     """OpenAI's logit_bias, per request: -100 bans a token, +100 forces one, a batch neighbour without a
     bias decodes as alone, and a grammar's mask still wins over any bias."""

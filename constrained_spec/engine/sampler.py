@@ -76,7 +76,9 @@ def filter_probs(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
     keep = rank < sb.top_k.unsqueeze(1)
     cum_before = sorted_p.cumsum(-1) - sorted_p
-    keep &= cum_before < sb.top_p.unsqueeze(1)
+    # (a row without top-p keeps its tail: a float32 cumsum can pass 1.0 before the last tokens, and
+    # a row beside a top-p request would then draw otherwise than alone)
+    keep &= (cum_before < sb.top_p.unsqueeze(1)) | (sb.top_p >= 1.0).unsqueeze(1)
     keep &= sorted_p >= sb.min_p.unsqueeze(1) * sorted_p[:, :1]
     keep[:, 0] = True
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
