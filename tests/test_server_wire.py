@@ -50,3 +50,15 @@ def test_responses_carry_what_the_openai_types_require(http):
     body = r.json()
     assert body["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
     assert body["text"]["format"]["name"] == "response"  # the name it was served under
+
+
+def test_chat_bodies_and_model_cards_carry_what_openai_sends(http):
+    """OpenAI always sends `message.annotations` and `usage.completion_tokens_details`; a model card's
+    `created` of 0 showed as 1970 in UIs."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL_ID, "max_tokens": 2, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["annotations"] == []
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert http.get("/v1/models").json()["data"][0]["created"] > 1_700_000_000

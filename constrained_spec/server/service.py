@@ -75,6 +75,7 @@ class Service:
         self.model_names = {self.served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
         self.texts = TokenTexts(engine.tokenizer)
         self.max_context = int(engine.max_context)
+        self.started = int(time.time())  # a model card's `created` (0 read as 1970 in UIs)
         self.params = RequestParams(max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0)),
                                     self.max_context, config.default_max_tokens)
         self.checked = CheckedGrammars()  # grammars seen to compile: no check for them again
@@ -163,7 +164,7 @@ class Service:
                            param="model", code="model_not_found")
 
     def model_card(self) -> dict:
-        return {"id": self.served, "object": "model", "created": 0, "owned_by": "constrained-spec",
+        return {"id": self.served, "object": "model", "created": self.started, "owned_by": "constrained-spec",
                 "max_model_len": self.max_context}
 
     # -- a request made ready to queue ----------------------------------------------------------------
@@ -437,15 +438,22 @@ def usage(prompt_tokens: int, finals, n: int = 1) -> dict:
     cached = sum(max((f.cached_tokens for f in finals[i:i + n] if f is not None), default=0)
                  for i in range(0, len(finals), max(n, 1)))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp,
-            "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)}}
+            "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
+            "completion_tokens_details": _NO_COMPLETION_DETAILS}
+
+
+# OpenAI sends these always; none of them happens here
+_NO_COMPLETION_DETAILS = {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                          "rejected_prediction_tokens": 0}
 
 
 def answer_message(run: ChatRun, req: ChatCompletionRequest, text: str, final) -> tuple[dict, str]:
     """A finished choice's chat message and finish reason (a call's, for tools)."""
     reason = finish_str(final.finish_reason)
     if run.plan is None:
-        return {"role": "assistant", "content": text, "refusal": None}, reason
-    return run.plan.message(text, reason, grammar_complete(reason, final.matched_stop, req.stop_token_ids))
+        return {"role": "assistant", "content": text, "refusal": None, "annotations": []}, reason
+    message, reason = run.plan.message(text, reason, grammar_complete(reason, final.matched_stop, req.stop_token_ids))
+    return {**message, "annotations": []}, reason
 
 
 def once(fn):
