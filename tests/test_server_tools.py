@@ -99,6 +99,18 @@ def test_a_call_cut_short():
     assert reason == "length" and message["content"] is None and "tool_calls" not in message
     stream = plan.stream()
     assert stream.update('{"name": "get_wea') is None and stream.update("", "length") is None
+    # cut after its name or where only one function can be called: that call, its arguments empty
+    # (QA 1130 wire D11: a message with neither content nor tool_calls did not say what it was doing)
+    one = tool_call_plan(_request(tools=TOOLS[:1], tool_choice="required"))
+    for p, text in ((plan, '{"name": "get_time", "argu'), (one, '{"na'), (one, "")):
+        name = "get_time" if p is plan else "get_weather"
+        message, reason = p.message(text, "length", False)
+        assert reason == "length" and message["tool_calls"][0]["function"] == {"name": name, "arguments": ""}, text
+        stream = p.stream()
+        deltas = [stream.update(text), stream.update("", "length")]
+        assert deltas[0] is None and deltas[1]["tool_calls"][0]["function"] == {"name": name, "arguments": ""}
+    auto = tool_call_plan(_request(tools=TOOLS[:1]))  # text allowed: it may not have been a call at all
+    assert "tool_calls" not in auto.message('{"na', "length", False)[0]
     # cut by the request's own stop string: `stop`, not `tool_calls`, and the arguments as they are
     cut = '{"name": "get_weather", "arguments": {"city": "Oslo"'
     message, reason = plan.message(cut, "stop", grammar_complete("stop", ",", None))

@@ -46,6 +46,7 @@ TEXT_ANSWER = {"type": "object", "properties": {"content": {"type": "string"}}, 
                "additionalProperties": False}
 # where an envelope's arguments start: after the call's name; where a text answer's string starts
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call cut after its name
 _TEXT_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*"')
 _ANSWER_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*')  # an answer under response_format: any JSON
 ANSWER_DEFS = "answer.format"  # the response format's $defs prefix ('.' is in no function name)
@@ -76,6 +77,15 @@ class ToolCallPlan:
 
     def callable_functions(self) -> list:
         return [f for f in self.functions if self.allowed is None or f.name in self.allowed]
+
+    @property
+    def only_call(self) -> str | None:
+        """The function every answer calls, known before the model names it: the forced one, or
+        the one callable function where no text answer is allowed."""
+        if self.forced is not None:
+            return self.forced
+        callable_ = self.callable_functions()
+        return callable_[0].name if len(callable_) == 1 and not self.allow_text else None
 
     @property
     def schema(self) -> dict:
@@ -147,6 +157,9 @@ class ToolCallPlan:
             arguments, stopped = self._cut(_strip_wrapper(rest) if complete else rest)
             return (_call_message(_unescape(head.group(1)), arguments),
                     "stop" if stopped else call_finish_reason(finish_reason, complete))
+        name = self.cut_call_name(text)
+        if name is not None:  # cut before its arguments: the call as far as it got, as OpenAI cuts one
+            return _call_message(name, ""), finish_reason
         if not self.allow_text:  # cut before its call was named: no call, and no text is ever an answer here
             return {"role": "assistant", "content": None, "refusal": None}, finish_reason
         content = None  # cut before it said whether it calls or answers: neither (as streamed: no content)
@@ -161,6 +174,14 @@ class ToolCallPlan:
             return {"role": "assistant", "content": None, "refusal": None}, finish_reason
         content, stopped = self._cut(content)
         return {"role": "assistant", "content": content, "refusal": None}, "stop" if stopped else finish_reason
+
+    def cut_call_name(self, text: str) -> str | None:
+        """The function a call cut before its arguments was calling, where that is known: its name
+        written whole, or the only function it could call."""
+        named = _NAME_HEAD.match(text)
+        if named is not None:
+            return _unescape(named.group(1))
+        return self.only_call if not _TEXT_HEAD.match(text) and not _ANSWER_HEAD.match(text) else None
 
     def _cut(self, visible: str) -> tuple[str, bool]:
         """The visible text up to the request's first stop string, and whether one was there."""
@@ -288,6 +309,9 @@ class ToolCallStream:
                 self._pending = self._pending[answer.end():]
             elif self.plan.allow_text and self.plan.answer_schema is None and _TEXT_HEAD.match(self._pending):
                 self.text = TextAnswer()
+            elif finish_reason is not None and self.plan.cut_call_name(self._pending) is not None:
+                self.name = self.plan.cut_call_name(self._pending)  # cut before its arguments
+                self._pending = ""
             else:
                 return None
         if self.text is not None:
