@@ -2,7 +2,7 @@
 branch that requires itself, `root ::= "a" | dead` with `dead ::= "b" dead`, a branch whose pattern
 matches nothing). Their masks allowed the dead branch's first token, and a request that took it
 wrote until max_tokens (finish "length", its output never valid). They are served without the
-dead branches (`xgrammar_backend.productivity`, `GrammarBackend._served_pruned`): no mask allows a
+dead branches (`dead_branches.productivity`, `GrammarBackend._served_pruned`): no mask allows a
 token that cannot lead to a complete string, and the grammar accepts the strings it did. A grammar
 without dead branches compiles as before. CPU, SmolLM2's tokenizer; the end-to-end check runs the
 tiny random Llama."""
@@ -139,7 +139,7 @@ def test_a_grammar_without_dead_branches_compiles_as_before(backends, spec):
 
 
 def test_productivity_prunes_what_cannot_end():
-    from constrained_spec.grammar.xgrammar_backend import productivity, unproductive_rules
+    from constrained_spec.grammar.dead_branches import productivity, unproductive_rules
     cases = {  # grammar: its root rule once pruned (None: nothing to prune)
         'root ::= "a" | dead\ndead ::= "b" dead': 'root ::= (("a"))',
         'root ::= d* "a" d{0,3} | d? [a-z] | "q" d{0,2} | d{0,1} | d+\nd ::= "b" d':

@@ -666,7 +666,7 @@ def test_recursive_grammars_that_can_end_are_served(backend, name):
 
 def test_unproductive_rules():
     import xgrammar as xgr
-    from constrained_spec.grammar.xgrammar_backend import unproductive_rules
+    from constrained_spec.grammar.dead_branches import unproductive_rules
     cases = {'root ::= x+\nx ::= "a" x': ["root", "x"], 'root ::= x{2,3}\nx ::= "a" x': ["root", "x"],
              'root ::= x* | x?\nx ::= "a" x': [], 'root ::= x{0,3}\nx ::= "a" x': [],
              'root ::= "a" x | y\nx ::= "b" | x\ny ::= y': [], 'root ::= [^\\x00-\\U0010FFFF]*': [],

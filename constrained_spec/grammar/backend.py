@@ -40,8 +40,9 @@ from .matcher import REFUSED_DRAFT, RequestMatcher, legal_draft_nodes  # noqa: F
 from .schema import prepare_schema
 from .schema_refs import has_ref_cycle
 from .spec import BACKENDS, GrammarSpec
+from .dead_branches import productivity
 from .xgrammar_backend import (XGrammarCompiler, XGrammarMatcher, canonical_schema,  # noqa: F401
-                               productivity, special_token_ids, tokenizer_info_without_specials)
+                               special_token_ids, tokenizer_info_without_specials)
 
 log = logging.getLogger("constrained_spec.grammar")
 

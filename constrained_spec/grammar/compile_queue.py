@@ -63,7 +63,7 @@ class CompiledGrammar:
     prepared: Optional[str] = None  # what the backend compiled: xgrammar's rewritten JSON schema, llguidance's grammar text
     memory_bytes: int = 0  # xgrammar's memory_size_bytes; llguidance's estimated (`llguidance_backend.memory_estimate`)
     from_disk: bool = False  # loaded from the disk cache (compile_seconds is then the load's)
-    pruned: bool = False  # xgrammar's grammar of the spec without its dead branches (`xgrammar_backend.productivity`)
+    pruned: bool = False  # xgrammar's grammar of the spec without its dead branches (`dead_branches.productivity`)
 
 
 class Latency:
