@@ -83,6 +83,15 @@ def test_json_schema_strict_semantics(backend, tokenizer):
 
 
 # ------------------------------------------------------------------ refusals / errors
+def test_counts_written_as_integral_floats_are_counts(backend, tokenizer):
+    """`maxItems: 2.0` is an integer to JSON Schema (served before counts were checked), and counts in an
+    OpenAPI `example` are data, not keywords."""
+    for name in ("xgrammar", "auto"):
+        compiled = backend.compile(GrammarSpec.json_schema({
+            "type": "array", "items": {"type": "integer"}, "maxItems": 2.0, "example": {"maxItems": "x"}}).with_backend(name))
+        assert accepts(backend, tokenizer, compiled, "[1, 2]") and not accepts(backend, tokenizer, compiled, "[1, 2, 3]")
+
+
 @pytest.mark.parametrize("schema,keyword,path", [
     ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
      "uniqueItems", "/properties/tags"),
@@ -473,3 +482,12 @@ def test_no_lone_utf16_surrogate_in_a_string(backend, tokenizer, spec, name):
     if name == "xgrammar":  # (llguidance here takes no \u escape at all: a character is written as itself)
         assert accepts(backend, tokenizer, compiled, r'{"a": "\u00e9\uffff\ud7ff\ue000\n"}')
         assert accepts(backend, tokenizer, compiled, r'{"a": "\ud83d\ude00", "m": {"\uD83D\uDC4D": 1}}')
+
+
+def test_a_pattern_s_escaped_backslash_is_no_escape_of_what_follows(backend, tokenizer):
+    """`\\\\path` is a backslash and "path": the check for `\\p{..}` read it as `\\p` and refused it."""
+    spec = GrammarSpec.json_schema({"type": "string", "pattern": r"^C:\\path\\[a-z]+$"})
+    compiled = backend.compile(spec.with_backend("xgrammar"))
+    assert accepts(backend, tokenizer, compiled, r'"C:\\path\\x"') and not accepts(backend, tokenizer, compiled, r'"C:path"')
+    with pytest.raises(GrammarError, match="lookarounds"):
+        backend.compile(GrammarSpec.json_schema({"type": "string", "pattern": r"a(?=b)"}).with_backend("xgrammar"))

@@ -331,8 +331,8 @@ def test_every_regex_walk_reads_classes_alike():
     assert scan_regex("[^]|]a|b") == (True, False)
     assert scan_regex("(a|b)c") == (False, False)
     assert scan_regex("a^b") == (False, True)
-    from constrained_spec.grammar.regex_dialect import ecma
-    assert ecma("[]^]x") == "[]^]x"  # (not an inner anchor)
+    from constrained_spec.grammar.regex_dialect import as_ecma
+    assert as_ecma("[]^]x") == "[]^]x"  # (not an inner anchor)
 
 
 @pytest.mark.parametrize("schema,inside,outside", [
@@ -378,7 +378,8 @@ def test_fractional_bounds_of_many_digits_bound_what_is_written(backend, tokeniz
     ({"type": "number", "minimum": -1.49, "description": "d"}, ["-1.4", "-1", "-1.49", "0.3"], ["-1.5", "-1.491"]),
     ({"type": "number", "minimum": 0.5, "maximum": 0.75, "multipleOf": 0.05}, ["0.7", "0.75", "0.5"], ["0.8", "0.4", "0.72"]),
     ({"type": "number", "maximum": 100.25}, ["100.2", "100.25", "99"], ["100.3", "100.251"]),
-    ({"type": "number", "maximum": 1.049}, ["1.04", "1.0", "1.049"], ["1.05", "1.1"]),
+    ({"type": "number", "maximum": 1.049}, ["1.04", "1", "1.049"], ["1.05", "1.1"]),
+    ({"type": "number", "maximum": 0.75, "default": 0.5, "examples": [0.6]}, ["0.7", "0.75"], ["0.8"]),
 ])
 def test_a_decimal_beginning_a_bound_s_digits_is_taken(backend, tokenizer, schema, inside, outside):
     spec = llg(GrammarSpec.json_schema({"type": "object", "properties": {"x": schema}, "required": ["x"]}))
@@ -390,10 +391,15 @@ def test_a_decimal_beginning_a_bound_s_digits_is_taken(backend, tokenizer, schem
 
 def test_only_plain_bounded_numbers_are_rewritten_for_their_bound_s_decimals():
     from constrained_spec.grammar.llguidance_schema import bound_prefixes_kept
-    assert bound_prefixes_kept({"type": "number", "maximum": 1.49, "title": "t"}) == {
-        "anyOf": [{"type": "number", "maximum": 1.49}, {"type": "number", "maximum": 1.4}], "title": "t"}
+    # pydantic's `x: float = Field(0.5, le=0.75)`: annotations stay beside the anyOf
+    assert bound_prefixes_kept({"type": "number", "maximum": 0.75, "default": 0.5, "title": "t"}) == {
+        "anyOf": [{"type": "number", "maximum": 0.75}, {"enum": [0.7]}], "default": 0.5, "title": "t"}
+    assert bound_prefixes_kept({"type": "number", "maximum": 1.2345, "minimum": 1.2, "multipleOf": 0.01})["anyOf"][1] == {
+        "enum": [1.2, 1.23]}  # the shorter decimals the rest allows: not 1.0 (minimum), 1.234 (multipleOf)
+    draft4 = {"type": "number", "maximum": 1.49, "exclusiveMaximum": True}  # 1.4 is within "< 1.49" too
+    assert bound_prefixes_kept(draft4)["anyOf"][1] == {"enum": [1.4]}
     for unchanged in ({"type": "number", "maximum": 1.5}, {"type": "number", "minimum": 1.49},
-                      {"type": "number", "maximum": -1.49}, {"type": "integer", "maximum": 12},
+                      {"type": "number", "maximum": -1.49}, {"type": "integer", "maximum": 12.5},
                       {"type": ["number", "string"], "maximum": 1.49, "maxLength": 3},
                       {"enum": [1.49], "maximum": 1.49}):
         assert bound_prefixes_kept(unchanged) == unchanged

@@ -71,6 +71,8 @@ def test_the_rewrite_lists_distinct_values_in_order():
     {"type": "array", "uniqueItems": True, "items": {"enum": list(range(8))}},  # 256 arrays
     {"type": "array", "uniqueItems": True, "items": {"enum": [1, 2]}, "contains": {"const": 1}},
     {"type": "array", "uniqueItems": True, "items": {"enum": [{"a": 1}, {"a": 2}], "description": "d"}, "maxItems": "2"},
+    {"type": "array", "uniqueItems": True, "items": {"const": 1, "enum": [2]}},  # (no value: left to refuse)
+    {"type": "array", "uniqueItems": True, "items": {"enum": ["x" * 3000, "y" * 3000, "z" * 3000]}},  # too long to list
 ])
 def test_other_unique_arrays_stay_refused(backend, schema):
     assert known_value_sets_as_enums(schema) == schema
@@ -87,3 +89,17 @@ def test_many_values_under_a_count_bound_are_listed(backend, tokenizer):
     compiled = backend.compile(spec.with_backend("xgrammar"))
     assert _accepts(backend, tokenizer, compiled, '{"pick": ["v3", "v9"]}')
     assert not _accepts(backend, tokenizer, compiled, '{"pick": ["v9", "v9"]}')
+
+
+def test_edges_of_the_rewrite():
+    # equal in JSON Schema, nested too: [1] and [1.0] are one value, listed once
+    nested = {"type": "array", "uniqueItems": True, "items": {"enum": [[1], [1.0], [2]]}}
+    assert len(known_value_sets_as_enums(nested)["anyOf"]) == 4
+    # without `type: array` a string or a number is valid too: not rewritten (and so refused)
+    untyped = {"uniqueItems": True, "items": {"enum": [1, 2]}}
+    assert known_value_sets_as_enums(untyped) == untyped
+    # more items asked for than there are values: the 400 names minItems where it stands
+    with pytest.raises(GrammarError) as e:
+        GrammarSpec.json_schema({"type": "object", "properties": {"s": {
+            "type": "array", "uniqueItems": True, "minItems": 3, "items": {"enum": ["a", "b"]}}}})
+    assert (e.value.keyword, e.value.path) == ("minItems", "/properties/s"), str(e.value)

@@ -34,13 +34,13 @@ from . import llguidance_backend, xgrammar_backend
 from .compile_queue import CompiledGrammar, CompileQueue, Latency, SlowLane  # noqa: F401 (re-exported)
 from .bounded_lru import BoundedLRU
 from .compile_queue import text_bytes
+from .dead_branches import productivity
 from .errors import GrammarBusy, GrammarError
 from .llguidance_backend import LLGuidanceCompiler, LLGuidanceMatcher
 from .matcher import REFUSED_DRAFT, RequestMatcher, legal_draft_nodes  # noqa: F401 (re-exported)
 from .schema import prepare_schema
 from .schema_refs import has_ref_cycle
 from .spec import BACKENDS, GrammarSpec
-from .dead_branches import productivity
 from .xgrammar_backend import (XGrammarCompiler, XGrammarMatcher, canonical_schema,  # noqa: F401
                                special_token_ids, tokenizer_info_without_specials)
 

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from .errors import GrammarError, at, unsupported
-from .regex_scan import edge_anchors, scan_regex
+from .regex_scan import edge_anchors, regex_pieces, scan_regex
 
 # xgrammar 0.2.8 writes a string with minLength/maxLength as `[^"\\\r\n]{min,max}`: raw control
 # characters (a tab, U+0001) are not JSON. The bounds become the pattern `^.{min,max}$` instead
@@ -91,10 +91,9 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
         re.compile(p)
     except re.error as e:
         raise GrammarError(f"invalid regex in '{keyword}' {at(path)}: {e}", keyword, path) from None
-    if re.search(r"\\[pPk]|\(\?<?[=!]|\\[1-9]", p):
+    if _lookaround_or_backreference(p):
         raise unsupported(keyword, path, "lookarounds, backreferences and \\p{..} are not supported")
-    counts = re.findall(r"(?<!\\)\{(\d+)(?:,(\d*))?\}", p)
-    if any(int(n or 0) > MAX_LENGTH_BOUND for pair in counts for n in pair):
+    if any(n > MAX_LENGTH_BOUND for n in _repetition_counts(p)):
         # xgrammar 0.2.8 compiles a long repetition of `.` with a class that takes raw control
         # characters (not JSON)
         raise unsupported(keyword, path, f"repetition counts over {MAX_LENGTH_BOUND}")
@@ -105,6 +104,31 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
     if alt:
         body = "(" + body + ")"
     return json_string_regex(("" if start else ".*") + body + ("" if end else ".*"))
+
+
+_LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
+_REPETITION = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def _lookaround_or_backreference(p: str) -> bool:
+    """Whether the pattern holds a lookaround, a backreference or a `\\p{..}` class (read piece by
+    piece: `\\\\p` is a backslash and a `p`)."""
+    for i, piece, in_class in regex_pieces(p):
+        if len(piece) == 2 and piece[0] == "\\" and piece[1] in "pPk123456789":
+            return True
+        if piece == "(" and not in_class and p.startswith(_LOOKAROUNDS, i):
+            return True
+    return False
+
+
+def _repetition_counts(p: str) -> list[int]:
+    """The numbers of the pattern's `{m}`, `{m,}` and `{m,n}` repetitions."""
+    counts = []
+    for i, piece, in_class in regex_pieces(p):
+        m = _REPETITION.match(p, i) if piece == "{" and not in_class else None
+        if m is not None:
+            counts += [int(n) for n in m.groups() if n]
+    return counts
 
 
 def json_string_regex(p: str) -> str:

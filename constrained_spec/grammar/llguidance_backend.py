@@ -31,7 +31,7 @@ from .matcher import REFUSED_DRAFT, RequestMatcher, as_i64
 from . import regex_dialect
 from .llguidance_schema import for_llguidance
 from .spec import GrammarSpec
-from .xgrammar_backend import check_syntax as check_syntax_as_xgrammar
+from . import xgrammar_backend
 
 NAME = "llguidance"
 WHITESPACE = r"[\x20\x0A\x0D\x09]"
@@ -151,15 +151,15 @@ class LLGuidanceCompiler:
         if spec.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', overrides=self.json_options)
         if spec.kind == "regex":
-            pattern = regex_dialect.ecma(spec.value)
+            pattern = regex_dialect.as_ecma(spec.value)
             # llguidance (Rust's regex syntax) takes what JavaScript refuses (`a**`; a trailing `\\`,
             # which it dropped): parsed as xgrammar parses it, a regex one backend refuses both do
-            check_syntax_as_xgrammar("regex", pattern)
+            xgrammar_backend.check_syntax("regex", pattern)
             return llg.LLMatcher.grammar_from_regex(llg.regex_to_lark(pattern, "dw"))
         if spec.kind == "choice":
             return llg.grammar_from("choice", spec.value)
         if spec.kind == "ebnf":
-            check_syntax_as_xgrammar("ebnf", spec.value)  # (QA 1130 D3: `root ::=` empty, a rule defined twice)
+            xgrammar_backend.check_syntax("ebnf", spec.value)  # (QA 1130 D3: `root ::=` empty, a rule defined twice)
             try:
                 return llg.grammar_from("gbnf", spec.value)
             except ValueError as e:

@@ -382,41 +382,60 @@ def bounds_as_read(schema: Any) -> Any:
 # llguidance (1.9.1, measured) refuses a decimal whose digits are a prefix of a fractional bound's on
 # the bound's far side from zero: `1.4` under `maximum: 1.49` (and `exclusiveMaximum`), `0.7` under
 # `maximum: 0.75`, `-1.4` under `minimum: -1.49`; `1.40` and `1.48` it takes.
-_NUMBER_NODE = frozenset(("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+_NUMBER_ASSERTIONS = frozenset(("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+# what a number subschema may hold beside them: annotations, kept beside the rewrite's anyOf
+_ANNOTATIONS = frozenset(("title", "description", "$comment", "default", "examples", "example", "deprecated",
+                          "readOnly", "writeOnly", "$anchor"))
 
 
 def bound_prefixes_kept(schema: Any) -> Any:
     """The schema with each number whose bound llguidance reads that way written as an `anyOf` of
-    it and of the same number bounded at each shorter decimal of the bound (`maximum: 1.4` beside
-    `maximum: 1.49`), which takes the decimals the first refuses: the same numbers, all of them
-    within the bound. Only plain number subschemas (a type, bounds, notes) are rewritten."""
+    it and of the `enum` of the bound's shorter decimals that it allows (`1.4` beside `maximum:
+    1.49`), which takes the decimals the first refuses: the same numbers, at the cost of a literal
+    (a second bounded number cost llguidance's compile twice the first's). Only number subschemas
+    (a type, bounds, `multipleOf`, annotations) are rewritten."""
     if not isinstance(schema, dict):
         return _each(schema, bound_prefixes_kept)
     out = _subschemas_rewritten(schema, bound_prefixes_kept)
-    if set(out) - _NUMBER_NODE - _NOTES:
+    if set(out) - _NUMBER_ASSERTIONS - _ANNOTATIONS:
         return out
-    body = {k: v for k, v in out.items() if k not in _NOTES}
-    branches = [body]
-    for keyword, sign in (("maximum", 1), ("exclusiveMaximum", 1), ("minimum", -1), ("exclusiveMinimum", -1)):
-        for shorter in _shorter_decimals(out.get(keyword), sign):
-            bounded = {k: v for k, v in body.items() if k != keyword}
-            inclusive = "maximum" if sign > 0 else "minimum"
-            bounded[inclusive] = shorter if inclusive not in body else (
-                min(shorter, body[inclusive]) if sign > 0 else max(shorter, body[inclusive]))
-            branches.append(bounded)
-    if len(branches) == 1:
+    body = {k: v for k, v in out.items() if k in _NUMBER_ASSERTIONS}
+    shorter = {d for keyword, sign in (("maximum", 1), ("exclusiveMaximum", 1), ("minimum", -1), ("exclusiveMinimum", -1))
+               for d in _shorter_decimals(body.get(keyword), sign)}
+    allowed = sorted(d for d in shorter if _number_allows(body, d))
+    if not allowed:
         return out
-    return {"anyOf": branches, **{k: v for k, v in out.items() if k in _NOTES}}
+    return {"anyOf": [body, {"enum": [float(d) for d in allowed]}],
+            **{k: v for k, v in out.items() if k in _ANNOTATIONS}}
 
 
-def _shorter_decimals(bound: Any, sign: int) -> list[float]:
+def _number_allows(body: dict, d: Decimal) -> bool:
+    """Whether the number subschema (its assertions) allows the decimal."""
+    types = body.get("type", "number")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not ("number" in types or "integer" in types and d == int(d)):
+        return False
+    lo, hi = body.get("minimum"), body.get("maximum")
+    ex_lo, ex_hi = body.get("exclusiveMinimum"), body.get("exclusiveMaximum")
+    checks = [(lo, ex_lo is True, 1), (hi, ex_hi is True, -1)]  # (draft 4: a boolean makes its bound exclusive)
+    checks += [(b, True, sign) for b, sign in ((ex_lo, 1), (ex_hi, -1)) if not isinstance(b, bool)]
+    for bound, exclusive, sign in checks:
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+            gap = (d - Decimal(repr(bound))) * sign
+            if gap < 0 or exclusive and gap == 0:
+                return False
+    m = body.get("multipleOf")
+    return not (isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 and d % Decimal(repr(m)) != 0)
+
+
+def _shorter_decimals(bound: Any, sign: int) -> list[Decimal]:
     """The bound cut to each shorter count of fraction digits (toward zero), for a fractional bound
     on the side `sign` of zero (1: a positive maximum, -1: a negative minimum); else none."""
     if not isinstance(bound, float) or not math.isfinite(bound) or bound == int(bound) or bound * sign <= 0:
         return []
     x = Decimal(repr(bound))
     places = -x.as_tuple().exponent
-    return sorted({float(x.quantize(Decimal(1).scaleb(-j), rounding=ROUND_DOWN)) for j in range(1, places)})
+    return [x.quantize(Decimal(1).scaleb(-j), rounding=ROUND_DOWN) for j in range(1, places)]
 
 
 def type_negations_as_types(schema: Any) -> Any:

@@ -20,13 +20,13 @@ from __future__ import annotations
 from .errors import GrammarError
 from .regex_scan import edge_anchors, regex_pieces, scan_regex
 
-__all__ = ["ecma"]
+__all__ = ["as_ecma"]
 
 # ECMA-262's `.` outside the s flag: anything but a line terminator
 _DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
-def ecma(pattern: str) -> str:
+def as_ecma(pattern: str) -> str:
     """The pattern as both backends are to read it (ECMA's `.`), or GrammarError for syntax the
     dialects read apart."""
     return _ecma_dot(_edge_anchors_only(_ecma_syntax_only(pattern)))

@@ -1,6 +1,7 @@
-"""One reading of a regex's structure, for every place that walks one: where its escapes and
-character classes begin and end. A regex constraint (`regex_dialect`) and a JSON Schema `pattern`
-(`json_regex`) are both ECMA-262 regexes without flags."""
+"""One reading of a regex's structure: where its escapes and character classes begin and end, for
+the checks and rewrites that need no more (a regex constraint's in `regex_dialect`, a JSON Schema
+`pattern`'s in `json_regex`; its rewrite for JSON strings decodes escapes and classes itself). Both
+are ECMA-262 regexes without flags."""
 from __future__ import annotations
 
 from typing import Iterator

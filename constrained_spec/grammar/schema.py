@@ -33,6 +33,7 @@ from urllib.parse import unquote
 from .errors import GrammarError, at, unsupported
 from .json_regex import FORMAT_PATTERNS, MAX_LENGTH_BOUND, convert_pattern, json_must_escape, json_string_regex
 from .json_types import types_overlap, value_type
+from .schema_refs import DATA_KEYWORDS
 from .unique_items import MAX_SET_VALUES
 
 ANNOTATIONS = {
@@ -371,8 +372,9 @@ class _Normalizer:
                 out["items"] = {}
             if node.get("uniqueItems") is True and not (node.get("maxItems", 2) <= 1):
                 raise unsupported("uniqueItems", path, "a grammar keeps items distinct only over a few known "
-                                                       f"values (an enum of at most {MAX_SET_VALUES}); drop it, or "
-                                                       "use list[...] where a pydantic model has set[...]")
+                                                       f"values: an enum of up to {MAX_SET_VALUES}, more under a "
+                                                       "maxItems; drop it, or use list[...] where a pydantic model "
+                                                       "has set[...]")
         # objects
         if tset & {"object"}:
             self._object(node, out, path)
@@ -905,7 +907,9 @@ _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "de
 
 def _check_counts(node: Any, path: str) -> None:
     """GrammarError naming the first length or count bound that is not a non-negative integer
-    (`maxLength: "2"` had failed a comparison deep in the normalizer: a TypeError, not a 400)."""
+    (`maxLength: "2"` had failed a comparison deep in the normalizer: a TypeError, not a 400); an
+    integral float (`2.0`, an integer to JSON Schema) becomes an int, in place (the schema is the
+    caller's parse of the request's)."""
     if isinstance(node, list):
         for i, v in enumerate(node):
             _check_counts(v, f"{path}/{i}")
@@ -913,10 +917,13 @@ def _check_counts(node: Any, path: str) -> None:
     if not isinstance(node, dict):
         return
     for k, v in node.items():
-        if k in ("enum", "const", "default", "examples"):
+        if k in DATA_KEYWORDS:
             continue
-        if k in _COUNT_KEYWORDS and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
-            raise GrammarError(f"'{k}' must be a non-negative integer {at(path)} (it is {json.dumps(v)})", k, path)
+        if k in _COUNT_KEYWORDS:
+            if isinstance(v, float) and v.is_integer() and v >= 0:
+                node[k] = v = int(v)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise GrammarError(f"'{k}' must be a non-negative integer {at(path)} (it is {json.dumps(v)})", k, path)
         if k in _NAMED_SCHEMAS and isinstance(v, dict):
             for name, sub in v.items():
                 _check_counts(sub, f"{path}/{k}/{_esc(name)}")

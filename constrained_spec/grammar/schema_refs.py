@@ -11,7 +11,7 @@ from urllib.parse import unquote
 
 from .errors import GrammarError
 
-DATA_KEYWORDS = ("enum", "const", "default", "examples")
+DATA_KEYWORDS = ("enum", "const", "default", "examples", "example")  # (`example`: OpenAPI's)
 # what may stand beside a `$ref` and still say nothing about the instance
 INERT_BESIDE_REF = {"$ref", "$defs", "definitions", "$comment", "title", "description", "default", "examples",
                     "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor"}

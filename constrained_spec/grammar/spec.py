@@ -124,4 +124,3 @@ def _check_depth(schema) -> None:
         if depth > MAX_SCHEMA_DEPTH:
             raise GrammarError(_TOO_DEEP)
         stack.extend((child, depth + 1) for child in children)
-

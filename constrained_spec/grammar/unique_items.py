@@ -15,6 +15,7 @@ from itertools import combinations
 from math import comb
 from typing import Any, Optional
 
+from .errors import GrammarError, at
 from .json_types import value_type
 from .schema_refs import DATA_KEYWORDS, INERT_BESIDE_REF, local_target
 
@@ -22,8 +23,10 @@ from .schema_refs import DATA_KEYWORDS, INERT_BESIDE_REF, local_target
 # normalizer takes an anyOf of up to 129 branches for xgrammar; 128 compile in ~0.1 s (dev VM)
 MAX_ARRAYS = 128
 MAX_SET_VALUES = 7
-_NOTES = frozenset(("title", "description", "$comment", "default", "examples", "deprecated", "readOnly",
-                    "writeOnly"))
+# the listed arrays' JSON text at most (long values listed 64 times over would bloat the grammar)
+MAX_LISTED_CHARS = 65536
+_NOTES = frozenset(("title", "description", "$comment", "default", "examples", "example", "deprecated",
+                    "readOnly", "writeOnly"))
 # kept beside the rewritten array (a root array holds the document's definitions)
 _KEPT = _NOTES | {"$defs", "definitions", "$schema", "$id"}
 _ARRAY_KEYWORDS = frozenset(("type", "items", "uniqueItems", "minItems", "maxItems")) | _KEPT
@@ -33,38 +36,51 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 def known_value_sets_as_enums(schema: Any) -> Any:
     """The schema with each `uniqueItems` array over a few known values written as the `anyOf` of
-    its arrays; everything else as it is (the input is not changed)."""
+    its arrays; everything else as it is (the input is not changed). GrammarError where no array of
+    distinct values has the count asked for."""
     root = schema
 
-    def walk(node: Any) -> Any:
+    def walk(node: Any, path: str) -> Any:
         if isinstance(node, list):
-            return [walk(v) for v in node]
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
         out = {k: v if k in DATA_KEYWORDS else
-               {name: walk(s) for name, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else walk(v)
+               {name: walk(s, f"{path}/{k}/{_pointer(name)}") for name, s in v.items()}
+               if k in _SCHEMA_MAPS and isinstance(v, dict) else walk(v, f"{path}/{k}")
                for k, v in node.items()}
-        arrays = _distinct_arrays(root, node) if node.get("uniqueItems") is True else None
+        arrays = _distinct_arrays(root, node, path) if node.get("uniqueItems") is True else None
         if arrays is None:
             return out
         return {"anyOf": [_exactly(a) for a in arrays], **{k: v for k, v in out.items() if k in _KEPT}}
 
-    return walk(schema)
+    return walk(schema, "")
 
 
-def _distinct_arrays(root: Any, node: dict) -> Optional[list]:
+def _distinct_arrays(root: Any, node: dict, path: str) -> Optional[list]:
     """Every array of distinct values of the node's items, in their order, that its counts allow;
-    None unless the node is such an array and they are at most MAX_ARRAYS."""
-    if set(node) - _ARRAY_KEYWORDS or node.get("type", "array") not in ("array", ["array"]):
+    None unless the node is such an array (of `type` array: without one, any other value is valid
+    too) and they are at most MAX_ARRAYS and MAX_LISTED_CHARS."""
+    if set(node) - _ARRAY_KEYWORDS or node.get("type") not in ("array", ["array"]):
         return None
     values = _known_values(root, node.get("items"))
     lo, hi = node.get("minItems", 0), node.get("maxItems")
     if values is None or not _count(lo) or (hi is not None and not _count(hi)):
         return None
     hi = len(values) if hi is None else min(hi, len(values))
-    if sum(comb(len(values), n) for n in range(lo, hi + 1)) > MAX_ARRAYS:
+    if lo > hi:
+        raise GrammarError(f"no array of distinct items has minItems {lo} items {at(path)}: its items take "
+                           f"{len(values)} values" + (f" and maxItems is {hi}" if hi < len(values) else ""),
+                           "minItems", path)
+    count = sum(comb(len(values), n) for n in range(lo, hi + 1))
+    longest = sum(len(json.dumps(v)) + 2 for v in values)
+    if count > MAX_ARRAYS or count * longest > MAX_LISTED_CHARS:
         return None
     return [list(c) for n in range(lo, hi + 1) for c in combinations(values, n)]
+
+
+def _pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _exactly(array: list) -> dict:
@@ -87,6 +103,8 @@ def _known_values(root: Any, items: Any, depth: int = 0) -> Optional[list]:
         return None
     types = items.get("type")
     types = [types] if isinstance(types, str) else types
+    if "const" in items and "enum" in items:
+        return None  # (their intersection: rare enough to leave refused)
     if "const" in items:
         listed = [items["const"]]
     elif "enum" in items and isinstance(items["enum"], list):
@@ -110,10 +128,18 @@ def _known_values(root: Any, items: Any, depth: int = 0) -> Optional[list]:
 
 
 def _json_identity(v: Any) -> str:
-    """Values JSON Schema calls equal (1 and 1.0) share it; true and 1 do not."""
+    """Values JSON Schema calls equal (1 and 1.0, [1] and [1.0]) share it; true and 1 do not."""
+    return json.dumps(_integral_as_int(v), sort_keys=True)
+
+
+def _integral_as_int(v: Any) -> Any:
     if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    return json.dumps(v, sort_keys=True)
+        return int(v)
+    if isinstance(v, list):
+        return [_integral_as_int(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _integral_as_int(x) for k, x in v.items()}
+    return v
 
 
 def _count(n: Any) -> bool:

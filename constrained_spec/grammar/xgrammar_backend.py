@@ -244,7 +244,7 @@ class XGrammarCompiler:
         that differ only in annotations or key order share a key. GrammarError if the normalizer
         refuses."""
         if spec.kind == "regex":  # keyed by what xgrammar compiles: the meaning is in the key
-            pattern = regex_dialect.ecma(spec.value)
+            pattern = regex_dialect.as_ecma(spec.value)
             return (NAME, "regex", pattern) + spec.key[2:3], pattern
         if spec.kind != "json_schema":
             return (NAME,) + spec.key[:3], None

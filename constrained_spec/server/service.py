@@ -439,12 +439,8 @@ def usage(prompt_tokens: int, finals, n: int = 1) -> dict:
                  for i in range(0, len(finals), max(n, 1)))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": comp, "total_tokens": prompt_tokens + comp,
             "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
-            "completion_tokens_details": _NO_COMPLETION_DETAILS}
-
-
-# OpenAI sends these always; none of them happens here
-_NO_COMPLETION_DETAILS = {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
-                          "rejected_prediction_tokens": 0}
+            # (OpenAI sends it always; a prediction's accepted tokens are not counted here: docs/api.md)
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0}}
 
 
 def answer_message(run: ChatRun, req: ChatCompletionRequest, text: str, final) -> tuple[dict, str]:

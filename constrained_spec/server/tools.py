@@ -179,9 +179,7 @@ class ToolCallPlan:
         """The function a call cut before its arguments was calling, where that is known: its name
         written whole, or the only function it could call."""
         named = _NAME_HEAD.match(text)
-        if named is not None:
-            return _unescape(named.group(1))
-        return self.only_call if not _TEXT_HEAD.match(text) and not _ANSWER_HEAD.match(text) else None
+        return _unescape(named.group(1)) if named is not None else self.only_call
 
     def _cut(self, visible: str) -> tuple[str, bool]:
         """The visible text up to the request's first stop string, and whether one was there."""
@@ -309,9 +307,8 @@ class ToolCallStream:
                 self._pending = self._pending[answer.end():]
             elif self.plan.allow_text and self.plan.answer_schema is None and _TEXT_HEAD.match(self._pending):
                 self.text = TextAnswer()
-            elif finish_reason is not None and self.plan.cut_call_name(self._pending) is not None:
-                self.name = self.plan.cut_call_name(self._pending)  # cut before its arguments
-                self._pending = ""
+            elif finish_reason is not None and (cut := self.plan.cut_call_name(self._pending)) is not None:
+                self.name, self._pending = cut, ""  # cut before its arguments
             else:
                 return None
         if self.text is not None:
