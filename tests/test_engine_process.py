@@ -152,6 +152,30 @@ def test_front_end_restart_loses_no_other_request(shared_process):
         client_b.shutdown()
 
 
+def test_a_late_answer_to_a_call_given_up_on_fails_nothing(shared_process, monkeypatch):
+    """A /health whose engine snapshot outlasted its timeout (the engine process stalled): the late
+    reply was set on the cancelled future, which raised in the reader thread, and every request in
+    flight failed as if the engine had died (QA 1130b soak D3)."""
+    from constrained_spec.server import service
+    monkeypatch.setattr(service, "ENGINE_CALL_TIMEOUT_S", 0.5)
+    client, server = _front_end(shared_process)
+    try:
+        stream = _Stream(server.url, _body(200))
+        stream.first.wait(60)
+        os.kill(shared_process.info.pid, signal.SIGSTOP)
+        try:
+            assert _health(server.url).status_code == 503  # timed out: the engine does not answer
+        finally:
+            os.kill(shared_process.info.pid, signal.SIGCONT)
+        stream.join(120)
+        assert stream.error is None and stream.done_marker, stream.error
+        assert stream.events[-1]["choices"][0]["finish_reason"] == "length"
+        assert client.healthy and _health(server.url).status_code == 200
+    finally:
+        server.stop()
+        client.shutdown()
+
+
 def test_a_whole_answer_crosses_in_two_updates(shared_process):
     """A non-streamed request without stop strings: the engine process sends its first update and
     its last (with every token since), not one a step; its answer is the streamed one, logprobs too.

@@ -85,6 +85,15 @@ class _RemoteGrammar:
         return self._client._call("compile", spec, cancellable=True)
 
 
+def _settle(future: Future | None, ok: bool, value) -> None:
+    """A call's reply into its future, unless its caller gave up on it meanwhile (a `/health` whose
+    snapshot took past its timeout): setting a cancelled future raised in the reader thread, which
+    then failed every request in flight as if the engine had died (QA 1130b soak D3)."""
+    if future is None or future.done() or not future.set_running_or_notify_cancel():
+        return
+    future.set_result(value) if ok else future.set_exception(value)
+
+
 class EngineClient:
     def __init__(self, info, process=None):
         self.info = info
@@ -245,8 +254,7 @@ class EngineClient:
                     _, call_id, ok, value = msg
                     with self._lock:
                         future = self._calls.pop(call_id, None)
-                    if future is not None:
-                        future.set_result(value) if ok else future.set_exception(value)
+                    _settle(future, ok, value)
         except (EOFError, OSError):
             pass
         except Exception:

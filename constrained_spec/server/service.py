@@ -63,6 +63,10 @@ def _pending_limits(engine, config) -> tuple[int, int]:
     return -(-limit // max(1, config.frontends)), limit
 
 
+# how long /health, /metrics and stored Responses wait for the engine process's answer
+ENGINE_CALL_TIMEOUT_S = 10.0
+
+
 class Service:
     """The engine behind the routes, and the steps they share."""
 
@@ -148,7 +152,7 @@ class Service:
     async def snapshot(self) -> dict:
         """The engine's state: asked of the engine process, or read in this one."""
         if isinstance(self.engine, EngineClient):
-            return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()), timeout=10)
+            return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()), timeout=ENGINE_CALL_TIMEOUT_S)
         return {**engine_snapshot(self.engine), "stored_responses": self._responses.snapshot()}
 
     async def stored_responses(self, op: str, response_id: str, value=None):
@@ -156,7 +160,7 @@ class Service:
         if self._responses is not None:
             return self._responses.call(op, response_id, value)
         return await asyncio.wait_for(asyncio.wrap_future(self.engine.responses_async(op, response_id, value)),
-                                      timeout=10)
+                                      timeout=ENGINE_CALL_TIMEOUT_S)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
