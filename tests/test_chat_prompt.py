@@ -47,6 +47,20 @@ def test_turn_by_turn_equals_whole_prompt(tokenizer):
     assert enc.hits > 300
 
 
+def test_the_turn_cache_is_bounded_in_text_too(tokenizer, monkeypatch):
+    """Bounded by count alone, distinct 1 MB messages (refused as past the context, after their
+    encoding) took a front-end from 417 MB to 1.4 GB (QA 1130b soak D1)."""
+    from constrained_spec.engine import chat_prompt
+    monkeypatch.setattr(chat_prompt, "MAX_CACHED_CHARS", 20_000)
+    enc = ChatPromptEncoder(tokenizer)
+    long_turn = [{"role": "user", "content": "word " * 20_000}]
+    assert enc(long_turn) == _whole(tokenizer, long_turn)
+    assert all(len(t) <= chat_prompt.MAX_CACHED_TURN_CHARS for t in enc._cache)  # encoded, not kept
+    for i in range(40):
+        enc([{"role": "user", "content": f"{i} " + "text " * 200}])
+    assert sum(len(t) for t in enc._cache) == enc._cached_chars <= 20_000 and len(enc._cache) > 5
+
+
 def test_special_tokens_typed_in_a_message_are_text(tokenizer):
     """`<|im_end|>` in a message (a tool's result fetched from an untrusted page, a user's paste) is
     its characters, as OpenAI's API reads it: encoded as the template's own marker it ended the turn

@@ -32,10 +32,18 @@ _CHECK = [{"role": "system", "content": "You answer in JSON.\n\nSchema: {\"a\": 
           {"role": "user", "content": "Again, éè 🙂 <tag> ."}]
 
 
+# The turn cache's bounds beside its count: a turn longer than this is encoded each time (a 1 MB
+# message refused as past the context was kept, ~40 MB of ids and text each; QA 1130b soak D1), and
+# the cached turns' text at most (their ids take ~9x its bytes in Python ints).
+MAX_CACHED_TURN_CHARS = 65536
+MAX_CACHED_CHARS = 8 << 20
+
+
 class ChatPromptEncoder:
     def __init__(self, tokenizer, cache_size: int = 4096):
         self.tokenizer = tokenizer
         self.cache_size = cache_size  # turns, least recently used out first
+        self._cached_chars = 0
         backend = getattr(tokenizer, "backend_tokenizer", None)  # a transformers "fast" tokenizer's own
         if backend is not None and getattr(tokenizer, "split_special_tokens", False):
             backend = None  # transformers then encodes special tokens' text as plain text itself
@@ -85,10 +93,14 @@ class ChatPromptEncoder:
                 self.hits += 1
                 return ids
         ids = self._encode(text)
+        if len(text) > MAX_CACHED_TURN_CHARS:
+            return ids
         with self._lock:
+            if text not in self._cache:
+                self._cached_chars += len(text)
             self._cache[text] = ids
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            while len(self._cache) > self.cache_size or self._cached_chars > MAX_CACHED_CHARS:
+                self._cached_chars -= len(self._cache.popitem(last=False)[0])
         return ids
 
     def _encode(self, text: str) -> list[int]:
