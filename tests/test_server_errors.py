@@ -220,6 +220,12 @@ def test_busy_503_with_retry_after(busy_server):
             assert "retry" in err["message"]
             second = c.post("/v1/chat/completions", json=chat_body())
             assert second.headers.get("retry-after") == "2"
+            # refused before its prompt and grammar work: its grammar is never compiled (QA 1130b soak D2)
+            compiles = _metric(c, "constrained_spec_grammar_compiles_total")
+            unseen = {"type": "object", "properties": {"refused_before_compiling": {"type": "integer"}}}
+            for route, extra in (("/v1/chat/completions", {}), ("/v1/completions", {"prompt": "x"})):
+                assert_error(c.post(route, json={**schema_body(unseen), **extra}), 503, code="server_busy")
+            assert _metric(c, "constrained_spec_grammar_compiles_total") == compiles
         wait_kv_full(busy_server)
         ok = c.post("/v1/chat/completions", json=chat_body(max_tokens=4))
         assert ok.status_code == 200, ok.text
@@ -312,3 +318,8 @@ def test_checked_grammars_bounded_by_size():
     assert specs[1] not in checked and specs[0] in checked and specs[2] in checked
     checked.add(GrammarSpec.regex("x" * 500))  # alone over the bound: nothing stays
     assert not any(s in checked for s in specs)
+
+
+def _metric(client, name: str) -> float:
+    line = next(ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[-1])

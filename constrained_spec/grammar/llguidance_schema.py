@@ -400,8 +400,8 @@ def bound_prefixes_kept(schema: Any) -> Any:
     if set(out) - _NUMBER_ASSERTIONS - _ANNOTATIONS:
         return out
     body = {k: v for k, v in out.items() if k in _NUMBER_ASSERTIONS}
-    shorter = {d for keyword, sign in (("maximum", 1), ("exclusiveMaximum", 1), ("minimum", -1), ("exclusiveMinimum", -1))
-               for d in _shorter_decimals(body.get(keyword), sign)}
+    bounds = (("maximum", 1), ("exclusiveMaximum", 1), ("minimum", -1), ("exclusiveMinimum", -1))
+    shorter = {d for keyword, sign in bounds for d in _shorter_decimals(body.get(keyword), sign)}
     allowed = sorted(d for d in shorter if _number_allows(body, d))
     if not allowed:
         return out

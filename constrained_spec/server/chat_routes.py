@@ -23,10 +23,10 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
-        run = await service.prepare_chat(req, request)
-        service.admit(req.n)
+        service.admit(req.n)  # before its prompt and grammar work: a refused request costs none (QA 1130b soak D2)
         admitted = True
         try:
+            run = await service.prepare_chat(req, request)
             cid = new_id("chatcmpl")
             # an envelope's stop strings are matched here, in its visible text (`VisibleStops`), as the
             # engine's updates come: each step's, also for a whole answer

@@ -24,32 +24,32 @@ def add_completions_routes(app: FastAPI, service: Service) -> None:
     async def completions(request: Request):
         req: CompletionRequest = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
         service.check_model(req.model)
-        prompts: list[list[int]] = []
-        for k, p in enumerate(req.prompts()):
-            if isinstance(p, str):
-                ids = engine.tokenizer.encode(p, add_special_tokens=False) if p else []
-            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                params.check_token_ids(p, "prompt")
-                ids = list(p)
-            else:
-                raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
-                                  "lists of token ids", param="prompt")
-            if not ids:
-                raise bad_request("the prompt is empty", param="prompt")
-            prompts.append(ids)
-        budgets = [params.token_budget(len(p), req.token_limit(), "prompt") for p in prompts]
-        grammar = await service.compile_grammar(req, request=request)
-        n = req.n
-        top_n = req.logprobs or 0
-        all_prompts, params_list = [], []
-        prediction = await service.prediction_ids(req)
-        for p, budget in zip(prompts, budgets):
-            all_prompts += [p] * n
-            params_list += params.sampling(req, budget, req.logprobs, prediction)
-        total = len(all_prompts)
-        service.admit(total)
+        total = len(req.prompts()) * req.n
+        service.admit(total)  # before its prompt and grammar work (as the chat route's)
         admitted = True
         try:
+            prompts: list[list[int]] = []
+            for k, p in enumerate(req.prompts()):
+                if isinstance(p, str):
+                    ids = engine.tokenizer.encode(p, add_special_tokens=False) if p else []
+                elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                    params.check_token_ids(p, "prompt")
+                    ids = list(p)
+                else:
+                    raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                                      "lists of token ids", param="prompt")
+                if not ids:
+                    raise bad_request("the prompt is empty", param="prompt")
+                prompts.append(ids)
+            budgets = [params.token_budget(len(p), req.token_limit(), "prompt") for p in prompts]
+            grammar = await service.compile_grammar(req, request=request)
+            n = req.n
+            top_n = req.logprobs or 0
+            all_prompts, params_list = [], []
+            prediction = await service.prediction_ids(req)
+            for p, budget in zip(prompts, budgets):
+                all_prompts += [p] * n
+                params_list += params.sampling(req, budget, req.logprobs, prediction)
             cid = new_id("cmpl")
             gen = service.start(all_prompts, params_list, grammar, cid, req.stream)
             prompt_tokens = sum(len(p) for p in prompts)

@@ -34,14 +34,14 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         if rreq.previous_response_id is not None:
             history = (await stored(rreq.previous_response_id, "previous_response_id"))[1]
         req = responses.chat_request(rreq, data, history)
-        try:
-            run = await service.prepare_chat(req, request)
-        except APIError as e:  # named as the Responses request has it
-            responses.in_responses_terms(e)
-            raise
-        service.admit(1)
+        service.admit(1)  # before its prompt and grammar work (as the chat route's)
         admitted = True
         try:
+            try:
+                run = await service.prepare_chat(req, request)
+            except APIError as e:  # named as the Responses request has it
+                responses.in_responses_terms(e)
+                raise
             rid = new_id("resp", "_")
             watched = run.plan is not None and bool(run.plan.stop)  # (as the chat route's)
             gen = service.start([run.prompt], engine_params(run.plan, run.params_list), run.grammar, rid,
