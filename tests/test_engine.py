@@ -319,6 +319,15 @@ def test_jump_forward_keeps_the_models_tokenization(smollm2_dir, engine):
         forced = jf.generate(ps, sp, GrammarSpec.json_schema(schema))
         assert [o.text for o in forced] == [o.text for o in plain]
         assert jf.stats.forced_tokens > 0
+        # a forced token has an entry of its own (probability 1): a whole answer's entries, held
+        # step by step, had slid onto later tokens, each greedy token's entry topped by another
+        # (QA 1130b spec D1)
+        with_lps = jf.generate(ps, SamplingParams(max_tokens=60, temperature=0, logprobs=2),
+                               GrammarSpec.json_schema(schema))
+        for out in with_lps:
+            assert len(out.logprobs) == len(out.token_ids)
+            assert all(lp["top"][0][0] == t for t, lp in zip(out.token_ids, out.logprobs)), out.text
+            assert sum(lp["logprob"] == 0.0 and len(lp["top"]) == 1 for lp in out.logprobs) > 0
     finally:
         jf.shutdown()
 

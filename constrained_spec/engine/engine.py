@@ -652,10 +652,14 @@ class Engine:
             return
         new_ids = [token]
         req.output_ids.append(token)
-        if jump_forward and self.config.jump_forward:
-            new_ids += self._jump_forward(req)
-        stop = req.detok.add(new_ids)
         lps = [logprob] if logprob else None
+        if jump_forward and self.config.jump_forward:
+            forced = self._jump_forward(req)
+            new_ids += forced
+            if lps:  # a forced token is the only one the grammar allows: probability 1 (an entry
+                # each, or a whole answer's entries, held step after step, slid onto later tokens)
+                lps += [{"logprob": 0.0, "top": [(t, 0.0)]} for t in forced]
+        stop = req.detok.add(new_ids)
         if stop is not None:
             self._finish(req, FinishReason.STOP, matched=stop, new_ids=new_ids, logprobs=lps)
         elif (matcher is not None and (not accepted or token in self.grammar_stop_ids)
