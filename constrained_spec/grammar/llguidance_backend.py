@@ -114,10 +114,13 @@ _SOURCE_LINE = re.compile(r"\d+ \|")  # "1 | start: /(ab/": llguidance quoting t
 
 
 def memory_estimate(text: str) -> int:
-    """The memory a compiled grammar holds, estimated from its text: llguidance tells no size. On the
-    dev VM a cached template kept ~128 KB for a dev schema (2.7 KB of text) and 6.7 MB for a
-    20,000-string enum (0.5 MB): the RSS of 365 and 20 compiles, cached against not."""
-    return (64 << 10) + 16 * len(text)
+    """The memory a compiled grammar holds, estimated from its text: llguidance tells no size. Its
+    lexer is built lazily, as requests use the grammar: after one request's first masks, the RSS of
+    cached templates on the dev VM was ~90 KB a dev schema (150 of them; 2.7 KB of text on average)
+    and ~2.8 MB a 4,000-string enum (40; ~50 KB of text). An estimate of 16 bytes a character, from
+    templates never used, put the engine at 4.2x `--grammar-cache-mb` under distinct enums (QA 1130b
+    soak D4); this one is over both (a dev schema's count, not its bytes, bounds the cache)."""
+    return (32 << 10) + 56 * len(text)
 
 
 class LLGuidanceCompiler:
