@@ -459,8 +459,9 @@ class CompileQueue:
                                                         "large or complex to compile in time"))
                 except InvalidStateError:  # the compile ended meanwhile
                     pass
-            busy = (f"the grammar waited {QUEUE_WAIT_TIMEOUTS * self.timeout_s:g}s for a compile thread behind "
-                    f"slower compiles ({QUEUE_WAIT_TIMEOUTS} x the {self.timeout_s:g}s compile timeout); retry later")
+            busy = (f"the grammar waited {QUEUE_WAIT_TIMEOUTS * self.timeout_s:g}s for a compile thread "
+                    f"({QUEUE_WAIT_TIMEOUTS} x the {self.timeout_s:g}s compile timeout): more grammars to compile "
+                    "than the threads got through; retry later")
             if gave_up:
                 log.warning("%s (%d requests; %d grammars left the queue)", busy, len(gave_up), len(dropped))
             for out in gave_up:

@@ -90,7 +90,9 @@ def convert_pattern(p: Any, path: str, keyword: str = "pattern") -> str:
     try:
         re.compile(p)
     except re.error as e:
-        raise GrammarError(f"invalid regex in '{keyword}' {at(path)}: {e}", keyword, path) from None
+        # (JavaScript reads `[]` as a class of nothing, Python as the start of one holding `]`)
+        empty = " (`[]` is a class that matches nothing; write `\\]` for a bracket)" if "[]" in p else ""
+        raise GrammarError(f"invalid regex in '{keyword}' {at(path)}: {e}{empty}", keyword, path) from None
     if _lookaround_or_backreference(p):
         raise unsupported(keyword, path, "lookarounds, backreferences and \\p{..} are not supported")
     if any(n > MAX_LENGTH_BOUND for n in _repetition_counts(p)):
