@@ -428,6 +428,13 @@ def test_disk_cache_is_bounded(tmp_path):
         os.utime(os.path.join(d.dir, d.name(i)), (i, i))  # distinct ages
     assert sorted(os.listdir(d.dir)) == sorted(d.name(i) for i in (2, 3, 4))
     assert d.get(d.name(4)) == "x" * 100 and d.get(d.name(0)) is None
+    # a write a crash cut short is removed once old (QA 1130b soak: it was never evicted); one in progress stays
+    for name, age in ((".tmp-crashed", 7200), (".tmp-writing", 5)):
+        with open(os.path.join(d.dir, name), "w") as f:
+            f.write("partial")
+        os.utime(os.path.join(d.dir, name), (time.time() - age, time.time() - age))
+    d.put(d.name(5), "y")
+    assert ".tmp-crashed" not in os.listdir(d.dir) and ".tmp-writing" in os.listdir(d.dir)
 
 
 def options(i: int, n: int = 300) -> GrammarSpec:

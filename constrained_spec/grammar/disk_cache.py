@@ -15,12 +15,15 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import zlib
 from typing import Optional
 
 log = logging.getLogger("constrained_spec.grammar")
 
 ENV_DIR = "CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR"
+# a temporary file this old is a write that never finished (a crash), not one in progress
+STALE_TMP_S = 3600
 FORMAT = 2  # bump when the file layout or the meaning of a key changes (2: strings without lone surrogates)
 
 
@@ -114,11 +117,13 @@ class DiskCache:
     def _evict(self) -> None:
         with self._lock:
             try:
-                entries = []
+                entries, now = [], time.time()
                 for e in os.scandir(self.dir):
                     if e.name.endswith(".json.z"):
                         st = e.stat()
                         entries.append((st.st_mtime, st.st_size, e.name))
+                    elif e.name.startswith(".tmp-") and now - e.stat().st_mtime > STALE_TMP_S:
+                        self.drop(e.name)  # a write a crash cut short: never read, never listed above
             except OSError as e:
                 log.warning("grammar cache: cannot list %s: %s", self.dir, e)
                 return
