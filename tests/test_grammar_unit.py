@@ -491,3 +491,14 @@ def test_a_pattern_s_escaped_backslash_is_no_escape_of_what_follows(backend, tok
     assert accepts(backend, tokenizer, compiled, r'"C:\\path\\x"') and not accepts(backend, tokenizer, compiled, r'"C:path"')
     with pytest.raises(GrammarError, match="lookarounds"):
         backend.compile(GrammarSpec.json_schema({"type": "string", "pattern": r"a(?=b)"}).with_backend("xgrammar"))
+
+
+def test_a_oneof_proven_disjoint_goes_to_xgrammar_as_its_anyof(backend, tokenizer, capfd):
+    """xgrammar logged "oneOf ... falling back to anyOf semantics" for every oneOf the normalizer had
+    proven disjoint (an operator read that oneOf was approximated; QA 1130b soak D7)."""
+    schema = {"oneOf": [{"type": "object", "properties": {"k": {"const": "p"}}, "required": ["k"]},
+                        {"type": "object", "properties": {"k": {"const": "q"}}, "required": ["k"]}]}
+    assert prepare_schema(schema) == {"anyOf": prepare_schema(schema)["anyOf"]}
+    compiled = backend.compile(GrammarSpec.json_schema(schema).with_backend("xgrammar"))
+    assert accepts(backend, tokenizer, compiled, '{"k": "q"}') and not accepts(backend, tokenizer, compiled, '{"k": "r"}')
+    assert "falling back to anyOf" not in capfd.readouterr().err

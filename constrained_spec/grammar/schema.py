@@ -573,7 +573,8 @@ class _Normalizer:
                                                          "disjoint; xgrammar enforces anyOf")
         if len(normed) == 1:
             return normed[0]
-        return {kw: normed}
+        # a oneOf proven disjoint is its anyOf: said so, xgrammar does not log that it approximates it
+        return {"anyOf": normed}
 
     def _objects_only(self, branches: list, path: str) -> list:
         """oneOf branches that each constrain objects alone (no `type`, object keywords only: a
