@@ -159,6 +159,10 @@ _ENGINE_HELP: dict[str, tuple[str, dict]] = {
     "grammar_cache_dir": ("grammar", dict(metavar="DIR", help="keep compiled grammars here across restarts, or "
                                                               "'none'; default: $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR "
                                                               "or ~/.cache/constrained-spec/grammars")),
+    "grammar_disk_cache_mb": ("grammar", dict(metavar="MIB", help="disk space for the compiled grammars kept in "
+                                                                  "--grammar-cache-dir under these compile options "
+                                                                  "(and at most 4096 files); least recently used go "
+                                                                  "first (default: %(default)s)")),
     "grammar_cache_mb": ("grammar", dict(metavar="MIB", help="memory for compiled grammars kept for reuse "
                                                              "(and at most 512 of them); least recently used go "
                                                              "first (default: %(default)s)")),

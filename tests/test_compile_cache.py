@@ -420,6 +420,17 @@ def test_damaged_cache_files_are_recompiled(tok, tmp_path):
         b.close()
 
 
+def test_the_disk_cache_s_bound_is_the_engine_s_flag(tmp_path, tiny_llama_dir):
+    """--grammar-disk-cache-mb reaches the disk cache (its 1 GiB was fixed: QA 1130b soak)."""
+    from constrained_spec.engine import Engine
+    eng = Engine(model=tiny_llama_dir, device="cpu", dtype="float32", grammar_cache_dir=str(tmp_path),
+                 grammar_disk_cache_mb=3)
+    try:
+        assert eng.grammar.xgrammar.disk.max_bytes == 3 << 20
+    finally:
+        eng.shutdown()
+
+
 def test_disk_cache_is_bounded(tmp_path):
     from constrained_spec.grammar.disk_cache import DiskCache
     d = DiskCache(str(tmp_path), "fp", max_files=3)

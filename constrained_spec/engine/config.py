@@ -41,6 +41,8 @@ class EngineConfig:
     # compiled grammars kept across restarts (per tokenizer and options); None: the default folder,
     # $CONSTRAINED_SPEC_GRAMMAR_CACHE_DIR or ~/.cache/constrained-spec/grammars; "none": no disk cache
     grammar_cache_dir: str | None = None
+    # that folder's bound for these options' subfolder, MiB (least recently used files out first)
+    grammar_disk_cache_mb: int = 1024
     # compiled grammars kept in memory, MiB (least recently used out first; also at most 512 of them)
     grammar_cache_mb: int = 512
     speculative_algorithm: str | None = None  # "ngram" or "eagle"; None: plain decoding
@@ -71,7 +73,8 @@ class EngineConfig:
         "speculative_max_batch": 1, "speculative_min_accept": 0.0, "eagle_topk": 1, "eagle_depth": 1,
         "eagle_masked_depths": 0, "ngram_branches": 1, "ngram_max_match": 1, "ngram_min_match": 1,
         "ngram_capacity": 1}
-    POSITIVE: ClassVar[tuple] = ("kv_cache_memory_gb", "grammar_compile_timeout_s", "grammar_cache_mb")
+    POSITIVE: ClassVar[tuple] = ("kv_cache_memory_gb", "grammar_compile_timeout_s", "grammar_cache_mb",
+                                 "grammar_disk_cache_mb")
     CHOICES: ClassVar[dict] = {"dtype": ["auto", "float32", "float16", "bfloat16"],
                                "attention_backend": ["auto", "torch", "triton"],
                                "grammar_backend": ["auto", "xgrammar", "llguidance"],

@@ -141,6 +141,7 @@ class Engine:
                                       compile_timeout_s=config.grammar_compile_timeout_s,
                                       max_whitespace_cnt=config.grammar_max_whitespace,
                                       cache_dir=resolve_cache_dir(config.grammar_cache_dir),
+                                      disk_cache_bytes=config.grammar_disk_cache_mb << 20,
                                       cache_bytes=config.grammar_cache_mb << 20,
                                       default_backend=config.grammar_backend)
         self.scheduler = Scheduler(self.runner, config)

@@ -67,7 +67,8 @@ class GrammarBackend:
                  compile_workers: Optional[int] = None, any_whitespace: bool = True,
                  max_whitespace_cnt: Optional[int] = None,
                  stop_token_ids: Optional[List[int]] = None, cache_dir: Optional[str] = None,
-                 max_queue: int = 4096, persist_min_s: float = 0.05, default_backend: str = AUTO):
+                 max_queue: int = 4096, persist_min_s: float = 0.05, default_backend: str = AUTO,
+                 disk_cache_bytes: int = 1 << 30):
         if default_backend not in BACKENDS:
             raise ValueError(f"grammar backend must be one of {', '.join(BACKENDS)}, not {default_backend!r}")
         self.default_backend = default_backend
@@ -84,7 +85,7 @@ class GrammarBackend:
         # xgrammar's own threads per compile: the workers together use about half the cores
         max_threads = max_threads or max(1, min(8, available_cores() // (2 * self.compile_workers)))
         self.xgrammar = XGrammarCompiler(self.tokenizer_info, self.vocab_size, max_threads, any_whitespace,
-                                         max_whitespace_cnt, cache_dir, persist_min_s)
+                                         max_whitespace_cnt, cache_dir, persist_min_s, disk_cache_bytes)
         self._llguidance: Optional[LLGuidanceCompiler] = None  # built on first use (~0.3-1.5 s)
         self._llguidance_error: Optional[GrammarError] = None  # why it cannot serve this tokenizer
         self._llg_lock = threading.Lock()

@@ -222,7 +222,7 @@ class XGrammarCompiler:
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, vocab_size: int, max_threads: int,
                  any_whitespace: bool = True, max_whitespace_cnt: Optional[int] = None,
-                 cache_dir: Optional[str] = None, persist_min_s: float = 0.05):
+                 cache_dir: Optional[str] = None, persist_min_s: float = 0.05, disk_cache_bytes: int = 1 << 30):
         self.tokenizer_info = tokenizer_info
         self.vocab_size = vocab_size
         self.any_whitespace = any_whitespace
@@ -235,7 +235,7 @@ class XGrammarCompiler:
             try:
                 fp = fingerprint(tokenizer_info, vocab_size, any_whitespace=any_whitespace,
                                  max_whitespace_cnt=max_whitespace_cnt)
-                self.disk = DiskCache(cache_dir, fp)
+                self.disk = DiskCache(cache_dir, fp, max_bytes=disk_cache_bytes)
             except Exception as e:  # noqa: BLE001 (an unusable folder only loses the cache)
                 log.warning("grammar cache disabled: %s: %s", cache_dir, e)
 
