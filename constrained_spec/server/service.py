@@ -152,7 +152,8 @@ class Service:
     async def snapshot(self) -> dict:
         """The engine's state: asked of the engine process, or read in this one."""
         if isinstance(self.engine, EngineClient):
-            return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()), timeout=ENGINE_CALL_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.wrap_future(self.engine.snapshot_async()),
+                                          timeout=ENGINE_CALL_TIMEOUT_S)
         return {**engine_snapshot(self.engine), "stored_responses": self._responses.snapshot()}
 
     async def stored_responses(self, op: str, response_id: str, value=None):

@@ -45,8 +45,8 @@ _SAYS_NOTHING_OF_PROPERTIES = {"type", "title", "description", "$schema", "$id",
 TEXT_ANSWER = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
                "additionalProperties": False}
 # where an envelope's arguments start: after the call's name; where a text answer's string starts
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call cut after its name
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # (a call cut after its name)
+_CALL_HEAD = re.compile(_NAME_HEAD.pattern + r'\s*,\s*"arguments"\s*:\s*')
 _TEXT_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*"')
 _ANSWER_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*')  # an answer under response_format: any JSON
 ANSWER_DEFS = "answer.format"  # the response format's $defs prefix ('.' is in no function name)
