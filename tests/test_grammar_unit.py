@@ -92,6 +92,18 @@ def test_counts_written_as_integral_floats_are_counts(backend, tokenizer):
         assert accepts(backend, tokenizer, compiled, "[1, 2]") and not accepts(backend, tokenizer, compiled, "[1, 2, 3]")
 
 
+def test_names_in_schema_maps_are_names_not_keywords(backend, tokenizer):
+    """A property named like a count keyword, as a `dependencies` key, was checked as a count (a 400:
+    "'maxLength' must be a non-negative integer")."""
+    schema = {"type": "object", "properties": {"maxLength": {"type": "integer"}, "a": {"type": "string"}},
+              "required": ["maxLength", "a"], "dependencies": {"maxLength": ["a"]}}
+    compiled = backend.compile(GrammarSpec.json_schema(schema).with_backend("auto"))
+    assert accepts(backend, tokenizer, compiled, '{"maxLength": 3, "a": "x"}')
+    with pytest.raises(GrammarError) as e:  # the normalizer's own refusal, for what it does not serve
+        backend.compile(GrammarSpec.json_schema(schema).with_backend("xgrammar"))
+    assert e.value.keyword == "dependencies", e.value
+
+
 @pytest.mark.parametrize("schema,keyword,path", [
     ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
      "uniqueItems", "/properties/tags"),

@@ -335,20 +335,23 @@ def test_every_regex_walk_reads_classes_alike():
     assert as_ecma("[]^]x") == "[]^]x"  # (not an inner anchor)
 
 
-@pytest.mark.parametrize("schema,inside,outside", [
+@pytest.mark.parametrize("schema,inside,outside,keyword", [
     # llguidance read these as f64: 2**53 was taken for 2**53 + 1, 10**19 clamped to i64's maximum
-    ({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 3}, 2**53 + 1, 2**53),
-    ({"type": "integer", "minimum": 2**62 + 1, "maximum": 2**62 + 3}, 2**62 + 2, 2**62),
-    ({"enum": [2**53 + 1, "a"]}, 2**53 + 1, 2**53),
-    ({"type": "object", "properties": {"n": {"const": 2**60 + 1}}}, {"n": 2**60 + 1}, {"n": 2**60}),
+    ({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 3}, 2**53 + 1, 2**53, "minimum"),
+    ({"type": "integer", "minimum": 2**62 + 1, "maximum": 2**62 + 3}, 2**62 + 2, 2**62, "minimum"),
+    ({"enum": [2**53 + 1, "a"]}, 2**53 + 1, 2**53, "enum"),
+    ({"type": "object", "properties": {"n": {"const": 2**60 + 1}}}, {"n": 2**60 + 1}, {"n": 2**60}, "const"),
+    # a property named as a data keyword is a subschema, not data (its schema was read as an enum)
+    ({"type": "object", "properties": {"enum": {"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 3}},
+      "required": ["enum"]}, {"enum": 2**53 + 1}, {"enum": 2**53}, "minimum"),
     # a bound at i64's minimum crashed the process inside llguidance (SIGSEGV)
-    ({"type": "integer", "minimum": -2**63, "maximum": -2**63 + 8}, -2**63 + 1, -2**63 + 9),
+    ({"type": "integer", "minimum": -2**63, "maximum": -2**63 + 8}, -2**63 + 1, -2**63 + 9, "minimum"),
 ])
-def test_numbers_past_2_53_go_to_xgrammar(backend, tokenizer, schema, inside, outside):
+def test_numbers_past_2_53_go_to_xgrammar(backend, tokenizer, schema, inside, outside, keyword):
     import json
     with pytest.raises(GrammarError, match="2\\*\\*53") as e:
         backend.compile(llg(GrammarSpec.json_schema(schema)))
-    assert e.value.keyword in ("minimum", "enum", "const")
+    assert e.value.keyword == keyword, e.value
     served = backend.compile(GrammarSpec.json_schema(schema).with_backend("auto"))
     assert served.backend == "xgrammar"
     for value, ok in ((inside, True), (outside, False)):

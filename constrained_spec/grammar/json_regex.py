@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from .errors import GrammarError, at, unsupported
-from .regex_scan import edge_anchors, regex_pieces, scan_regex
+from .regex_scan import control_letter, edge_anchors, hex_code, regex_pieces, scan_regex
 
 # xgrammar 0.2.8 writes a string with minLength/maxLength as `[^"\\\r\n]{min,max}`: raw control
 # characters (a tab, U+0001) are not JSON. The bounds become the pattern `^.{min,max}$` instead
@@ -209,20 +209,18 @@ def _escaped_char(p: str, i: int, in_class: bool):
     r"""(code point, length) of the regex escape at p[i] (a backslash); the code point is None
     for a class escape (`\d`) or an assertion (`\b` outside a class)."""
     e = p[i + 1]
-    hexes = "0123456789abcdefABCDEF"
-    if e == "x" and len(p) >= i + 4 and all(h in hexes for h in p[i + 2:i + 4]):
-        return int(p[i + 2:i + 4], 16), 4
-    if e == "u" and len(p) >= i + 6 and all(h in hexes for h in p[i + 2:i + 6]):
-        return int(p[i + 2:i + 6], 16), 6
+    width = {"x": 2, "u": 4}.get(e)
+    if width and (code := hex_code(p, i + 2, width)) is not None:
+        return code, 2 + width
     if e == "u" and p[i + 2:i + 3] == "{":
         end = p.find("}", i + 3)
-        if end > i + 3 and all(h in hexes for h in p[i + 3:end]):
-            return int(p[i + 3:end], 16), end + 1 - i
+        if end > i + 3 and (code := hex_code(p, i + 3, end - i - 3)) is not None:
+            return code, end + 1 - i
     if e in _ESCAPE_CHARS:
         return _ESCAPE_CHARS[e], 2
     if e == "0" and not p[i + 2:i + 3].isdigit():
         return 0, 2
-    if e == "c" and p[i + 2:i + 3].isascii() and p[i + 2:i + 3].isalpha():
+    if e == "c" and control_letter(p, i + 2):
         return ord(p[i + 2]) % 32, 3
     if e == "b" and in_class:
         return 0x08, 2

@@ -31,7 +31,8 @@ from typing import Any, Optional
 from .errors import GrammarError
 from .json_regex import FORMAT_PATTERNS
 from .json_types import types_overlap, value_type
-from .schema_refs import DATA_KEYWORDS, has_nested_id, local_target
+from .schema_refs import has_nested_id, local_target
+from .schema_walk import INERT_BESIDE_REF, children, pointer_token, rewrite_children
 
 
 def for_llguidance(schema: Any, strict: bool) -> Any:
@@ -76,11 +77,6 @@ def close_objects(schema: Any) -> Any:
     return walk(schema, "#", False)
 
 
-# keywords beside a `$ref` that constrain nothing (containers and annotations)
-_BESIDE_REF_INERT = frozenset(("$ref", "$defs", "definitions", "$comment", "description", "title", "default",
-                               "examples", "$schema", "$id", "$anchor", "deprecated", "readOnly", "writeOnly"))
-
-
 def _intersected_targets(schema: Any) -> set[str]:
     """The `$ref` values whose targets `close_objects` must leave open: those referenced beside other
     keywords or from a subschema that is itself intersected (an `allOf` branch, a dependency's
@@ -92,7 +88,7 @@ def _intersected_targets(schema: Any) -> set[str]:
             return s
         ref = s.get("$ref")
         if isinstance(ref, str) and ref not in found and (intersected or pointer in found
-                                                            or any(k not in _BESIDE_REF_INERT for k in s)):
+                                                            or any(k not in INERT_BESIDE_REF for k in s)):
             found.add(ref)
         _subschemas_mapped(s, pointer, visit)
         return s
@@ -104,27 +100,15 @@ def _intersected_targets(schema: Any) -> set[str]:
     return found
 
 
-_INSTANCE_VALUES = ("enum", "const", "default", "examples", "dependentRequired")  # not subschemas
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
-
-
 def _subschemas_mapped(s: dict, pointer: str, fn) -> dict:
-    """The schema with each value under a keyword replaced by fn(value, its JSON pointer, whether
+    """The schema with each subschema below it replaced by fn(subschema, its JSON pointer, whether
     it is intersected with the schema around it: an `allOf` branch, a dependency's schema). Values
     that are not subschemas reach fn too, which returns them as they are."""
-    out = {}
-    for k, v in s.items():
-        if k in _INSTANCE_VALUES or not isinstance(v, (dict, list)):
-            out[k] = v
-        elif k in _SUBSCHEMA_MAPS:
-            inner = k in DEPENDENCY_KEYWORDS
-            out[k] = {n: fn(sub, f"{pointer}/{k}/{_escape(n)}", inner) for n, sub in v.items()} \
-                if isinstance(v, dict) else v
-        elif isinstance(v, dict):
-            out[k] = fn(v, f"{pointer}/{k}", False)
-        else:
-            out[k] = [fn(sub, f"{pointer}/{k}/{i}", k == "allOf") for i, sub in enumerate(v)]
-    return out
+    def each(v: Any, below: str, keyword: str) -> Any:
+        if isinstance(v, list):
+            return [fn(sub, f"{below}/{i}", keyword == "allOf") for i, sub in enumerate(v)]
+        return fn(v, below, keyword in DEPENDENCY_KEYWORDS)
+    return rewrite_children(s, each, pointer)
 
 
 # characters JSON can only write as \u escapes, which the grammars leave out (`json_options`)
@@ -153,7 +137,7 @@ def check_writable(schema: Any, path: str) -> None:
 
 def _each_keyword(schema: Any, path: str, visit) -> None:
     """Calls visit(keyword, value, path of its schema, the schema) for every keyword of the schema
-    and its subschemas; data values (`const`, `enum`, `default`, `examples`) are not entered."""
+    and its subschemas (`schema_walk.children`)."""
     if isinstance(schema, list):
         for i, v in enumerate(schema):
             _each_keyword(v, f"{path}/{i}", visit)
@@ -162,8 +146,8 @@ def _each_keyword(schema: Any, path: str, visit) -> None:
         return
     for k, v in schema.items():
         visit(k, v, path, schema)
-        if k not in ("const", "enum", "default", "examples"):
-            _each_keyword(v, f"{path}/{_escape(k)}", visit)
+    for _, below, v in children(schema, path):
+        _each_keyword(v, below, visit)
 
 
 # llguidance (1.9) reads a schema's numbers as f64: past 2**53 an integer loses digits, so a bound of
@@ -250,10 +234,6 @@ def formats_as_patterns(schema: Any) -> Any:
     return out
 
 
-def _escape(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
 # Every format a JSON Schema draft defines (draft 3's included); any other is an annotation that a
 # validator ignores, so dropping it changes no instance's validity.
 STANDARD_FORMATS = frozenset({
@@ -262,9 +242,6 @@ STANDARD_FORMATS = frozenset({
     "relative-json-pointer", "regex", "utc-millisec", "color", "style", "phone", "ip-address", "host-name"})
 
 
-# keywords whose value maps names to subschemas: their keys are names, not keywords
-# keyword -> {name: subschema}; `dependencies` may also map a name to names, which rewrite to themselves
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 # what a schema may hold beside the keyword a rewrite looks for and still say nothing more
 _NOTES = {"description", "title", "$comment"}
 DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
@@ -510,17 +487,8 @@ def _each(schema: Any, rewrite) -> Any:
 
 
 def _subschemas_rewritten(schema: dict, rewrite) -> dict:
-    """The schema with `rewrite` applied under every keyword: data keywords' values stay as they
-    are, and a schema map's names are names (only its values are subschemas)."""
-    out = {}
-    for k, v in schema.items():
-        if k in DATA_KEYWORDS:
-            out[k] = v
-        elif k in SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: rewrite(sub) for name, sub in v.items()}
-        else:
-            out[k] = rewrite(v)
-    return out
+    """The schema with `rewrite` applied to every value below it (`schema_walk.rewrite_children`)."""
+    return rewrite_children(schema, lambda v, _below, _keyword: rewrite(v))
 
 
 def one_of_by_type_as_any_of(schema: Any) -> Any:
@@ -566,7 +534,7 @@ def one_of_by_type_as_any_of(schema: Any) -> Any:
             return [walk(v) for v in s]
         if not isinstance(s, dict):
             return s
-        out = {k: v if k in DATA_KEYWORDS else walk(v) for k, v in s.items()}
+        out = _subschemas_rewritten(s, walk)
         if "oneOf" in out and "anyOf" not in out and disjoint_by_type(s["oneOf"]):
             out = {("anyOf" if k == "oneOf" else k): v for k, v in out.items()}
         return out

@@ -18,7 +18,7 @@ too (`llguidance_backend`).
 from __future__ import annotations
 
 from .errors import GrammarError
-from .regex_scan import edge_anchors, regex_pieces, scan_regex
+from .regex_scan import control_letter, edge_anchors, hex_code, regex_pieces, scan_regex
 
 __all__ = ["as_ecma"]
 
@@ -36,7 +36,7 @@ def as_ecma(pattern: str) -> str:
 # after `c` a control letter, after `x` two hex digits, after `u` four; and `\\U` with eight, a
 # code point past U+FFFF, which JavaScript has no escape for without its u flag and both backends read
 _ECMA_ESCAPE_LETTERS = set("dDwWsSbBtnvfr0cxuU")
-_HEX = set("0123456789abcdefABCDEF")
+_HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
 
 
 def _ecma_syntax_only(pattern: str) -> str:
@@ -83,12 +83,8 @@ def _escape_complete(pattern: str, at: int) -> bool:
     """The escape whose letter is at `at` has what its letter needs after it (`\\cX`, `\\xHH`, `\\uHHHH`)."""
     kind = pattern[at]
     if kind == "c":
-        return pattern[at + 1:at + 2].isascii() and pattern[at + 1:at + 2].isalpha()
-    if kind in "xuU":
-        width = {"x": 2, "u": 4, "U": 8}[kind]
-        digits = pattern[at + 1:at + 1 + width]
-        return len(digits) == width and set(digits) <= _HEX
-    return True
+        return control_letter(pattern, at + 1)
+    return kind not in _HEX_WIDTH or hex_code(pattern, at + 1, _HEX_WIDTH[kind]) is not None
 
 
 def _edge_anchors_only(pattern: str) -> str:

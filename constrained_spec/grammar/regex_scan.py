@@ -4,7 +4,9 @@ the checks and rewrites that need no more (a regex constraint's in `regex_dialec
 are ECMA-262 regexes without flags."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
+
+_HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def regex_pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
@@ -32,6 +34,18 @@ def regex_pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
             continue
         yield i, c, False
         i += 1
+
+
+def hex_code(p: str, i: int, width: int) -> Optional[int]:
+    """The number the `width` hex digits at p[i] spell (an escape's `\\xHH`, `\\uHHHH`), or None
+    where there are not that many."""
+    digits = p[i:i + width]
+    return int(digits, 16) if len(digits) == width and set(digits) <= _HEX else None
+
+
+def control_letter(p: str, i: int) -> bool:
+    """Whether p[i] is the ASCII letter a `\\c` escape takes."""
+    return p[i:i + 1].isascii() and p[i:i + 1].isalpha()
 
 
 def edge_anchors(p: str) -> tuple[bool, str, bool]:

@@ -33,7 +33,7 @@ from urllib.parse import unquote
 from .errors import GrammarError, at, unsupported
 from .json_regex import FORMAT_PATTERNS, MAX_LENGTH_BOUND, convert_pattern, json_must_escape, json_string_regex
 from .json_types import types_overlap, value_type
-from .schema_refs import DATA_KEYWORDS
+from .schema_walk import children, pointer_token
 from .unique_items import MAX_SET_VALUES
 
 ANNOTATIONS = {
@@ -397,7 +397,7 @@ class _Normalizer:
         addl = node.get("additionalProperties")
         new_props = {}
         for name, sub in props.items():
-            new_props[name] = self.norm(sub, f"{path}/properties/{_esc(name)}")
+            new_props[name] = self.norm(sub, f"{path}/properties/{pointer_token(name)}")
         required = node.get("required", [])
         if not isinstance(required, list):
             raise GrammarError(f"'required' must be an array {at(path)}", "required", path)
@@ -408,7 +408,7 @@ class _Normalizer:
             if not isinstance(pp, dict):
                 raise GrammarError(f"'patternProperties' must be an object {at(path)}",
                                    "patternProperties", path)
-            normed = {p: self.norm(s, f"{path}/patternProperties/{_esc(p)}") for p, s in pp.items()}
+            normed = {p: self.norm(s, f"{path}/patternProperties/{pointer_token(p)}") for p, s in pp.items()}
             schemas = list(normed.values())
             if any(_json_key(s) != _json_key(schemas[0]) for s in schemas[1:]):
                 raise unsupported("patternProperties", path,
@@ -468,7 +468,7 @@ class _Normalizer:
             return
         for name in absent:
             if name in required:
-                why = self.no_value.get(f"{path}/properties/{_esc(name)}")
+                why = self.no_value.get(f"{path}/properties/{pointer_token(name)}")
                 raise why or GrammarError(f"required property '{name}' has the schema false: no object satisfies it "
                                           f"{at(path)}", "required", path)
         if open_obj:
@@ -708,7 +708,7 @@ class _Normalizer:
                 if name in out.get("required", []):
                     raise _Unsat(f"required property '{name}' is forbidden {at(path)}", kw, path)
                 continue
-            props[name] = self.merge(sa, sb, f"{path}/properties/{_esc(name)}", kw)
+            props[name] = self.merge(sa, sb, f"{path}/properties/{pointer_token(name)}", kw)
         out["properties"] = props
         if aa is None and ab is None:
             out.pop("additionalProperties", None)
@@ -873,7 +873,7 @@ def _length_patterns(s: Any, path: str) -> Any:
     for k in _SCHEMA_MAPS:
         if isinstance(s.get(k), dict):
             for name, sub in s[k].items():
-                _length_patterns(sub, f"{path}/{k}/{_esc(name)}")
+                _length_patterns(sub, f"{path}/{k}/{pointer_token(name)}")
     for k in _SCHEMA_LISTS:
         if isinstance(s.get(k), list):
             for i, sub in enumerate(s[k]):
@@ -881,10 +881,6 @@ def _length_patterns(s: Any, path: str) -> Any:
     for k in _SCHEMA_VALUES:
         _length_patterns(s.get(k), f"{path}/{k}")
     return s
-
-
-def _esc(name: str) -> str:
-    return str(name).replace("~", "~0").replace("/", "~1")
 
 
 def prepare_schema(schema: Any, strict: bool = True) -> dict:
@@ -903,7 +899,6 @@ def prepare_schema(schema: Any, strict: bool = True) -> dict:
 
 
 _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _check_counts(node: Any, path: str) -> None:
@@ -918,15 +913,10 @@ def _check_counts(node: Any, path: str) -> None:
     if not isinstance(node, dict):
         return
     for k, v in node.items():
-        if k in DATA_KEYWORDS:
-            continue
         if k in _COUNT_KEYWORDS:
             if isinstance(v, float) and v.is_integer() and v >= 0:
                 node[k] = v = int(v)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
                 raise GrammarError(f"'{k}' must be a non-negative integer {at(path)} (it is {json.dumps(v)})", k, path)
-        if k in _NAMED_SCHEMAS and isinstance(v, dict):
-            for name, sub in v.items():
-                _check_counts(sub, f"{path}/{k}/{_esc(name)}")
-        else:
-            _check_counts(v, f"{path}/{k}")
+    for _, below, v in children(node, path):
+        _check_counts(v, below)

@@ -10,11 +10,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from .errors import GrammarError
-
-DATA_KEYWORDS = ("enum", "const", "default", "examples", "example")  # (`example`: OpenAPI's)
-# what may stand beside a `$ref` and still say nothing about the instance
-INERT_BESIDE_REF = {"$ref", "$defs", "definitions", "$comment", "title", "description", "default", "examples",
-                    "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor"}
+from .schema_walk import INERT_BESIDE_REF, children
 
 
 def check_ref_cycles(schema: Any) -> None:
@@ -72,7 +68,7 @@ def _refs_in(node: Any) -> set:
         elif isinstance(s, dict):
             if isinstance(s.get("$ref"), str):
                 found.add(s["$ref"])
-            stack.extend(v for k, v in s.items() if k not in DATA_KEYWORDS)
+            stack.extend(v for _, _, v in children(s))
     return found
 
 
@@ -96,9 +92,8 @@ def _ref_only_in_use(root: dict) -> list:
             found.append((path, s))
         ref = s.get("$ref")
         target = local_target(root, ref) if isinstance(ref, str) else None
-        children = [(f"{path}/{k.replace('~', '~0').replace('/', '~1')}", v) for k, v in s.items()
-                    if k not in DATA_KEYWORDS and k not in ("$defs", "definitions")]
-        stack.extend(reversed(children + ([(ref[1:], target)] if target is not None else [])))
+        below = [(at, v) for k, at, v in children(s, path) if k not in ("$defs", "definitions")]
+        stack.extend(reversed(below + ([(ref[1:], target)] if target is not None else [])))
     return found
 
 
@@ -111,7 +106,7 @@ def has_nested_id(s: Any, top: bool = False) -> bool:
         return False
     if not top and (isinstance(s.get("$id"), str) or isinstance(s.get("id"), str)):
         return True
-    return any(has_nested_id(v) for k, v in s.items() if k not in DATA_KEYWORDS)
+    return any(has_nested_id(v) for _, _, v in children(s))
 
 
 def local_target(root: dict, ref: Any) -> Any:
