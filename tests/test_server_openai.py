@@ -127,6 +127,11 @@ def test_stream_helper_parses(openai_client):
     ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
     ({"ebnf": 'root ::= "The answer is " ("red" | "blue") "."'}, lambda t: t in ("The answer is red.",
                                                                                 "The answer is blue.")),
+    # vLLM's current spelling (answered unconstrained while it was an unknown field)
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                      "required": ["ok"]}}},
+     lambda t: isinstance(json.loads(t)["ok"], bool)),
+    ({"structured_outputs": {"regex": "[0-9]{2}"}}, lambda t: re.fullmatch("[0-9]{2}", t)),
 ])
 def test_extension_constraints(openai_client, extra, check):
     r = openai_client.chat.completions.create(

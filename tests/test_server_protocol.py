@@ -96,6 +96,31 @@ def test_constraint_selection():
     assert grammar_spec_for(chat(regex="a+")).kind == "regex"
     assert grammar_spec_for(chat(guided_choice=["a", "b"])).kind == "choice"
     assert grammar_spec_for(chat(grammar='root ::= "a"')).kind == "ebnf"
+    # vLLM's structured_outputs: each of its constraints, conflicts and what is not run
+    so = {"json": {"type": "integer"}, "regex": "a+", "choice": ["a"], "grammar": 'root ::= "a"', "json_object": True}
+    kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf", "json_object": "json_object"}
+    for field, value in so.items():
+        assert grammar_spec_for(chat(structured_outputs={field: value})).kind == kinds[field]
+    assert grammar_spec_for(chat(structured_outputs={"json": '{"type": "string"}'})) == GrammarSpec.json_schema(
+        {"type": "string"})
+    assert grammar_spec_for(chat(structured_outputs={"json_object": False})) is None
+    from constrained_spec.server import responses
+    data = {"input": "hi", "structured_outputs": {"regex": "a+"}}
+    assert grammar_spec_for(responses.chat_request(responses.parse(data), data)) == GrammarSpec.regex("a+")
+    with pytest.raises(APIError) as e:
+        grammar_spec_for(chat(structured_outputs={"regex": "a", "choice": ["a"]}))
+    assert e.value.code == "conflicting_constraints" and e.value.param == "structured_outputs.choice"
+    with pytest.raises(APIError) as e:
+        grammar_spec_for(chat(regex="a", structured_outputs={"regex": "a"}))
+    assert e.value.code == "conflicting_constraints"
+    with pytest.raises(APIError) as e:
+        grammar_spec_for(chat(structured_outputs={"json": "{not json"}))
+    assert e.value.param == "structured_outputs.json" and e.value.code == "invalid_schema"
+    body = {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"structural_tag": "{}"}}
+    with pytest.raises(ValidationError) as v:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error_to_api(v.value.errors(include_url=False), body)
+    assert err.param == "structured_outputs.structural_tag" and "not supported" in err.message, err.message
     with pytest.raises(APIError) as e:
         grammar_spec_for(chat(regex="a", choice=["a"]))
     assert e.value.code == "conflicting_constraints"

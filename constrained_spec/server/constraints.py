@@ -6,8 +6,9 @@ A request may carry at most one constraint:
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
 * extensions: ``regex`` (a regular expression the whole output matches), ``ebnf`` or ``grammar``
   (an EBNF grammar in xgrammar/GBNF syntax, start rule ``root``), ``choice`` (the output is exactly one
-  of the strings); vLLM's ``guided_regex``, ``guided_grammar``, ``guided_choice`` and ``guided_json``
-  are aliases;
+  of the strings); vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+  ``json_object``) and its older ``guided_regex``, ``guided_grammar``, ``guided_choice`` and
+  ``guided_json`` are aliases;
 * ``tools`` with a ``tool_choice`` that forces a call (`tools.py`).
 """
 from __future__ import annotations
@@ -64,15 +65,27 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
         found.append(("json_schema", "response_format", rf.json_schema))
     elif isinstance(rf, ResponseFormatJsonObject):
         found.append(("json_object", "response_format", None))
-    for field, kind in (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("grammar", "ebnf"),
-                        ("guided_grammar", "ebnf"), ("choice", "choice"), ("guided_choice", "choice"),
-                        ("guided_json", "guided_json")):
+    for field, kind in _CONSTRAINT_FIELDS:
         value = getattr(req, field)
         if value is not None:
             found.append((kind, field, value))
+    if req.structured_outputs is not None:
+        for field, value in req.structured_outputs.constraints():
+            found.append((_STRUCTURED_OUTPUTS_KINDS[field], f"structured_outputs.{field}", value))
     if tools:
         found.append(("tool_call", "tools", None))
     return found
+
+
+_CONSTRAINT_FIELDS = (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("grammar", "ebnf"),
+                      ("guided_grammar", "ebnf"), ("choice", "choice"), ("guided_choice", "choice"),
+                      ("guided_json", "schema_value"))
+_STRUCTURED_OUTPUTS_KINDS = {"json": "schema_value", "regex": "regex", "choice": "choice", "grammar": "ebnf",
+                             "json_object": "json_object"}
+# the request fields whose grammar errors are a schema's, a regex's, a choice list's
+_SCHEMA_PARAMS = ("guided_json", "structured_outputs.json")
+_REGEX_PARAMS = ("regex", "guided_regex", "structured_outputs.regex")
+_CHOICE_PARAMS = ("choice", "guided_choice", "structured_outputs.choice")
 
 
 def grammar_spec_for(req: _GenerationRequest, plan: ToolCallPlan | None = None):
@@ -111,18 +124,18 @@ def _spec_for(req: _GenerationRequest, plan: ToolCallPlan | None = None):
             return GrammarSpec.json_object()
         strict = True if value.strict is None else bool(value.strict)
         return GrammarSpec.json_schema(schema, strict=strict)
-    if kind == "guided_json":
+    if kind == "schema_value":  # a schema as JSON or as its text
         if isinstance(value, str):
             try:
                 value = orjson.loads(value)
             except orjson.JSONDecodeError as e:
-                raise bad_request(f"guided_json is not valid JSON: {e}", param=field, code="invalid_schema")
+                raise bad_request(f"{field} is not valid JSON: {e}", param=field, code="invalid_schema")
         try:
             value = boolean_schema(value)  # its text may be `true` or `false`
         except ValueError as e:
             raise bad_request(f"invalid value for '{field}': {e}", param=field, code="invalid_schema")
         if not isinstance(value, dict):
-            raise bad_request("guided_json must be a JSON schema object", param=field, code="invalid_schema")
+            raise bad_request(f"{field} must be a JSON schema object", param=field, code="invalid_schema")
         return GrammarSpec.json_schema(value, strict=True)
     if kind == "regex":
         if not value:
@@ -169,13 +182,13 @@ def grammar_error(err: Exception, param: str | None) -> APIError:
     from ..grammar.errors import GrammarTooComplex  # deferred, as above
     if isinstance(err, GrammarTooComplex):  # valid, but not compiled in time: not "invalid"
         prefix, code = "", "grammar_too_complex"
-    elif param and param.startswith(("response_format", "tools")) or param == "guided_json":
+    elif param and param.startswith(("response_format", "tools")) or param in _SCHEMA_PARAMS:
         prefix, code = "invalid JSON schema: ", "invalid_schema"
         if keyword and ("unsupported" in message.lower() or "not supported" in message.lower()):
             code = "unsupported_schema"
-    elif param in ("regex", "guided_regex"):
+    elif param in _REGEX_PARAMS:
         prefix, code = "invalid regex: ", "invalid_regex"
-    elif param in ("choice", "guided_choice"):
+    elif param in _CHOICE_PARAMS:
         prefix, code = "invalid choice list: ", "invalid_choice"
     else:
         prefix, code = "invalid grammar: ", "invalid_grammar"

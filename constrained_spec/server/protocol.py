@@ -5,8 +5,9 @@ in torch or the engine.
 
 Requests accept OpenAI's fields plus a few extensions (all optional, all documented in docs/api.md):
 
-* constraints: ``regex``, ``ebnf`` (alias ``grammar``), ``choice``; vLLM's ``guided_regex``,
-  ``guided_grammar``, ``guided_choice`` and ``guided_json`` are accepted as aliases;
+* constraints: ``regex``, ``ebnf`` (alias ``grammar``), ``choice``; vLLM's ``structured_outputs``
+  and its older ``guided_regex``, ``guided_grammar``, ``guided_choice`` and ``guided_json`` are
+  accepted as aliases;
 * sampling: ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``.
 
 Unknown fields are ignored, as OpenAI-compatible servers usually do, so newer ``openai`` clients keep
@@ -220,6 +221,31 @@ class AllowedToolsChoice(_Lenient):
 ToolChoiceObject = Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")]
 
 
+class StructuredOutputs(_Lenient):
+    """vLLM's `structured_outputs` (its guided_* fields' successor): one constraint. Ignored, as an
+    unknown field, it would have let the answer go unconstrained with no word said."""
+    json_: Union[dict[str, Any], str, bool, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+
+    @field_validator("structural_tag", "whitespace_pattern")
+    @classmethod
+    def _not_run(cls, v: Any, info) -> Any:
+        if v is not None:
+            raise PydanticCustomError(UNSUPPORTED, f"structured_outputs.{info.field_name} is not supported")
+        return v
+
+    def constraints(self) -> list[tuple[str, Any]]:
+        """(field, value) of each constraint set (`json_object: false` sets none)."""
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None}
+        return [(k, v) for k, v in values.items() if v is not None]
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -251,6 +277,7 @@ class _GenerationRequest(_Lenient):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
+    structured_outputs: StructuredOutputs | None = None
     grammar_backend: str | None = None  # xgrammar | llguidance | auto; None: the server's --grammar-backend
     # extensions: sampling
     top_k: int | None = Field(default=None, strict=True)

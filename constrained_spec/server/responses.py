@@ -24,7 +24,7 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for t
 # chat request fields a Responses request may carry under the same name (our extensions, sampling)
 _PASSED_THROUGH = ("model", "temperature", "top_p", "seed", "stop", "user", "frequency_penalty", "presence_penalty",
                    "logit_bias", "regex", "ebnf", "grammar", "choice", "guided_regex", "guided_grammar",
-                   "guided_choice", "guided_json", "grammar_backend", "top_k", "min_p", "stop_token_ids",
+                   "guided_choice", "guided_json", "structured_outputs", "grammar_backend", "top_k", "min_p", "stop_token_ids",
                    "ignore_eos", "parallel_tool_calls")
 
 
