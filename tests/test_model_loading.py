@@ -131,3 +131,43 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, amx, flag
     assert loader.resolve_dtype("auto", "cpu") is expected
     assert loader.resolve_dtype(None, "cuda") is torch.bfloat16
     assert loader.resolve_dtype("float32", "cpu") is torch.float32
+
+
+def test_an_unused_vocabulary_tail_leaves_the_tokenizer(smollm2_dir, tmp_path):
+    """Qwen2.5's GGUF pads its vocabulary with 271 UNUSED slots, which the converted tokenizer kept
+    as text (`[PAD151900]`, drawn now and then at T=1, QA 1130c Qwen F1): a tail of them is dropped."""
+    from transformers import AutoTokenizer
+    from constrained_spec.models.loader import _drop_unused_tail
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(smollm2_dir) / name).exists():
+            shutil.copy(Path(smollm2_dir) / name, tmp_path / name)
+    size = len(AutoTokenizer.from_pretrained(str(tmp_path)))
+    _drop_unused_tail(tmp_path, [1] * (size - 10) + [5] * 10)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == size - 10
+    assert tok.decode(tok("a cat", add_special_tokens=False)["input_ids"]) == "a cat"
+    _drop_unused_tail(tmp_path, [1] * 3 + [5] + [1] * (size - 14))  # an unused slot inside: kept
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path))) == size - 10
+
+
+def test_head_rows_past_the_tokenizer_are_never_sampled(smollm2_dir, tmp_path):
+    """A head wider than the tokenizer (Qwen2.5's 151,936 rows for 151,665 ids): the rows past it have
+    no text; made the likeliest here, greedy decoding still never picks them, and naming one is a 400."""
+    from transformers import LlamaConfig
+    from conftest import TINY, _save_tiny
+    from constrained_spec.engine import Engine, RequestError
+    from constrained_spec.sampling_params import SamplingParams
+    path = _save_tiny(tmp_path / "wide", LlamaConfig(**{**TINY, "vocab_size": TINY["vocab_size"] + 64},
+                                                     tie_word_embeddings=False), smollm2_dir)
+    loaded = load_model(path, dtype=torch.float32, device="cpu")
+    assert loaded.model.text_vocab_size == TINY["vocab_size"]
+    with torch.no_grad():
+        loaded.model.lm_head.weight[TINY["vocab_size"]:] *= 100.0
+    eng = Engine(loaded=loaded, device="cpu")
+    try:
+        out = eng.generate(["Hello there", "A list:"], SamplingParams(max_tokens=12, temperature=0.0))
+        assert all(t < TINY["vocab_size"] for o in out for t in o.token_ids), [o.token_ids for o in out]
+        with pytest.raises(RequestError, match="outside"):
+            eng.generate("Hi", SamplingParams(max_tokens=2, logit_bias={TINY["vocab_size"] + 3: 5.0}))
+    finally:
+        eng.shutdown()

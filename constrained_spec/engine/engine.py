@@ -364,7 +364,7 @@ class Engine:
             holds = "this model's context" if self.max_context == self.runner.max_context else "the KV cache"
             raise RequestError(f"the prompt has {len(ids)} tokens; {holds} holds {self.max_context}",
                                param="messages", code="context_length_exceeded")
-        vocab = self.runner.vocab_size
+        vocab = self.runner.model.text_vocab_size
         for name, tokens in (("logit_bias", params.logit_bias), ("prediction", params.prediction),
                              ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in tokens or () if not 0 <= t < vocab]
@@ -374,8 +374,8 @@ class Engine:
 
     def _check_vocabulary(self, ids) -> None:
         """A prompt's ids (int64 array) are the model's: an embedding lookup past its table failed
-        the whole step, every request in it."""
-        vocab = self.runner.vocab_size
+        the whole step, every request in it; ids past the tokenizer's are no text either."""
+        vocab = self.runner.model.text_vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
             raise RequestError(f"the prompt has token id {bad}, outside the model's vocabulary of {vocab}",

@@ -55,6 +55,7 @@ def load_model(model: str | None = None, dtype: torch.dtype | str = "auto", devi
     t0 = time.perf_counter()
     net, cfg = load_hf_folder(path, dtype, device)
     tokenizer = load_folder_tokenizer(path)
+    net.text_vocab_size = min(cfg.vocab_size, len(tokenizer))
     eos = collect_eos_ids(path, cfg, tokenizer)
     log.info("loaded %s (%s, %d layers) on %s/%s in %.2f s; eos ids %s", model_display_name(model),
              cfg.model_type, cfg.num_layers, device, str(dtype).removeprefix("torch."),

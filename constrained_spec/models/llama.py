@@ -100,6 +100,9 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head = None  # the head prepacked for oneDNN (bfloat16 on CPU: models/cpu_linear.py)
+        # ids at or past this have no text (rows padding the head past the tokenizer's vocabulary):
+        # their logits are -inf, so nothing samples, drafts or lists them (`models.load_model` sets it)
+        self.text_vocab_size = cfg.vocab_size
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend, features: bool = False):
@@ -119,9 +122,10 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:
-            return self.packed_head(hidden)
-        return F.linear(hidden, self.head_weight)
+        logits = self.packed_head(hidden) if self.packed_head is not None else F.linear(hidden, self.head_weight)
+        if self.text_vocab_size < logits.shape[-1]:
+            logits[..., self.text_vocab_size:] = float("-inf")
+        return logits
 
     # -- weights ---------------------------------------------------------------------------------
     _FUSED = {  # HF name fragment -> (our fused parameter, shard index)

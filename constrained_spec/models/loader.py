@@ -32,7 +32,7 @@ from .registry import cache_dir
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 3  # 2, 3: byte-level BPE tokenizer files settled (`_settle_byte_level_tokenizer`)
+CONVERTER_VERSION = 4  # 2, 3: byte-level BPE tokenizer files settled (`_settle_byte_level_tokenizer`); 4: unused tail dropped
 # Models up to this many parameters are cached in float32 (exactly the dequantized values, so the
 # CPU reference runs on the GGUF's own numbers); bigger ones in bfloat16 to halve disk and RAM.
 FP32_CACHE_MAX_PARAMS = 1_000_000_000
@@ -216,6 +216,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> dict:
     tokenizer.save_pretrained(out)
     if tokenizer_fields.get("model") == "gpt2":
         _settle_byte_level_tokenizer(out, tokenizer_fields)
+    _drop_unused_tail(out, tokenizer_fields.get("types") or [])
     log.info("conversion phases: metadata+config %.1f s, dequantize %.1f s, write %.1f s, tokenizer %.1f s",
              t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
     return {"model_type": model_type, "parameters": n_params, "dtype": str(store_dtype).removeprefix("torch.")}
@@ -231,7 +232,36 @@ def _gguf_tokenizer_fields(reader) -> dict:
         if key in reader.fields:
             value = read_field(reader, key)
             out[name] = value[0] if value else None
+    if "tokenizer.ggml.token_type" in reader.fields:
+        out["types"] = [int(t) for t in read_field(reader, "tokenizer.ggml.token_type")]
     return out
+
+
+_UNUSED = 5  # GGUF's token type of a vocabulary slot that only pads the table
+
+
+def _drop_unused_tail(out: Path, types: list[int]) -> None:
+    """Takes the GGUF's unused slots at the vocabulary's end out of the tokenizer (Qwen2.5's 271,
+    151,665 to 151,935): kept, they were ordinary BPE entries whose text is `[PAD151900]`, which the
+    grammars let into strings and a sampler at T=1 drew now and then. Without them the tokenizer is
+    the model's own (151,665 ids) and the head's rows past it are never sampled
+    (`CausalLM.text_vocab_size`)."""
+    n = len(types)
+    while n and types[n - 1] == _UNUSED:
+        n -= 1
+    path = out / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data.get("model", {}).get("vocab")
+    if n == len(types) or not isinstance(vocab, dict):
+        return
+    added = {int(t["id"]) for t in data.get("added_tokens") or []}
+    dropped = {s for s, i in vocab.items() if i >= n and i not in added}
+    data["model"]["vocab"] = {s: i for s, i in vocab.items() if s not in dropped}
+    # (a merge that makes or takes a dropped token goes too; Qwen's padding is in none)
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in data["model"].get("merges") or []]
+    data["model"]["merges"] = [m for m, (a, b) in zip(data["model"].get("merges") or [], pairs)
+                               if not {a, b, a + b} & dropped]
+    path.write_text(json.dumps(data, ensure_ascii=False))
 
 
 # The byte-level BPE a GGUF with tokenizer.ggml.model 'gpt2' describes, as tokenizers writes it
