@@ -77,6 +77,20 @@ def test_unknown_model_404(http):
     assert_error(http.get("/v1/nothing-here"), 404)
 
 
+def test_the_model_s_other_names_are_served(http):
+    """A registry model's HF id and its GGUF file's name, in any case: a client set up with the string
+    the server was started with (`--model Qwen/Qwen2.5-Coder-0.5B-Instruct`) got a 404 on every call
+    (QA 1130c Qwen F2). (This server serves a folder, as `smollm2`: its names in another case.)"""
+    from constrained_spec.models.registry import names_of
+    assert names_of("Qwen/Qwen2.5-Coder-0.5B-Instruct") == names_of("qwen2.5-coder-0.5b") == {
+        "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct", "qwen/qwen2.5-coder-0.5b-instruct"}
+    assert "smollm2-135m-instruct.q4_1" in names_of("smollm2-135m") and names_of("./my-model") == set()
+    for name in ("SmolLM2", " smollm2"):
+        r = http.post("/v1/chat/completions", json=chat_body(model=name, max_tokens=1))
+        assert r.status_code == 200, (name, r.text)
+        assert http.get(f"/v1/models/{name.strip()}").status_code == 200, name
+
+
 def test_unsupported_schema_names_keyword_and_path(http):
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}},
                                                      "if": {"required": ["b"]}, "then": {}}}}

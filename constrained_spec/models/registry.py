@@ -82,6 +82,15 @@ def lookup_alias(model: str | None) -> PyPIGGUF | None:
     return _BY_NAME.get(model.strip().lower())
 
 
+def names_of(model: str | None) -> set[str]:
+    """Every name of a registry model, in lower case: its alias, its other names (the HF id), its GGUF
+    file's stem; empty for a model the registry does not know."""
+    spec = lookup_alias(model)
+    if spec is None:
+        return set()
+    return {spec.alias, *spec.other_names, spec.filename.removesuffix(".gguf").lower()}
+
+
 def model_display_name(model: str | None) -> str:
     spec = lookup_alias(model)
     if spec is not None:

@@ -19,6 +19,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.request import ERROR_BUSY, ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX
+from ..models.registry import names_of
 from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
 from .engine_client import EngineClient
 from .errors import APIError, bad_request
@@ -76,7 +77,11 @@ class Service:
         self.state = _ServerState(*_pending_limits(engine, config))
         self.metrics = ServerMetrics(engine, self.state)
         self.served = config.served_model_name or engine.model_name
-        self.model_names = {self.served, engine.model_name, os.path.basename(str(engine.model_name).rstrip("/"))}
+        # what a request's `model` may be, in lower case: a client set up with the `--model` string the
+        # server started with (an HF id, a GGUF file's name) is served, not refused with a 404
+        self.model_names = {n.lower() for n in (self.served, engine.model_name,
+                                                os.path.basename(str(engine.model_name).rstrip("/")))}
+        self.model_names |= names_of(engine.model_name)
         self.texts = TokenTexts(engine.tokenizer)
         self.max_context = int(engine.max_context)
         self.started = int(time.time())  # a model card's `created` (0 read as 1970 in UIs)
@@ -164,7 +169,7 @@ class Service:
                                       timeout=ENGINE_CALL_TIMEOUT_S)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+        if name is not None and name.strip().lower() not in self.model_names:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.served}'",
                            param="model", code="model_not_found")
 
