@@ -152,6 +152,23 @@ def test_max_model_len_past_the_model_is_capped_and_said(tiny_llama_dir, caplog)
         engine.shutdown()
 
 
+def test_the_default_context_is_capped_at_8192(tiny_llama_dir):
+    """A model of more positions (Qwen2.5's 32,768) had its whole context by default, though the flag's
+    help says "capped at 8192" (QA 1130c Qwen F3); --max-model-len still reaches past the cap."""
+    import dataclasses
+    from constrained_spec.engine import Engine
+    from constrained_spec.models import load_model
+    loaded = load_model(tiny_llama_dir, dtype="float32", device="cpu")
+    loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, max_position=32768))
+    for asked, context in ((None, 8192), (10000, 10000)):
+        engine = Engine(loaded=loaded, device="cpu", max_model_len=asked, kv_cache_slots=4096,
+                        disable_prefix_cache=True)
+        try:
+            assert engine.max_context == min(context, 4096) and engine.runner.max_context == context
+        finally:
+            engine.shutdown()
+
+
 def test_cli_md_lists_every_serve_flag():
     """docs/cli.md's tables name each flag `serve --help` has (two were missing)."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()

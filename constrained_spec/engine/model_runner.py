@@ -26,6 +26,8 @@ from .prefix_cache import PrefixCache
 from .request import FinishReason
 from .sampler import SamplingBatch, sample
 
+DEFAULT_MAX_CONTEXT = 8192  # the context without --max-model-len, where the model has more positions
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +76,9 @@ class ModelRunner:
             if device.type == "cuda" else None
         self.vocab_size = self.mcfg.vocab_size
         self.backend = get_attention_backend(config.attention_backend, str(device))
-        self.max_context = min(config.max_model_len or self.mcfg.max_position, self.mcfg.max_position)
+        # by default at most DEFAULT_MAX_CONTEXT: a request without max_tokens may run to the context's
+        # end (Qwen2.5's 32,768 positions: an hour of decode for one request on a CPU)
+        self.max_context = min(config.max_model_len or DEFAULT_MAX_CONTEXT, self.mcfg.max_position)
         if config.max_model_len is not None and config.max_model_len > self.max_context:
             # the model has no positions past its own (its RoPE table ends there): capped, said, and
             # the config (the engine's own copy) reports the context in use
