@@ -1,5 +1,5 @@
 """Everything at once against plain decoding: an engine with the prefix cache, speculation at every
-step, jump-forward and a KV pool small enough (250 slots) that it evicts cached prefixes and
+step and a KV pool small enough (250 slots) that it evicts cached prefixes and
 retracts running requests, fed rounds of concurrent requests whose prompts share system prompts,
 with and without JSON schemas, greedy or seeded sampling, some aborted at random moments, must
 answer token for token as a plain engine (no cache, no speculation, a large pool) does, and leave

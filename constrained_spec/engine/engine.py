@@ -154,6 +154,12 @@ class Engine:
         self.stats = EngineStats()  # before the speculative worker: its drafter counts its device reads here
         drafter = setup(lambda: make_drafter(config, self.runner))
         self.spec = setup(lambda: SpeculativeWorker(self, drafter)) if drafter is not None else None
+        if self.spec is not None and config.jump_forward:
+            # a speculative step drafts forced text and the model verifies it, in its own tokenization;
+            # plain steps jumping forward would write it in the tokenizer's, so a greedy answer would
+            # hang on whether its batch speculated (beside a logprobs request, or a large batch, not)
+            log.warning("--jump-forward is off with --speculative-algorithm: forced text is drafted and verified")
+            config.jump_forward = False
         if self.spec is not None and self.runner.graphs is not None:
             self.runner.graphs.capture_verify(self.spec.width, max_batch=config.speculative_max_batch)
             self.runner.graphs.capture_draft(self.spec.drafter, max_batch=config.speculative_max_batch)
