@@ -206,3 +206,21 @@ def test_the_stop_string_that_ends_first_wins():
                 break
             held = pending[-3:]
         assert hit == (4, "bc"), size
+
+
+@pytest.mark.parametrize("stop", [[], ["zz"]])
+def test_a_cut_inside_a_character_keeps_the_whole_ones_before_it(tokenizer, stop):
+    """A last token of a space and an emoji's first bytes (` \\xf0\\x9f`, SmolLM2's 15107): the space
+    is text, the unfinished emoji is not (the space went too: "你好" for "你好 ", QA 1130c Qwen F5)."""
+    ids = tokenizer.encode("Hi there", add_special_tokens=False) + [15107]
+    assert tokenizer.convert_ids_to_tokens(15107) == "ĠðŁ"
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop)
+    out = ""
+    for i in ids:
+        d.add([i])
+        out += d.take(final=False)
+    out += d.take(final=True)
+    assert out == d.text == "Hi there "
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop)  # all at once (a speculative step's tokens)
+    d.add(ids)
+    assert d.take(final=True) == "Hi there "

@@ -125,13 +125,19 @@ class IncrementalDetokenizer:
             prefix = self._decode_ids(ids[start:read], True)
         full = self._decode_ids(ids[start:], True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            piece = full[len(prefix):]
-            self._pending += piece
-            if self.stop:
-                self._note_starts(ids, start, read, len(prefix))
-                self._chars += len(piece)
-            self.prefix_offset = read
-            self.read_offset = len(ids)
+            self._append(full[len(prefix):], start, read, len(prefix))
+        return self._cut_at_stop()
+
+    def _append(self, piece: str, start: int, read: int, base: int) -> None:
+        """The text of ids[read:] (decoded after ids[start:read], `base` characters) joins the output."""
+        self._pending += piece
+        if self.stop:
+            self._note_starts(self.ids, start, read, base)
+            self._chars += len(piece)
+        self.prefix_offset = read
+        self.read_offset = len(self.ids)
+
+    def _cut_at_stop(self) -> str | None:
         # A stop string that completes now lies in the pending text: `take` keeps back the last
         # `hold` characters (a stop string's length - 1), so none of one can have been handed out.
         if self.stop:
@@ -165,6 +171,8 @@ class IncrementalDetokenizer:
             del self.ids[self.read_offset:]
             for token in held:
                 self.add([token])
+            if not self._stopped and self.read_offset < len(self.ids):
+                self._append_whole_characters()
         pending = self._pending
         if final or not self.stop:
             out, self._pending = pending, ""
@@ -178,6 +186,16 @@ class IncrementalDetokenizer:
             if len(parts) >= 256:  # (text is kept for `text` only; a list, so no step copies it all)
                 self._out = ["".join(parts)]
         return out
+
+    def _append_whole_characters(self) -> None:
+        """At the end, the text of the last tokens up to the character they end inside: a token of a
+        space and an emoji's first bytes holds the space (it was left out with the emoji)."""
+        ids, start, read = self.ids, self.prefix_offset, self.read_offset
+        prefix = self._decode_ids(ids[start:read], True)
+        whole = self._decode_ids(ids[start:], True).rstrip("\ufffd")
+        if len(whole) > len(prefix):
+            self._append(whole[len(prefix):], start, read, len(prefix))
+            self._cut_at_stop()
 
     def _token_bound(self, cut: int) -> int:
         """`cut` (characters of the pending text that may go out) moved back to where a token's text
