@@ -484,6 +484,12 @@ def test_strict_closes_objects_where_xgrammar_does(backend, tokenizer):
     both = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
     assert close_objects(both) == both
     assert accepts(llg(GrammarSpec.json_schema({"type": "object", **both})), '{"a": 1, "b": 2}')
+    # a required name the object does not declare is declared, any value, under both backends (llguidance
+    # refused it as unsatisfiable, xgrammar served it: JSONSchemaBench Github_medium---o73996, QA 1130c)
+    undeclared = {"type": "object", "properties": {"guid": {"type": "string"}}, "required": ["guid", "text"]}
+    for name in ("llguidance", "xgrammar"):
+        spec = GrammarSpec.json_schema(undeclared).with_backend(name)
+        assert accepts(spec, '{"guid": "a", "text": [1]}') and not accepts(spec, '{"guid": "a", "text": 1, "x": 2}')
 
 
 def test_strict_closes_a_reference_target_unless_it_is_intersected(backend, tokenizer):

@@ -71,6 +71,12 @@ def close_objects(schema: Any) -> Any:
         if not open_here:
             if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
                 out["additionalProperties"] = False
+                # a required name it does not declare is declared, as any value: closed around it
+                # (llguidance refused the object as unsatisfiable; the normalizer does the same for xgrammar)
+                props, required = out["properties"], out.get("required")
+                if isinstance(props, dict) and isinstance(required, list):
+                    missing = [n for n in required if isinstance(n, str) and n not in props]
+                    out["properties"] = {**props, **{n: {} for n in missing}}
             if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
                 out["items"] = False
         return out
