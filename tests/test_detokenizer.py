@@ -223,4 +223,7 @@ def test_a_cut_inside_a_character_keeps_the_whole_ones_before_it(tokenizer, stop
     assert out == d.text == "Hi there "
     d = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop)  # all at once (a speculative step's tokens)
     d.add(ids)
-    assert d.take(final=True) == "Hi there "
+    assert d.take(final=True) == "Hi there " and d.late_stop is None
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], ["there "])  # a stop string those characters complete
+    d.add(ids)
+    assert d.take(final=True) == "Hi " and d.late_stop == "there "

@@ -102,6 +102,11 @@ def test_names_in_schema_maps_are_names_not_keywords(backend, tokenizer):
     with pytest.raises(GrammarError) as e:  # the normalizer's own refusal, for what it does not serve
         backend.compile(GrammarSpec.json_schema(schema).with_backend("xgrammar"))
     assert e.value.keyword == "dependencies", e.value
+    # an `$anchor` inside a property named "enum" is found (it was hidden as data: review 1130c L1)
+    anchored = {"type": "object", "properties": {"enum": {"$anchor": "E", "type": "integer"}, "b": {"$ref": "#E"}},
+                "required": ["enum", "b"]}
+    compiled = backend.compile(GrammarSpec.json_schema(anchored).with_backend("xgrammar"))
+    assert accepts(backend, tokenizer, compiled, '{"enum": 1, "b": 2}')
 
 
 @pytest.mark.parametrize("schema,keyword,path", [

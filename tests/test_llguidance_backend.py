@@ -490,6 +490,10 @@ def test_strict_closes_objects_where_xgrammar_does(backend, tokenizer):
     for name in ("llguidance", "xgrammar"):
         spec = GrammarSpec.json_schema(undeclared).with_backend(name)
         assert accepts(spec, '{"guid": "a", "text": [1]}') and not accepts(spec, '{"guid": "a", "text": 1, "x": 2}')
+    # and one a dependency requires (its trigger could not be written: review 1130c M2)
+    for dep in ({"dependentRequired": {"a": ["b"]}}, {"dependencies": {"a": ["b"]}}):
+        spec = llg(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, **dep}))
+        assert accepts(spec, '{"a": 1, "b": 2}') and not accepts(spec, '{"a": 1}') and accepts(spec, '{}')
 
 
 def test_strict_closes_a_reference_target_unless_it_is_intersected(backend, tokenizer):
@@ -506,6 +510,9 @@ def test_strict_closes_a_reference_target_unless_it_is_intersected(backend, toke
         spec = GrammarSpec.json_schema(plain, strict=True).with_backend(name)
         assert accepts(spec, '{"a": {"x": 1}}') and not accepts(spec, '{"a": {"x": 1, "z": 1}}'), name
     assert close_objects(plain)["$defs"]["pt"]["additionalProperties"] is False
+    # OpenAPI's `example` beside the `$ref` is an annotation: the target is still closed (review 1130c M3)
+    noted = {**plain, "properties": {"a": {"$ref": "#/$defs/pt", "example": {"x": 1}}}}
+    assert close_objects(noted)["$defs"]["pt"]["additionalProperties"] is False
     beside = {"$ref": "#/$defs/pt", "properties": {"y": {"type": "integer"}}}
     chained = {"$defs": {"pt": pt, "via": {"$ref": "#/$defs/pt"}},
                "allOf": [{"$ref": "#/$defs/via"}, {"properties": {"y": {"type": "integer"}}}]}

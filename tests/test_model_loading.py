@@ -138,16 +138,21 @@ def test_an_unused_vocabulary_tail_leaves_the_tokenizer(smollm2_dir, tmp_path):
     as text (`[PAD151900]`, drawn now and then at T=1, QA 1130c Qwen F1): a tail of them is dropped."""
     from transformers import AutoTokenizer
     from constrained_spec.models.loader import _drop_unused_tail
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (Path(smollm2_dir) / name).exists():
-            shutil.copy(Path(smollm2_dir) / name, tmp_path / name)
-    size = len(AutoTokenizer.from_pretrained(str(tmp_path)))
-    _drop_unused_tail(tmp_path, [1] * (size - 10) + [5] * 10)
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert len(tok) == size - 10
-    assert tok.decode(tok("a cat", add_special_tokens=False)["input_ids"]) == "a cat"
-    _drop_unused_tail(tmp_path, [1] * 3 + [5] + [1] * (size - 14))  # an unused slot inside: kept
-    assert len(AutoTokenizer.from_pretrained(str(tmp_path))) == size - 10
+    def fresh(folder: Path) -> Path:
+        folder.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(smollm2_dir) / name).exists():
+                shutil.copy(Path(smollm2_dir) / name, folder / name)
+        return folder
+    size = len(AutoTokenizer.from_pretrained(smollm2_dir))
+    kept = AutoTokenizer.from_pretrained(smollm2_dir).convert_ids_to_tokens(100)
+    for folder, types, left in ((fresh(tmp_path / "tail"), [1] * (size - 10) + [5] * 10, size - 10),
+                                # an unused slot inside stays (only the tail goes)
+                                (fresh(tmp_path / "inside"), [1] * 100 + [5] + [1] * (size - 105) + [5] * 4, size - 4)):
+        _drop_unused_tail(folder, types)
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        assert len(tok) == left and tok.convert_ids_to_tokens(100) == kept
+        assert tok.decode(tok("a cat", add_special_tokens=False)["input_ids"]) == "a cat"
 
 
 def test_head_rows_past_the_tokenizer_are_never_sampled(smollm2_dir, tmp_path):

@@ -104,6 +104,10 @@ def test_constraint_selection():
     assert grammar_spec_for(chat(structured_outputs={"json": '{"type": "string"}'})) == GrammarSpec.json_schema(
         {"type": "string"})
     assert grammar_spec_for(chat(structured_outputs={"json_object": False})) is None
+    assert grammar_spec_for(chat(structured_outputs={"json": True})) == GrammarSpec.json_schema({})
+    for not_a_schema in (1, 0.0):  # (pydantic read numbers as booleans: 1 was "any value")
+        with pytest.raises(ValidationError):
+            chat(structured_outputs={"json": not_a_schema})
     from constrained_spec.server import responses
     data = {"input": "hi", "structured_outputs": {"regex": "a+"}}
     assert grammar_spec_for(responses.chat_request(responses.parse(data), data)) == GrammarSpec.regex("a+")

@@ -717,3 +717,14 @@ def test_openai_s_128_tools_compile(tokenizer, backend):
         grammars.close()
     with pytest.raises(ValidationError):  # more than OpenAI's limit
         _request(tools=many + many[:1])
+
+
+def test_an_enum_value_shaped_like_a_ref_is_data():
+    """Moving a function's `$defs` into the envelope renames its `$ref`s, not an enum value that looks
+    like one (it was rewritten to `#/$defs/f__A`, changing the value allowed: review 1130c L1)."""
+    from constrained_spec.server.tools import _envelope_parameters
+    params = {"$defs": {"A": {"type": "string"}}, "type": "object",
+              "properties": {"x": {"$ref": "#/$defs/A"}, "y": {"enum": [{"$ref": "#/$defs/A"}]}}}
+    body, defs = _envelope_parameters("f", params)
+    assert body["properties"]["x"] == {"$ref": "#/$defs/f__A"} and set(defs) == {"f__A"}
+    assert body["properties"]["y"] == {"enum": [{"$ref": "#/$defs/A"}]}

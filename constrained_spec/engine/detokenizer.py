@@ -93,6 +93,9 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of `text` handed to the caller
         self._pending = ""  # decoded text not handed out yet (the end of `text`)
         self._stopped = False  # a stop string was found: nothing after it is text
+        # a stop string found only by the final take, in the text its last tokens held back (the
+        # request ended by its length there, and ends by the stop string instead)
+        self.late_stop: str | None = None
         self._out: list[str] = []  # the text handed out, in pieces (joined now and then)
         # under stop strings (`release`): per decoded output token, where its text starts in the
         # output (the tokens decoded together, a character split across them, start together);
@@ -126,7 +129,7 @@ class IncrementalDetokenizer:
         full = self._decode_ids(ids[start:], True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._append(full[len(prefix):], start, read, len(prefix))
-        return self._cut_at_stop()
+        return self._cut_at_stop() if self.stop else None
 
     def _append(self, piece: str, start: int, read: int, base: int) -> None:
         """The text of ids[read:] (decoded after ids[start:read], `base` characters) joins the output."""
@@ -170,9 +173,9 @@ class IncrementalDetokenizer:
             held = self.ids[self.read_offset:]
             del self.ids[self.read_offset:]
             for token in held:
-                self.add([token])
+                self.late_stop = self.add([token]) or self.late_stop
             if not self._stopped and self.read_offset < len(self.ids):
-                self._append_whole_characters()
+                self.late_stop = self._append_whole_characters()
         pending = self._pending
         if final or not self.stop:
             out, self._pending = pending, ""
@@ -187,15 +190,17 @@ class IncrementalDetokenizer:
                 self._out = ["".join(parts)]
         return out
 
-    def _append_whole_characters(self) -> None:
+    def _append_whole_characters(self) -> str | None:
         """At the end, the text of the last tokens up to the character they end inside: a token of a
-        space and an emoji's first bytes holds the space (it was left out with the emoji)."""
+        space and an emoji's first bytes holds the space (it was left out with the emoji). Returns
+        the stop string that text completes, if any."""
         ids, start, read = self.ids, self.prefix_offset, self.read_offset
         prefix = self._decode_ids(ids[start:read], True)
         whole = self._decode_ids(ids[start:], True).rstrip("\ufffd")
-        if len(whole) > len(prefix):
-            self._append(whole[len(prefix):], start, read, len(prefix))
-            self._cut_at_stop()
+        if len(whole) <= len(prefix):
+            return None
+        self._append(whole[len(prefix):], start, read, len(prefix))
+        return self._cut_at_stop() if self.stop else None
 
     def _token_bound(self, cut: int) -> int:
         """`cut` (characters of the pending text that may go out) moved back to where a token's text
@@ -239,6 +244,7 @@ class _NoText:
     no text, no stop strings."""
     stop: list[str] = []
     text = ""
+    late_stop = None
 
     def add(self, new_ids: list[int]) -> None:
         return None

@@ -633,11 +633,9 @@ class Engine:
             req.on_output(RequestOutput(req.request_id, text, new_ids, False, None, req.error,
                                         len(req.prompt_ids), n, lps, None, req.cached_tokens or 0))
 
-    def _append_token(self, req: Request, token: int, logprob: dict | None, jump_forward: bool = True,
-                      accepted: bool = False) -> None:
-        """One sampled or verified token into the request: grammar, stop conditions, stream.
-        `jump_forward=False` for the speculative step's tokens: the tokens after this one were
-        verified without a forced string in between (its forced strings went into the drafts).
+    def _append_token(self, req: Request, token: int, logprob: dict | None, accepted: bool = False) -> None:
+        """One sampled or verified token into the request: grammar, stop conditions, stream (and
+        under --jump-forward, which a speculative engine turns off, the forced string after it).
         `accepted`: the caller accepted the token into the matcher already; the matcher is then
         looked at again only if the token is one of the grammar's stop tokens (it may have
         terminated on it), so that a matcher a running fill holds is not called."""
@@ -660,7 +658,7 @@ class Engine:
         new_ids = [token]
         req.output_ids.append(token)
         lps = [logprob] if logprob else None
-        if jump_forward and self.config.jump_forward:
+        if self.config.jump_forward:
             forced = self._jump_forward(req)
             new_ids += forced
             if lps:  # a forced token is the only one the grammar allows: probability 1 (an entry
@@ -693,8 +691,7 @@ class Engine:
         return FinishReason.STOP if self.grammar_stop_ids.issuperset(allowed.tolist()) else FinishReason.LENGTH
 
     def append_verified(self, req: Request, tokens: list[int]) -> None:
-        """A speculative step's tokens for one request: what `_append_token(..., jump_forward=False)`
-        token by token does, with one update (and one detokenizer call) for the lot where no token
+        """A speculative step's tokens for one request: what `_append_token` token by token does, with one update (and one detokenizer call) for the lot where no token
         can end the request: none is a stop token, the request has no stop strings, and the limits
         lie beyond the last. Otherwise, or if the grammar refuses one, token by token (which token
         ends the request decides what is emitted)."""
@@ -725,7 +722,7 @@ class Engine:
         for tok in tokens:
             if req.finished:
                 return
-            self._append_token(req, tok, None, jump_forward=False)
+            self._append_token(req, tok, None)
 
     def _jump_forward(self, req: Request) -> list[int]:
         if not self.config.jump_forward or req.matcher is None:
@@ -767,6 +764,10 @@ class Engine:
         text = ""
         if detok:
             text = detok.take(final=finished)
+            if detok.late_stop is not None and reason is FinishReason.LENGTH:
+                # the limit's last tokens completed a stop string only once the final take read them
+                reason, matched = FinishReason.STOP, detok.late_stop
+                req.finish_reason = reason
             if detok.stop:  # the tokens go out with their text (a stop string's never)
                 new_ids, logprobs = detok.release(new_ids, logprobs, finished)
         req.on_output(RequestOutput(

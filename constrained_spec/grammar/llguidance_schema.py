@@ -32,7 +32,7 @@ from .errors import GrammarError
 from .json_regex import FORMAT_PATTERNS
 from .json_types import types_overlap, value_type
 from .schema_refs import has_nested_id, local_target
-from .schema_walk import INERT_BESIDE_REF, children, pointer_token, rewrite_children
+from .schema_walk import ANNOTATIONS, INERT_BESIDE_REF, children, rewrite_children
 
 
 def for_llguidance(schema: Any, strict: bool) -> Any:
@@ -71,16 +71,26 @@ def close_objects(schema: Any) -> Any:
         if not open_here:
             if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
                 out["additionalProperties"] = False
-                # a required name it does not declare is declared, as any value: closed around it
-                # (llguidance refused the object as unsatisfiable; the normalizer does the same for xgrammar)
-                props, required = out["properties"], out.get("required")
-                if isinstance(props, dict) and isinstance(required, list):
-                    missing = [n for n in required if isinstance(n, str) and n not in props]
+                # a name it requires (outright or by a dependency) but does not declare is declared, as
+                # any value: closed around it (llguidance refused the object as unsatisfiable, or the
+                # dependency's trigger; the normalizer declares `required` names for xgrammar too)
+                props = out["properties"]
+                missing = [n for n in _required_names(out) if n not in props] if isinstance(props, dict) else []
+                if missing:
                     out["properties"] = {**props, **{n: {} for n in missing}}
             if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
                 out["items"] = False
         return out
     return walk(schema, "#", False)
+
+
+def _required_names(s: dict) -> list[str]:
+    """The names an object schema requires: `required`, and a property dependency's names."""
+    names = list(s["required"]) if isinstance(s.get("required"), list) else []
+    for k in ("dependentRequired", "dependencies"):
+        if isinstance(s.get(k), dict):
+            names += [n for dep in s[k].values() if isinstance(dep, list) for n in dep]
+    return [n for n in dict.fromkeys(names) if isinstance(n, str)]
 
 
 def _intersected_targets(schema: Any) -> set[str]:
@@ -367,8 +377,7 @@ def bounds_as_read(schema: Any) -> Any:
 # `maximum: 0.75`, `-1.4` under `minimum: -1.49`; `1.40` and `1.48` it takes.
 _NUMBER_ASSERTIONS = frozenset(("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
 # what a number subschema may hold beside them: annotations, kept beside the rewrite's anyOf
-_ANNOTATIONS = frozenset(("title", "description", "$comment", "default", "examples", "example", "deprecated",
-                          "readOnly", "writeOnly", "$anchor"))
+_ANNOTATIONS = ANNOTATIONS | {"$anchor"}
 
 
 def bound_prefixes_kept(schema: Any) -> Any:

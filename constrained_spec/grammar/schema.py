@@ -33,15 +33,14 @@ from urllib.parse import unquote
 from .errors import GrammarError, at, unsupported
 from .json_regex import FORMAT_PATTERNS, MAX_LENGTH_BOUND, convert_pattern, json_must_escape, json_string_regex
 from .json_types import types_overlap, value_type
+from . import schema_walk
 from .schema_walk import children, pointer_token
 from .unique_items import MAX_SET_VALUES
 
-ANNOTATIONS = {
-    "title", "description", "default", "examples", "example", "$comment", "deprecated",
-    "readOnly", "writeOnly", "$schema", "$id", "id", "$anchor", "$dynamicAnchor",
-    "$recursiveAnchor", "$vocabulary", "contentMediaType", "contentEncoding", "contentSchema",
-    "$defs", "definitions",
-}
+# what the normalizer drops as saying nothing about the instance
+ANNOTATIONS = schema_walk.ANNOTATIONS | {
+    "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary", "contentMediaType",
+    "contentEncoding", "contentSchema", "$defs", "definitions"}
 # Keywords xgrammar 0.2.8 ignores or approximates and that we cannot rewrite cheaply.
 _NOT_KEPT = "the answer's grammar cannot keep to it"
 UNSUPPORTED = {
@@ -151,9 +150,8 @@ class _Normalizer:
                             out.setdefault(v, ptr)
                         elif v.startswith("#") and len(v) > 1:
                             out.setdefault(v[1:], ptr)
-                for k, v in n.items():
-                    if k not in ("enum", "const", "default", "examples", "example"):
-                        walk(v, ptr + "/" + k.replace("~", "~0").replace("/", "~1"))
+                for _, below, v in children(n, ptr):
+                    walk(v, below)
             elif isinstance(n, list):
                 for i, v in enumerate(n):
                     walk(v, f"{ptr}/{i}")

@@ -14,9 +14,11 @@ DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples", "example"))
 # keyword -> {name: subschema}; `dependencies` and `dependentRequired` may map a name to names
 SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
                          "dependencies", "dependentRequired"))
+# keywords that say nothing about the instance (JSON Schema's annotations, OpenAPI's `example`)
+ANNOTATIONS = frozenset(("title", "description", "$comment", "default", "examples", "example", "deprecated",
+                         "readOnly", "writeOnly"))
 # what may stand beside a `$ref` and still say nothing about the instance
-INERT_BESIDE_REF = frozenset(("$ref", "$defs", "definitions", "$comment", "title", "description", "default",
-                              "examples", "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor"))
+INERT_BESIDE_REF = ANNOTATIONS | {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor"}
 
 
 def pointer_token(name: Any) -> str:

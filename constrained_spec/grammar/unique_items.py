@@ -18,7 +18,7 @@ from typing import Any, Optional
 from .errors import GrammarError, at
 from .json_types import value_type
 from .schema_refs import local_target
-from .schema_walk import INERT_BESIDE_REF, rewrite_children
+from .schema_walk import ANNOTATIONS, INERT_BESIDE_REF, rewrite_children
 
 # arrays listed at most: 7 values without bounds on the count (2**7); more values with a bound. The
 # normalizer takes an anyOf of up to 129 branches for xgrammar; 128 compile in ~0.1 s (dev VM)
@@ -26,12 +26,10 @@ MAX_ARRAYS = 128
 MAX_SET_VALUES = 7
 # the listed arrays' JSON text at most (long values listed 64 times over would bloat the grammar)
 MAX_LISTED_CHARS = 65536
-_NOTES = frozenset(("title", "description", "$comment", "default", "examples", "example", "deprecated",
-                    "readOnly", "writeOnly"))
 # kept beside the rewritten array (a root array holds the document's definitions)
-_KEPT = _NOTES | {"$defs", "definitions", "$schema", "$id"}
+_KEPT = ANNOTATIONS | {"$defs", "definitions", "$schema", "$id"}
 _ARRAY_KEYWORDS = frozenset(("type", "items", "uniqueItems", "minItems", "maxItems")) | _KEPT
-_VALUE_KEYWORDS = frozenset(("type", "enum", "const")) | _NOTES
+_VALUE_KEYWORDS = frozenset(("type", "enum", "const")) | ANNOTATIONS
 
 
 def known_value_sets_as_enums(schema: Any) -> Any:

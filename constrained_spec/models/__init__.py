@@ -43,6 +43,12 @@ def resolve_model_path(model: str | None) -> str:
     return str(src)
 
 
+def id_limit(tokenizer) -> int:
+    """One past the tokenizer's highest token id: not its token count, as a vocabulary may leave ids
+    unassigned below its special tokens."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
 def load_tokenizer(model: str | None = None):
     """The tokenizer (with a chat template) of `model`, without loading weights."""
     return load_folder_tokenizer(resolve_model_path(model))
@@ -55,7 +61,7 @@ def load_model(model: str | None = None, dtype: torch.dtype | str = "auto", devi
     t0 = time.perf_counter()
     net, cfg = load_hf_folder(path, dtype, device)
     tokenizer = load_folder_tokenizer(path)
-    net.text_vocab_size = min(cfg.vocab_size, len(tokenizer))
+    net.text_vocab_size = min(cfg.vocab_size, id_limit(tokenizer))
     eos = collect_eos_ids(path, cfg, tokenizer)
     log.info("loaded %s (%s, %d layers) on %s/%s in %.2f s; eos ids %s", model_display_name(model),
              cfg.model_type, cfg.num_layers, device, str(dtype).removeprefix("torch."),
@@ -64,6 +70,6 @@ def load_model(model: str | None = None, dtype: torch.dtype | str = "auto", devi
                        name=model_display_name(model), path=path)
 
 
-__all__ = ["LoadedModel", "load_model", "resolve_model_path", "load_tokenizer", "convert_gguf",
+__all__ = ["LoadedModel", "load_model", "id_limit", "resolve_model_path", "load_tokenizer", "convert_gguf",
            "ModelConfig", "CausalLM", "SUPPORTED_ARCHITECTURES", "DEFAULT_MODEL", "MODELS", "cache_dir",
            "ModelFetchError", "ModelNotFoundError", "UnsupportedModelError", "read_model_config"]

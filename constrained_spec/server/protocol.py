@@ -224,13 +224,15 @@ ToolChoiceObject = Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(d
 class StructuredOutputs(_Lenient):
     """vLLM's `structured_outputs` (its guided_* fields' successor): one constraint. Ignored, as an
     unknown field, it would have let the answer go unconstrained with no word said."""
-    json_: Union[dict[str, Any], str, bool, None] = Field(default=None, alias="json")
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: Any = None
     whitespace_pattern: Any = None
+
+    _boolean_schema = field_validator("json_", mode="before")(boolean_schema)
 
     @field_validator("structural_tag", "whitespace_pattern")
     @classmethod

@@ -19,6 +19,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.request import ERROR_BUSY, ERROR_GRAMMAR, ERROR_GRAMMAR_TOO_COMPLEX
+from ..models import id_limit
 from ..models.registry import names_of
 from .constraints import CheckedGrammars, constraint_param, grammar_error, grammar_spec_for
 from .engine_client import EngineClient
@@ -85,8 +86,7 @@ class Service:
         self.texts = TokenTexts(engine.tokenizer)
         self.max_context = int(engine.max_context)
         self.started = int(time.time())  # a model card's `created` (0 read as 1970 in UIs)
-        self.params = RequestParams(max(len(engine.tokenizer), getattr(engine.tokenizer, "vocab_size", 0)),
-                                    self.max_context, config.default_max_tokens)
+        self.params = RequestParams(id_limit(engine.tokenizer), self.max_context, config.default_max_tokens)
         self.checked = CheckedGrammars()  # grammars seen to compile: no check for them again
         # stored Responses: the engine process's (shared by every front-end), or this process's own
         self._responses = (None if isinstance(engine, EngineClient)

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from ..engine.detokenizer import StopScan, first_stop
+from ..grammar.schema_walk import children, rewrite_children
 from .errors import bad_request
 from .protocol import AllowedToolsChoice
 
@@ -429,7 +430,7 @@ def _envelope_parameters(name: str, params: dict) -> tuple[dict, dict]:
             return [moved(v) for v in node]
         if not isinstance(node, dict):
             return node
-        out = {k: moved(v) for k, v in node.items()}
+        out = rewrite_children(node, lambda v, _below, _keyword: moved(v))  # (an enum's `$ref` is data)
         ref = node.get("$ref")
         if ref == "#":
             out["$ref"] = f"#/$defs/{prefix}root"
@@ -449,7 +450,7 @@ def _envelope_parameters(name: str, params: dict) -> tuple[dict, dict]:
 
 def _refers_to(node, ref: str) -> bool:
     if isinstance(node, dict):
-        return node.get("$ref") == ref or any(_refers_to(v, ref) for v in node.values())
+        return node.get("$ref") == ref or any(_refers_to(v, ref) for _, _, v in children(node))
     if isinstance(node, list):
         return any(_refers_to(v, ref) for v in node)
     return False

@@ -322,7 +322,7 @@ class SpeculativeWorker:
     def _kept_chains(self, reqs) -> HostTrees:
         """Each request's chain for this step: the one the last fused step drafted, where the
         request is where that step left it; the drafter's own (`propose_arrays`) for the others
-        (new requests, or after plain steps, a retraction or a jump forward)."""
+        (new requests, or after plain steps or a retraction)."""
         self._observe(reqs)
         B, D = len(reqs), self.drafter.depth
         tokens, next_token, next_sibling, num_nodes = _root_only_trees(B, self.width)
