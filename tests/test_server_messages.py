@@ -21,6 +21,9 @@ class _Tokenizer:
     def __len__(self):
         return 100
 
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(100)}
+
 
 def _service(**server) -> Service:
     """A Service over an engine stand-in (all admit() reads: its model name and limits)."""

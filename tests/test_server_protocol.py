@@ -2,6 +2,8 @@
 token bytes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -103,7 +105,6 @@ def test_constraint_selection():
         assert grammar_spec_for(chat(structured_outputs={field: value})).kind == kinds[field]
     assert grammar_spec_for(chat(structured_outputs={"json": '{"type": "string"}'})) == GrammarSpec.json_schema(
         {"type": "string"})
-    assert grammar_spec_for(chat(structured_outputs={"json_object": False})) is None
     assert grammar_spec_for(chat(structured_outputs={"json": True})) == GrammarSpec.json_schema({})
     for not_a_schema in (1, 0.0):  # (pydantic read numbers as booleans: 1 was "any value")
         with pytest.raises(ValidationError):
@@ -320,3 +321,46 @@ def test_the_schema_false_is_one_400_wherever_it_comes():
     with pytest.raises(APIError) as e:
         responses.parse(data)
     assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_schema", "text.format.schema")
+
+
+def _refusal(body: dict, model=ChatCompletionRequest):
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    return validation_error_to_api(e.value.errors(include_url=False), body)
+
+
+def test_what_would_be_ignored_is_read_or_refused():
+    """Fields and keys other servers' clients send that this one ignored, so the answer need not be
+    what they asked for (QA 1130c compat): a schema under another spelling is read; a key a format
+    does not know, a structured_outputs without a constraint and a vLLM/SGLang option not run are a
+    400 naming it."""
+    from constrained_spec.grammar import GrammarSpec
+    from constrained_spec.server import responses
+    schema = {"type": "object", "properties": {"zip": {"type": "string"}}, "required": ["zip"]}
+    msgs = [{"role": "user", "content": "hi"}]
+    assert grammar_spec_for(chat(json_schema=schema)) == GrammarSpec.json_schema(schema)  # SGLang's
+    assert grammar_spec_for(chat(json_schema=json.dumps(schema))) == GrammarSpec.json_schema(schema)
+    llama_cpp = {"type": "json_object", "schema": schema}
+    assert grammar_spec_for(chat(response_format=llama_cpp)) == GrammarSpec.json_schema(schema)
+    for body, param in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "z", "Schema": schema}}},
+             "response_format.json_schema.Schema"),
+            ({"response_format": {"type": "json_object", "value": schema}}, "response_format.value"),
+            ({"structured_outputs": {"jsn": schema}}, "structured_outputs.jsn"),
+            ({"structured_outputs": {}}, "structured_outputs"),
+            ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+            ({"min_tokens": 30}, "min_tokens"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
+            ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+            ({"continue_final_message": True}, "continue_final_message"), ({"bad_words": ["x"]}, "bad_words"),
+            ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern")):
+        err = _refusal({"messages": msgs, **body})
+        assert err.status == 400 and err.param == param, (body, err.param, err.message)
+    for asks_nothing in ({"min_tokens": 0}, {"repetition_penalty": 1.0}, {"add_generation_prompt": True},
+                         {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}):
+        ChatCompletionRequest.model_validate({"messages": msgs, **asks_nothing})
+    # Responses: a chat-style wrapper in text.format dropped the schema (any JSON object answered)
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "z", "schema": schema}},
+                {"type": "json_schema", "name": "z"}):
+        with pytest.raises(APIError) as e:
+            responses.parse({"input": "hi", "text": {"format": fmt}})
+        assert e.value.status == 400 and e.value.param.startswith("text.format"), e.value.message

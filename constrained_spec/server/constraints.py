@@ -8,7 +8,8 @@ A request may carry at most one constraint:
   (an EBNF grammar in xgrammar/GBNF syntax, start rule ``root``), ``choice`` (the output is exactly one
   of the strings); vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``) and its older ``guided_regex``, ``guided_grammar``, ``guided_choice`` and
-  ``guided_json`` are aliases;
+  ``guided_json`` are aliases, and so are SGLang's ``json_schema`` and llama.cpp's ``schema`` in a
+  ``json_object`` response_format;
 * ``tools`` with a ``tool_choice`` that forces a call (`tools.py`).
 """
 from __future__ import annotations
@@ -63,6 +64,8 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
         pass  # a JSON response_format shapes the answer beside the calls (`tools.response_format_schema`)
     elif isinstance(rf, ResponseFormatJsonSchema):
         found.append(("json_schema", "response_format", rf.json_schema))
+    elif isinstance(rf, ResponseFormatJsonObject) and rf.schema_ is not None:  # (llama.cpp's spelling)
+        found.append(("schema_value", "response_format.schema", rf.schema_))
     elif isinstance(rf, ResponseFormatJsonObject):
         found.append(("json_object", "response_format", None))
     for field, kind in _CONSTRAINT_FIELDS:
@@ -79,11 +82,11 @@ def constraint_fields(req: _GenerationRequest) -> list[tuple[str, str, Any]]:
 
 _CONSTRAINT_FIELDS = (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("grammar", "ebnf"),
                       ("guided_grammar", "ebnf"), ("choice", "choice"), ("guided_choice", "choice"),
-                      ("guided_json", "schema_value"))
+                      ("guided_json", "schema_value"), ("json_schema", "schema_value"))
 _STRUCTURED_OUTPUTS_KINDS = {"json": "schema_value", "regex": "regex", "choice": "choice", "grammar": "ebnf",
                              "json_object": "json_object"}
 # the request fields whose grammar errors are a schema's, a regex's, a choice list's
-_SCHEMA_PARAMS = ("guided_json", "structured_outputs.json")
+_SCHEMA_PARAMS = ("guided_json", "structured_outputs.json", "json_schema")
 _REGEX_PARAMS = ("regex", "guided_regex", "structured_outputs.regex")
 _CHOICE_PARAMS = ("choice", "guided_choice", "structured_outputs.choice")
 

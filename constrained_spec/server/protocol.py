@@ -141,7 +141,13 @@ def boolean_schema(schema: Any) -> Any:
     return schema
 
 
+# The format objects refuse keys they do not know: a misspelled or misplaced schema (`"Schema"`, a
+# llama.cpp or TGI spelling) was dropped, and the answer had only to be some JSON object (QA 1130c).
+_FORMAT = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class JsonSchemaSpec(_Lenient):
+    model_config = _FORMAT
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -151,14 +157,21 @@ class JsonSchemaSpec(_Lenient):
 
 
 class ResponseFormatText(_Lenient):
+    model_config = _FORMAT
     type: Literal["text"]
 
 
 class ResponseFormatJsonObject(_Lenient):
+    """Any JSON object; with a `schema` (llama.cpp's spelling), an object of that schema."""
+    model_config = _FORMAT
     type: Literal["json_object"]
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    _boolean_schema = field_validator("schema_", mode="before")(boolean_schema)
 
 
 class ResponseFormatJsonSchema(_Lenient):
+    model_config = _FORMAT
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -223,7 +236,9 @@ ToolChoiceObject = Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(d
 
 class StructuredOutputs(_Lenient):
     """vLLM's `structured_outputs` (its guided_* fields' successor): one constraint. Ignored, as an
-    unknown field, it would have let the answer go unconstrained with no word said."""
+    unknown field, it would have let the answer go unconstrained with no word said; so would a key
+    it does not know (a typo), refused for that."""
+    model_config = _FORMAT
     json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -231,8 +246,19 @@ class StructuredOutputs(_Lenient):
     json_object: bool | None = None
     structural_tag: Any = None
     whitespace_pattern: Any = None
+    # how vLLM compiles, not what is valid: taken and left alone
+    disable_fallback: Any = None
+    disable_any_whitespace: Any = None
+    disable_additional_properties: Any = None
 
     _boolean_schema = field_validator("json_", mode="before")(boolean_schema)
+
+    @model_validator(mode="after")
+    def _one_constraint_at_least(self) -> "StructuredOutputs":
+        if not self.constraints():
+            raise PydanticCustomError("missing", "structured_outputs sets no constraint (json, regex, choice, "
+                                                 "grammar or json_object)")
+        return self
 
     @field_validator("structural_tag", "whitespace_pattern")
     @classmethod
@@ -250,6 +276,16 @@ class StructuredOutputs(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+# field -> the values that ask for nothing (JSON's, so `1` and `1.0` are alike)
+_NOT_RUN = {"bad_words": ([], None), "allowed_token_ids": (None,), "min_tokens": (0, None),
+            "include_stop_str_in_output": (False, None), "no_stop_trim": (False, None), "stop_regex": ([], None),
+            "repetition_penalty": (1, None), "continue_final_message": (False, None),
+            "add_generation_prompt": (True, None), "guided_whitespace_pattern": (None,),
+            "use_beam_search": (False, None), "prompt_logprobs": (None, 0)}
+_NOT_RUN_HINTS = {"repetition_penalty": " (frequency_penalty and presence_penalty are)",
+                  "allowed_token_ids": " (logit_bias is)", "bad_words": " (logit_bias is)"}
 
 
 class _GenerationRequest(_Lenient):
@@ -280,6 +316,7 @@ class _GenerationRequest(_Lenient):
     guided_choice: list[str] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
     structured_outputs: StructuredOutputs | None = None
+    json_schema: Union[dict[str, Any], str, None] = None  # SGLang's, beside its regex and ebnf
     grammar_backend: str | None = None  # xgrammar | llguidance | auto; None: the server's --grammar-backend
     # extensions: sampling
     top_k: int | None = Field(default=None, strict=True)
@@ -287,7 +324,30 @@ class _GenerationRequest(_Lenient):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = Field(default=False, strict=True)
 
-    _boolean_schema = field_validator("guided_json", mode="before")(boolean_schema)
+    # fields of vLLM's, SGLang's or TGI's APIs this server does not run, with the value that asks for
+    # nothing: any other is a 400, for ignored they changed what the answer had to be without a word
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    no_stop_trim: Any = None
+    stop_regex: Any = None
+    repetition_penalty: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    guided_whitespace_pattern: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+
+    _boolean_schema = field_validator("guided_json", "json_schema", mode="before")(boolean_schema)
+
+    @field_validator(*_NOT_RUN, mode="before")
+    @classmethod
+    def _not_run(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in _NOT_RUN[info.field_name]:
+            raise PydanticCustomError(UNSUPPORTED, f"{info.field_name} is not supported by this server"
+                                                   f"{_NOT_RUN_HINTS.get(info.field_name, '')}")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -516,7 +516,9 @@ def response_format_schema(req) -> dict | None:
     if kind == "json_schema":
         schema = rf.json_schema.schema_
         return schema if schema is not None else {"type": "object"}
-    return {"type": "object"} if kind == "json_object" else None
+    if kind == "json_object":
+        return rf.schema_ if rf.schema_ is not None else {"type": "object"}
+    return None
 
 
 def history_text(content: str, tool_calls: list[Any] | None) -> str:
