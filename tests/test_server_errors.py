@@ -62,6 +62,7 @@ def test_malformed_json_body(http, content):
     (chat_body(logit_bias={"12": 250}), "logit_bias"),
     (chat_body(logit_bias={"12": "a lot"}), "logit_bias.12"),
     (chat_body(functions=[{"name": "f", "parameters": {"type": "object"}}]), "functions"),
+    (chat_body(function_call={"name": "f"}), "function_call"),
 ])
 def test_invalid_fields(http, body, param):
     err = assert_error(http.post("/v1/chat/completions", json=body), 400)

@@ -385,15 +385,18 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceObject, None] = None
     parallel_tool_calls: bool | None = None  # one call per choice either way
     functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: Any = None  # the deprecated form of tool_choice
     modalities: list[str] | None = None  # text only
     audio: dict[str, Any] | None = None  # (audio output)
 
-    @field_validator("functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_functions(cls, v: Any) -> Any:
-        if v:  # (a field validator, so that the 400 names the field)
-            raise PydanticCustomError(UNSUPPORTED, "functions (deprecated by OpenAI) is not supported; use tools "
-                                                   "and tool_choice")
+    def _no_functions(cls, v: Any, info: ValidationInfo) -> Any:
+        # (a field validator, so that the 400 names the field; a function_call naming a function,
+        # ignored beside tools, let the model call another; its "none" and "auto" ask for nothing)
+        if v and v not in ("none", "auto"):
+            raise PydanticCustomError(UNSUPPORTED, f"{info.field_name} (deprecated by OpenAI) is not supported; "
+                                                   "use tools and tool_choice")
         return v
 
     @field_validator("modalities", "audio")
