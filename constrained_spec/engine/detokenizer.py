@@ -141,17 +141,17 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def _cut_at_stop(self) -> str | None:
-        # A stop string that completes now lies in the pending text: `take` keeps back the last
-        # `hold` characters (a stop string's length - 1), so none of one can have been handed out.
-        if self.stop:
-            hit = first_stop(self._pending, self.stop)
-            if hit is not None:
-                at, s = hit
-                self._cut = self._chars - len(self._pending) + at
-                self._pending = self._pending[:at]
-                self._stopped = True
-                return s
-        return None
+        """The stop string the pending text now holds, cut there (callers have stop strings). One that
+        completes now lies in it: `take` keeps back the last `hold` characters (a stop string's
+        length - 1), so none of one can have been handed out."""
+        hit = first_stop(self._pending, self.stop)
+        if hit is None:
+            return None
+        at, s = hit
+        self._cut = self._chars - len(self._pending) + at
+        self._pending = self._pending[:at]
+        self._stopped = True
+        return s
 
     def _note_starts(self, ids: list[int], start: int, read: int, base: int) -> None:
         """Where the text of each token decoded now (ids[read:]) starts: one decode per token past

@@ -691,9 +691,9 @@ class Engine:
         return FinishReason.STOP if self.grammar_stop_ids.issuperset(allowed.tolist()) else FinishReason.LENGTH
 
     def append_verified(self, req: Request, tokens: list[int]) -> None:
-        """A speculative step's tokens for one request: what `_append_token` token by token does, with one update (and one detokenizer call) for the lot where no token
-        can end the request: none is a stop token, the request has no stop strings, and the limits
-        lie beyond the last. Otherwise, or if the grammar refuses one, token by token (which token
+        """A speculative step's tokens for one request: what `_append_token` token by token does,
+        with one update (and one detokenizer call) for the lot where no token can end the request:
+        none is a stop token, the request has no stop strings, and the limits lie beyond the last. Otherwise, or if the grammar refuses one, token by token (which token
         ends the request decides what is emitted)."""
         matcher, n = req.matcher, len(tokens)
         if req.detok.stop or not self._stop_ids.isdisjoint(tokens) or self._may_end_within(req, n):

@@ -249,10 +249,12 @@ def _drop_unused_tail(out: Path, types: list[int]) -> None:
     n = len(types)
     while n and types[n - 1] == _UNUSED:
         n -= 1
+    if n == len(types):
+        return
     path = out / "tokenizer.json"
     data = json.loads(path.read_text())
     vocab = data.get("model", {}).get("vocab")
-    if n == len(types) or not isinstance(vocab, dict):
+    if not isinstance(vocab, dict):
         return
     added = {int(t["id"]) for t in data.get("added_tokens") or []}
     dropped = {s for s, i in vocab.items() if i >= n and i not in added}
